@@ -1,0 +1,51 @@
+"""Build the runtime objects (target, drafter) that a `dspark.config.Config` describes."""
+
+from __future__ import annotations
+
+import torch
+
+from dspark.config import Config, DrafterSpec
+from dspark.modeling import Drafter, DrafterConfig
+from dspark.target import TargetModel
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_target(config: Config) -> TargetModel:
+    """The frozen target of `config.target`, capturing `config.drafter.target_layer_ids`."""
+    t = config.target
+    return TargetModel.from_pretrained(
+        t.name_or_path,
+        config.drafter.target_layer_ids,
+        dtype=DTYPES[t.dtype],
+        device=t.device,
+        attn_implementation=t.attn_implementation,
+        trust_remote_code=t.trust_remote_code,
+    )
+
+
+def drafter_config(spec: DrafterSpec, target: TargetModel, num_anchors: int = 512) -> DrafterConfig:
+    return DrafterConfig.from_target_config(
+        target.text_config,
+        target_layer_ids=spec.target_layer_ids,
+        mask_token_id=spec.mask_token_id,
+        num_draft_layers=spec.num_draft_layers,
+        block_size=spec.block_size,
+        num_anchors=num_anchors,
+        variant=spec.variant,
+        block_layout=spec.block_layout,
+        markov_rank=spec.markov_rank if spec.variant == "dspark" else 0,
+        markov_head_type=spec.markov_head_type,
+        enable_confidence_head=spec.enable_confidence_head and spec.variant == "dspark",
+        confidence_head_with_markov=spec.confidence_head_with_markov and spec.variant == "dspark",
+        intermediate_size=spec.intermediate_size,
+        attn_implementation=spec.attn_implementation,
+    )
+
+
+def build_drafter(config: Config, target: TargetModel, seed: int | None = None) -> Drafter:
+    """A freshly initialised drafter attached to `target` (seeded by config.seed)."""
+    torch.manual_seed(config.seed if seed is None else seed)
+    drafter = Drafter(drafter_config(config.drafter, target, config.data.num_anchors))
+    drafter.to(device=target.device, dtype=DTYPES[config.drafter.dtype])
+    return drafter.attach_target(target)

@@ -1,0 +1,477 @@
+"""Confidence quality metrics and Sequential Temperature Scaling (STS).
+
+Where each piece of the paper lives:
+
+- ``ece``, ``roc_auc``, ``brier``   the metrics of SPEC 6 (20 equal-width ECE
+                                    bins, rank-based ROC-AUC, Brier score).
+- ``prefix_labels``                 label 1[first k accepted] and its validity
+                                    mask from accepted / verified lengths.
+- ``confidence_metrics``            per-position quality of a_k = Π_{i≤k} c_i.
+- ``apply_temperatures``, ``fit_sts``, ``save_sts_json``, ``load_sts_json``
+                                    STS (paper Section 3.2.1, SPEC 7.1) and its
+                                    SGLang JSON (``temperatures``,
+                                    ``ece_before``, ``ece_after``).
+- ``reliability_diagram``, ``reliability_grid``
+                                    PNG reliability diagrams (matplotlib is
+                                    imported inside them only).
+
+Shapes: N rounds, γ draft positions. ``conf`` [N, γ] holds the per-position
+conditional confidences c_k (not cumulative); ``accepted`` [N] the accepted
+draft tokens m of each round (bonus token excluded); ``proposed`` [N] the
+number ℓ of draft tokens that were verified (γ when the scheduler is off).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import numpy as np
+
+__all__ = [
+    "ece",
+    "roc_auc",
+    "brier",
+    "reliability_bins",
+    "prefix_labels",
+    "cumulative_confidence",
+    "confidence_metrics",
+    "apply_temperatures",
+    "default_temperature_grid",
+    "fit_sts",
+    "save_sts_json",
+    "load_sts_json",
+    "reliability_diagram",
+    "reliability_grid",
+]
+
+_CLIP = 1e-6
+
+PathLike = Union[str, os.PathLike]
+
+
+# ----------------------------------------------------------------------------
+# Metrics (SPEC 6)
+# ----------------------------------------------------------------------------
+
+
+def _pred_label(pred: Any, label: Any) -> tuple[np.ndarray, np.ndarray]:
+    p = np.asarray(pred, dtype=np.float64).ravel()
+    y = np.asarray(label, dtype=np.float64).ravel()
+    if p.shape != y.shape:
+        raise ValueError(f"pred has {p.size} entries but label has {y.size}")
+    if p.size and not (np.isfinite(p).all() and p.min() >= 0.0 and p.max() <= 1.0):
+        raise ValueError("pred must be probabilities in [0, 1]")
+    if p.size and not np.isin(y, (0.0, 1.0)).all():
+        raise ValueError("label must be binary (0/1 or False/True)")
+    return p, y
+
+
+def _bin_index(p: np.ndarray, n_bins: int) -> np.ndarray:
+    # Bins [i/n, (i+1)/n); the value 1.0 joins the last bin.
+    return np.minimum((p * n_bins).astype(np.int64), n_bins - 1)
+
+
+def reliability_bins(pred: Any, label: Any, n_bins: int = 20) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Equal-width bins on [0, 1]: (count, mean_pred, mean_label), each [n_bins];
+    means are NaN for empty bins."""
+    if n_bins < 1:
+        raise ValueError(f"n_bins must be >= 1, got {n_bins}")
+    p, y = _pred_label(pred, label)
+    idx = _bin_index(p, n_bins)
+    count = np.bincount(idx, minlength=n_bins).astype(np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean_pred = np.bincount(idx, weights=p, minlength=n_bins) / count
+        mean_label = np.bincount(idx, weights=y, minlength=n_bins) / count
+    return count, mean_pred, mean_label
+
+
+def ece(pred: Any, label: Any, n_bins: int = 20) -> float:
+    """Expected calibration error: Σ_b (n_b/N)·|mean pred_b − mean label_b| over
+    ``n_bins`` equal-width bins on [0, 1] (1.0 falls in the last bin). NaN when
+    empty."""
+    count, mean_pred, mean_label = reliability_bins(pred, label, n_bins)
+    total = count.sum()
+    if total == 0:
+        return float("nan")
+    nz = count > 0
+    return float(np.sum(count[nz] * np.abs(mean_pred[nz] - mean_label[nz])) / total)
+
+
+def _midranks(x: np.ndarray) -> np.ndarray:
+    """1-based ranks of x with ties sharing their average rank."""
+    order = np.argsort(x, kind="stable")
+    xs = x[order]
+    # Start index of each run of equal values in sorted order.
+    starts = np.flatnonzero(np.r_[True, xs[1:] != xs[:-1]])
+    ends = np.r_[starts[1:], xs.size]
+    avg = (starts + ends + 1) / 2.0  # mean of ranks starts+1 .. ends
+    ranks = np.empty(x.size, dtype=np.float64)
+    ranks[order] = np.repeat(avg, ends - starts)
+    return ranks
+
+
+def roc_auc(pred: Any, label: Any) -> float:
+    """ROC-AUC via the Mann-Whitney U statistic with midranks for ties: the
+    probability that a random positive scores above a random negative, ties
+    counting one half. NaN when only one class is present."""
+    p, y = _pred_label(pred, label)
+    n_pos = int(y.sum())
+    n_neg = y.size - n_pos
+    if n_pos == 0 or n_neg == 0:
+        return float("nan")
+    ranks = _midranks(p)
+    u = ranks[y == 1.0].sum() - n_pos * (n_pos + 1) / 2.0
+    return float(u / (n_pos * n_neg))
+
+
+def brier(pred: Any, label: Any) -> float:
+    """Mean squared error between probabilities and binary labels. NaN when empty."""
+    p, y = _pred_label(pred, label)
+    if p.size == 0:
+        return float("nan")
+    return float(np.mean((p - y) ** 2))
+
+
+# ----------------------------------------------------------------------------
+# Labels and per-position metrics
+# ----------------------------------------------------------------------------
+
+
+def _rounds(accepted: Any, proposed: Any, gamma: int) -> tuple[np.ndarray, np.ndarray]:
+    m = np.asarray(accepted).ravel()
+    ell = np.asarray(proposed).ravel()
+    if m.shape != ell.shape:
+        raise ValueError(f"accepted has {m.size} rounds but proposed has {ell.size}")
+    if m.size and not (np.all(m == np.round(m)) and np.all(ell == np.round(ell))):
+        raise ValueError("accepted and proposed must be integer counts")
+    m = m.astype(np.int64)
+    ell = ell.astype(np.int64)
+    if m.size and (m.min() < 0 or np.any(m > ell) or ell.max() > gamma):
+        raise ValueError(
+            f"need 0 <= accepted <= proposed <= gamma={gamma} in every round; "
+            "accepted counts draft tokens only (exclude the bonus token)"
+        )
+    return m, ell
+
+
+def prefix_labels(accepted: Any, proposed: Any, gamma: int) -> tuple[np.ndarray, np.ndarray]:
+    """Labels and validity for the prefix-survival prediction, both bool [N, γ].
+
+    label[n, k-1] = 1[accepted_n ≥ k] (the first k draft tokens were accepted);
+    valid[n, k-1] = (k ≤ proposed_n): positions that were not verified have no
+    label.
+    """
+    m, ell = _rounds(accepted, proposed, gamma)
+    k = np.arange(1, gamma + 1)
+    label = m[:, None] >= k[None, :]
+    valid = k[None, :] <= ell[:, None]
+    return label, valid
+
+
+def _as_conf(conf: Any) -> np.ndarray:
+    if hasattr(conf, "detach"):  # torch tensor, without importing torch here
+        conf = conf.detach().cpu().double().numpy()
+    c = np.asarray(conf, dtype=np.float64)
+    if c.ndim != 2:
+        raise ValueError(f"conf must have shape [N, gamma], got shape {c.shape}")
+    if c.size and not (np.isfinite(c).all() and c.min() >= 0.0 and c.max() <= 1.0):
+        raise ValueError("conf must hold per-position probabilities in [0, 1]")
+    return c
+
+
+def cumulative_confidence(conf: Any) -> np.ndarray:
+    """a_k = Π_{i≤k} c_i, [N, γ]."""
+    return np.cumprod(_as_conf(conf), axis=1)
+
+
+def confidence_metrics(
+    conf: Any, accepted: Any, proposed: Any, n_bins: int = 20
+) -> list[dict[str, float]]:
+    """Per-position quality of the prefix-survival prediction (SPEC 6).
+
+    For each position k = 1..γ, over the rounds with k ≤ proposed: prediction
+    a_k = Π_{i≤k} c_i, label 1[first k accepted]. Returns one dict per
+    position with keys position (1-based), count, ece, auroc, brier,
+    mean_pred, mean_label (NaN where undefined).
+    """
+    c = _as_conf(conf)
+    gamma = c.shape[1]
+    a = np.cumprod(c, axis=1)
+    label, valid = prefix_labels(accepted, proposed, gamma)
+    if label.shape[0] != c.shape[0]:
+        raise ValueError(f"conf has {c.shape[0]} rounds but accepted has {label.shape[0]}")
+    out = []
+    for k in range(gamma):
+        p = a[valid[:, k], k]
+        y = label[valid[:, k], k]
+        out.append(
+            {
+                "position": k + 1,
+                "count": int(p.size),
+                "ece": ece(p, y, n_bins),
+                "auroc": roc_auc(p, y),
+                "brier": brier(p, y),
+                "mean_pred": float(p.mean()) if p.size else float("nan"),
+                "mean_label": float(y.mean()) if y.size else float("nan"),
+            }
+        )
+    return out
+
+
+# ----------------------------------------------------------------------------
+# Sequential Temperature Scaling (SPEC 7.1)
+# ----------------------------------------------------------------------------
+
+
+def _logit(c: np.ndarray) -> np.ndarray:
+    c = np.clip(c, _CLIP, 1.0 - _CLIP)
+    return np.log(c) - np.log1p(-c)
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):  # exp(-x) = inf gives the right limit 0
+        return 1.0 / (1.0 + np.exp(-x))
+
+
+def apply_temperatures(conf: Any, temps: Any) -> np.ndarray:
+    """c'_k = σ(logit(c_k)/T_k) per position, [N, γ].
+
+    c is clipped to [1e-6, 1 − 1e-6] before the logit, so exact 0/1 map to
+    finite logits (and values within 1e-6 of 0 or 1 collapse together)."""
+    c = _as_conf(conf)
+    t = _as_temperatures(temps, c.shape[1])
+    return _sigmoid(_logit(c) / t[None, :])
+
+
+def _as_temperatures(temps: Any, gamma: Optional[int] = None) -> np.ndarray:
+    t = np.asarray(temps, dtype=np.float64).ravel()
+    if gamma is not None and t.size != gamma:
+        raise ValueError(f"temperatures has {t.size} values but there are {gamma} positions")
+    if not (np.isfinite(t).all() and np.all(t > 0)):
+        raise ValueError(f"temperatures must be finite and > 0, got {t.tolist()}")
+    return t
+
+
+def default_temperature_grid() -> np.ndarray:
+    """301 geometrically spaced temperatures from 0.05 to 20, plus exactly 1.0."""
+    return np.unique(np.append(np.geomspace(0.05, 20.0, 301), 1.0))
+
+
+def _ece_per_candidate(preds: np.ndarray, y: np.ndarray, n_bins: int) -> np.ndarray:
+    """ECE of each row of preds [G, n] against labels y [n] -> [G].
+
+    Uses n_b·|p̄_b − ȳ_b| = |Σ_{i∈b} (p_i − y_i)|, so one weighted bincount
+    over the [G, n_bins] flattened bins gives every candidate's ECE."""
+    G, n = preds.shape
+    idx = _bin_index(preds, n_bins)  # [G, n]
+    idx += (np.arange(G) * n_bins)[:, None]
+    preds -= y[None, :]  # in place: preds is a scratch array owned by the caller
+    per_bin = np.bincount(idx.ravel(), weights=preds.ravel(), minlength=G * n_bins)
+    return np.abs(per_bin.reshape(G, n_bins)).sum(axis=1) / n
+
+
+def fit_sts(
+    conf: Any,
+    accepted: Any,
+    proposed: Any,
+    grid: Optional[Any] = None,
+    n_bins: int = 20,
+) -> np.ndarray:
+    """Sequential Temperature Scaling: temperatures T_1..T_γ, float64 [γ].
+
+    For k = 1..γ in order, picks T_k from ``grid`` (default
+    ``default_temperature_grid()``) minimizing the ECE of
+    Π_{i<k} c'_i · σ(logit(c_k)/T_k) against 1[first k accepted] over the
+    rounds that verified position k, with T_1..T_{k−1} already fixed. Among
+    equal-ECE candidates the one closest to T = 1 (in log scale) wins. A
+    position with no valid round keeps T = 1.
+    """
+    c = _as_conf(conf)
+    gamma = c.shape[1]
+    label, valid = prefix_labels(accepted, proposed, gamma)
+    if label.shape[0] != c.shape[0]:
+        raise ValueError(f"conf has {c.shape[0]} rounds but accepted has {label.shape[0]}")
+    grid_t = default_temperature_grid() if grid is None else _as_temperatures(grid)
+    # Visit candidates closest to T = 1 first so argmin's first-hit rule breaks ties towards 1.
+    grid_t = grid_t[np.argsort(np.abs(np.log(grid_t)), kind="stable")]
+    temps = np.ones(gamma, dtype=np.float64)
+    prefix = np.ones(c.shape[0], dtype=np.float64)  # Π_{i<k} c'_i
+    z = _logit(c)
+    for k in range(gamma):
+        rows = valid[:, k]
+        n = int(rows.sum())
+        if n > 0:
+            zk = z[rows, k]
+            pk = prefix[rows]
+            yk = label[rows, k].astype(np.float64)
+            # Bound the [G, n] working set to a few million entries.
+            chunk = max(1, 4_000_000 // n)
+            scores = np.concatenate(
+                [
+                    _ece_per_candidate(pk[None, :] * _sigmoid(zk[None, :] / g[:, None]), yk, n_bins)
+                    for g in (grid_t[i : i + chunk] for i in range(0, grid_t.size, chunk))
+                ]
+            )
+            temps[k] = grid_t[int(np.argmin(scores))]
+        prefix = prefix * _sigmoid(z[:, k] / temps[k])
+    return temps
+
+
+def _json_number(x: Any) -> Optional[float]:
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+def _json_clean(obj: Any) -> Any:
+    if isinstance(obj, Mapping):
+        return {str(k): _json_clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple, np.ndarray)):
+        return [_json_clean(v) for v in obj]
+    if isinstance(obj, (bool, np.bool_)):
+        return bool(obj)
+    if isinstance(obj, (int, np.integer)):
+        return int(obj)
+    if isinstance(obj, (float, np.floating)):
+        return _json_number(obj)
+    return obj
+
+
+def save_sts_json(
+    path: PathLike,
+    temps: Any,
+    ece_before: Sequence[float],
+    ece_after: Sequence[float],
+    per_position: Optional[Any] = None,
+) -> None:
+    """Write the STS result in the SGLang interop format.
+
+    Fields: ``temperatures`` (γ floats), ``ece_before`` and ``ece_after`` (γ
+    floats, per position), and, when given, ``per_position`` (e.g.
+    ``{"before": confidence_metrics(...), "after": confidence_metrics(...)}``).
+    Non-finite numbers are written as null.
+    """
+    t = _as_temperatures(temps)
+    gamma = t.size
+    for name, values in (("ece_before", ece_before), ("ece_after", ece_after)):
+        if len(values) != gamma:
+            raise ValueError(f"{name} has {len(values)} values but temperatures has {gamma}")
+    data: dict[str, Any] = {
+        "temperatures": [float(v) for v in t],
+        "ece_before": [_json_number(v) for v in ece_before],
+        "ece_after": [_json_number(v) for v in ece_after],
+    }
+    if per_position is not None:
+        data["per_position"] = _json_clean(per_position)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")
+
+
+def load_sts_json(path: PathLike, gamma: Optional[int] = None) -> np.ndarray:
+    """Temperatures float64 [γ] from an STS JSON; checks they are finite, > 0
+    and, when ``gamma`` is given, that there are γ of them."""
+    with open(path, "r", encoding="utf-8") as f:
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{os.fspath(path)} is not valid JSON: {e}") from e
+    if not isinstance(data, Mapping) or "temperatures" not in data:
+        raise ValueError(f"{os.fspath(path)} has no 'temperatures' field")
+    values = data["temperatures"]
+    if not isinstance(values, list) or not values:
+        raise ValueError(f"'temperatures' in {os.fspath(path)} must be a non-empty list")
+    if any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in values):
+        raise ValueError(f"'temperatures' in {os.fspath(path)} must hold numbers, got {values}")
+    return _as_temperatures(values, gamma)
+
+
+# ----------------------------------------------------------------------------
+# Reliability diagrams (PNG)
+# ----------------------------------------------------------------------------
+
+
+def _new_figure(figsize: tuple[float, float]):
+    # Figure + Agg canvas directly: no pyplot, no global backend switch, no display.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=figsize)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _draw_reliability(ax, pred, label, n_bins: int, name: str, color: str) -> float:
+    count, mean_pred, mean_label = reliability_bins(pred, label, n_bins)
+    e = ece(pred, label, n_bins)
+    nz = count > 0
+    ax.plot(mean_pred[nz], mean_label[nz], marker="o", ms=3, color=color, label=f"{name} ECE={e:.3f}")
+    return e
+
+
+def _style_axes(ax, title: str) -> None:
+    ax.plot([0, 1], [0, 1], ls="--", color="gray", lw=1)
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, 1)
+    ax.set_xlabel("predicted a_k")
+    ax.set_ylabel("empirical acceptance")
+    ax.set_title(title, fontsize=9)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7, loc="upper left")
+
+
+def reliability_diagram(
+    pred: Any,
+    label: Any,
+    path: PathLike,
+    n_bins: int = 20,
+    title: str = "Reliability diagram",
+) -> float:
+    """Write a PNG reliability diagram (mean label vs mean prediction per bin,
+    bar heights = fraction of samples per bin) to ``path``; returns the ECE."""
+    count, mean_pred, mean_label = reliability_bins(pred, label, n_bins)
+    fig = _new_figure((4.5, 4.5))
+    ax = fig.add_subplot(1, 1, 1)
+    edges = np.linspace(0.0, 1.0, n_bins + 1)
+    total = max(count.sum(), 1.0)
+    ax.bar(edges[:-1], count / total, width=1.0 / n_bins, align="edge", color="lightgray", label="fraction")
+    e = _draw_reliability(ax, pred, label, n_bins, "model", "C0")
+    _style_axes(ax, title)
+    fig.tight_layout()
+    fig.savefig(os.fspath(path), format="png", dpi=100)
+    return e
+
+
+def reliability_grid(
+    conf_before: Any,
+    conf_after: Any,
+    accepted: Any,
+    proposed: Any,
+    path: PathLike,
+    n_bins: int = 20,
+    title: str = "Prefix survival calibration",
+) -> None:
+    """Write a PNG with one panel per position k: reliability curves of
+    a_k = Π_{i≤k} c_i before and after calibration, on rounds that verified k."""
+    cb = _as_conf(conf_before)
+    ca = _as_conf(conf_after)
+    if cb.shape != ca.shape:
+        raise ValueError(f"conf_before {cb.shape} and conf_after {ca.shape} differ in shape")
+    gamma = cb.shape[1]
+    label, valid = prefix_labels(accepted, proposed, gamma)
+    ab, aa = np.cumprod(cb, axis=1), np.cumprod(ca, axis=1)
+    cols = min(gamma, 4)
+    rows = -(-gamma // cols)
+    fig = _new_figure((3.2 * cols, 3.2 * rows))
+    for k in range(gamma):
+        ax = fig.add_subplot(rows, cols, k + 1)
+        v = valid[:, k]
+        if v.any():
+            _draw_reliability(ax, ab[v, k], label[v, k], n_bins, "before", "C3")
+            _draw_reliability(ax, aa[v, k], label[v, k], n_bins, "after", "C0")
+        _style_axes(ax, f"position {k + 1} (n={int(v.sum())})")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(os.fspath(path), format="png", dpi=100)

@@ -1,0 +1,88 @@
+"""`dspark <command>`: argument parsing and printing only; the work is done by the library."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, help="a Python config file (config/dspark/*.py)")
+    p.add_argument("--set", dest="overrides", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="override config fields, e.g. --set train.lr=3e-4 drafter.block_size=8")
+
+
+def cmd_propose(args: argparse.Namespace) -> int:
+    import torch
+
+    from dspark.build import build_drafter, load_target
+    from dspark.config import load_config
+    from dspark.data.render import render_prompt
+    from dspark.modeling import load_drafter
+    from dspark.showcase import greedy_continuation, proposals_along
+
+    config = load_config(args.config, args.overrides)
+    torch.manual_seed(config.seed)
+    print(f"loading target {config.target.name_or_path} ...", flush=True)
+    target = load_target(config)
+    print(f"target: {target.extra_repr()}")
+    if args.draft:
+        drafter = load_drafter(args.draft, target, device=target.device)
+        print(f"drafter: loaded from {args.draft}")
+    else:
+        drafter = build_drafter(config, target)
+        print("drafter: freshly initialised (untrained: expect noise; train one with `dspark train`)")
+    n_params = sum(p.numel() for p in drafter.parameters())
+    print(f"drafter: {drafter.config.variant}, {drafter.config.num_draft_layers} layers, block γ={drafter.config.block_size}, "
+          f"{n_params / 1e6:.2f} M trainable parameters (+ the target's frozen embedding / LM head)")
+    tok = target.tokenizer
+    prompt_ids = render_prompt(tok, [{"role": "user", "content": args.prompt}])
+    seq = greedy_continuation(target, prompt_ids, args.max_new_tokens)
+    P = len(prompt_ids)
+    print(f"\nprompt: {args.prompt!r}\ntarget (greedy): {tok.decode(seq[P:], skip_special_tokens=False)!r}\n")
+    stride = max(1, (len(seq) - P - drafter.config.block_size) // max(1, args.num_blocks))
+    anchors = [P + i * stride for i in range(args.num_blocks) if P + i * stride < len(seq) - 1]
+    views = proposals_along(target, drafter, seq, anchors, temperature=args.temperature, seed=config.seed)
+    for v in views:
+        print(f"anchor @ {v.anchor_position}: {tok.decode([v.anchor_token])!r}")
+        conf = v.confidences or [float("nan")] * len(v.draft_tokens)
+        cum = 1.0
+        for k, (d, c) in enumerate(zip(v.draft_tokens, conf), start=1):
+            t = v.target_tokens[k - 1] if k - 1 < len(v.target_tokens) else None
+            cum *= c
+            mark = "=" if d == t else " "
+            print(f"  x{k}: draft {tok.decode([d])!r:>16} {mark} target {tok.decode([t]) if t is not None else '-'!r:<16} "
+                  f"c={c:.3f}  a={cum:.3f}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dspark", description="DSpark speculative-decoding drafters")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("propose", help="show a drafter's proposals along the target's own continuation of a prompt")
+    _add_config_args(p)
+    p.add_argument("--draft", default="", help="a drafter folder (config.json + model.safetensors); default: a fresh drafter")
+    p.add_argument("--prompt", default="Natalie has 3 boxes with 12 pencils each. She gives away 9 pencils. How many are left?")
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--num-blocks", type=int, default=3)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.set_defaults(func=cmd_propose)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"dspark {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

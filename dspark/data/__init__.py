@@ -1,0 +1,1 @@
+"""Data path: prompts, chat rendering and loss masks, regeneration, target cache, anchors."""

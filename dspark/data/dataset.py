@@ -1,0 +1,105 @@
+"""Training samples for the trainer: from a target cache, or rendered token ids for online mode.
+
+Both sources return dicts with `input_ids` Long[S] and `loss_mask` Long[S];
+cached samples also carry `features` [S, m·d] and `final_hidden` [S, d]
+(online mode computes those with the target inside the training step).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Protocol, Sequence
+
+import torch
+from torch import Tensor
+
+from dspark.data.render import RenderedSample
+
+
+class SampleSource(Protocol):
+    has_features: bool
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, i: int) -> dict[str, Tensor]: ...
+
+
+class RenderedSource:
+    """Rendered (input_ids, loss_mask) samples; the target runs online in the training step."""
+
+    has_features = False
+
+    def __init__(self, samples: Sequence[RenderedSample]) -> None:
+        self.samples = list(samples)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> dict[str, Tensor]:
+        s = self.samples[i]
+        return {
+            "input_ids": torch.tensor(s.input_ids, dtype=torch.long),
+            "loss_mask": torch.tensor(s.loss_mask, dtype=torch.long),
+        }
+
+
+class CachedSource:
+    """Samples of a `dspark.data.cache.TargetCache` (features precomputed, dequantized on read)."""
+
+    has_features = True
+
+    def __init__(self, cache: Any, indices: Sequence[int] | None = None) -> None:
+        self.cache = cache
+        self.indices = list(range(len(cache))) if indices is None else list(indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i: int) -> dict[str, Tensor]:
+        item = self.cache[self.indices[i]]
+        return {k: torch.as_tensor(v) for k, v in item.items()}
+
+
+def save_rendered(samples: Sequence[RenderedSample], path: str | os.PathLike) -> None:
+    """Write rendered samples as jsonl atomically ({"input_ids": [...], "loss_mask": [...]} per line)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        for s in samples:
+            f.write(json.dumps({"input_ids": list(s.input_ids), "loss_mask": list(s.loss_mask)}) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_rendered(path: str | os.PathLike) -> list[RenderedSample]:
+    out = []
+    with open(path) as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if len(row["input_ids"]) != len(row["loss_mask"]):
+                raise ValueError(f"{path}:{line_no}: input_ids and loss_mask lengths differ")
+            out.append(RenderedSample(input_ids=row["input_ids"], loss_mask=row["loss_mask"], num_loss_tokens=int(sum(row["loss_mask"]))))
+    return out
+
+
+def collate(items: list[dict[str, Tensor]], pad_id: int = 0) -> dict[str, Tensor]:
+    """Right-pad a micro-batch to its longest sample (padding has loss_mask 0, features 0)."""
+    S = max(int(it["input_ids"].shape[0]) for it in items)
+    out: dict[str, Tensor] = {}
+    for key in items[0]:
+        rows = []
+        for it in items:
+            t = it[key]
+            pad = S - t.shape[0]
+            if pad:
+                fill = pad_id if key == "input_ids" else 0
+                t = torch.cat([t, t.new_full((pad, *t.shape[1:]), fill)], dim=0)
+            rows.append(t)
+        out[key] = torch.stack(rows)
+    return out

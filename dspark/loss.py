@@ -1,0 +1,328 @@
+"""The DSpark training objective: CE + TV + confidence (paper Eq. 8-12, SPEC 4 "Loss").
+
+For N supervised blocks (rows) of γ positions, with position weights
+w_k = exp(−(k−1)/λ) and the supervision mask ``valid``:
+
+- L_ce   = −Σ w_k log p^d_k(x*_k)                                  (Eq. 9)
+- L_tv   =  Σ w_k Σ_v |p^d_k(v) − p^t_k(v)|   (no ½, as DeepSpec)    (Eq. 10)
+- c*_k   = clamp(1 − ½ Σ_v |p^d_k(v) − p^t_k(v)|, 0, 1), detached    (Eq. 8)
+- L_conf = −Σ w_k [c*_k log c_k + (1−c*_k) log(1−c_k)], c_k = σ(z_k) (Eq. 11)
+- L      = α_ce L_ce + α_tv L_tv + α_conf L_conf                      (Eq. 12)
+
+Each term is a weighted mean: Σ w_k·valid·term / Σ w_k·valid, where the
+denominator may be supplied for the global batch (all ranks, all micro-batches).
+
+Memory. One full-vocabulary fp32 tensor for 512 anchors × 7 × 151,936 is
+2.2 GB, so :func:`dspark_loss` never materialises one for all rows. It asks
+callables for the logits of ``chunk_rows`` rows at a time and wraps each chunk
+in activation checkpointing: after the forward only the per-position terms
+[n, γ] survive, and backward recomputes the chunk's logits (the draft ones and
+the target ones; one extra LM-head matmul each per chunk). Within a chunk the
+draft distribution is computed once (log-softmax; p^d = exp of it), the target
+one once under ``no_grad``, and c* is read off the same TV tensor, detached.
+:func:`naive_dspark_loss` is the unchunked textbook version, kept only as a
+baseline for benchmarks and as a cross-check in tests.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+__all__ = [
+    "LossWeights",
+    "LossOutput",
+    "position_weights",
+    "dspark_loss",
+    "naive_dspark_loss",
+]
+
+LogitsFn = Callable[[int, int], Tensor]
+
+
+@dataclass
+class LossWeights:
+    """Mixing weights α of Eq. 12 and the decay λ of the position weights (SPEC 4 defaults).
+
+    DFlash as DeepSpec trains it: ``LossWeights(ce=1.0, tv=0.0, conf=0.0)``.
+    """
+
+    ce: float = 0.1
+    tv: float = 0.9
+    conf: float = 1.0
+    decay_gamma: float = 4.0
+
+    def __post_init__(self) -> None:
+        for name in ("ce", "tv", "conf"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"LossWeights.{name} must be a finite number ≥ 0, got {value!r}")
+        if not (isinstance(self.decay_gamma, (int, float)) and self.decay_gamma > 0):
+            raise ValueError(
+                f"LossWeights.decay_gamma must be > 0 (λ in w_k = exp(-(k-1)/λ)), got {self.decay_gamma!r}"
+            )
+
+
+@dataclass
+class LossOutput:
+    """Result of :func:`dspark_loss`.
+
+    ``loss`` carries the gradient. ``ce``, ``tv`` and ``conf`` are the detached
+    weighted means of each term (before the α mixing). ``accept_sum[k]`` sums
+    the expected acceptance 1 − ½‖p^d_k − p^t_k‖₁ (= c*_k) over valid rows and
+    ``count[k]`` counts those rows; reduce both across ranks, then
+    acc_k = accept_sum[k] / count[k] and τ_prob = 1 + Σ_k Π_{i≤k} acc_i.
+    """
+
+    loss: Tensor  # scalar, with grad
+    ce: Tensor  # scalar, detached
+    tv: Tensor  # scalar, detached
+    conf: Tensor  # scalar, detached (0 without a confidence head)
+    accept_sum: Tensor  # float32 [γ], detached
+    count: Tensor  # int64 [γ]
+
+
+def position_weights(
+    block_size: int,
+    decay_gamma: float,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> Tensor:
+    """Position weights w_k = exp(−(k−1)/λ), k = 1..γ, as a [γ] tensor (float32 by default).
+
+    Paper Section 3.3 with λ = ``decay_gamma`` (the paper writes γ; SPEC 4 (conv)).
+    """
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    if not decay_gamma > 0:
+        raise ValueError(f"decay_gamma must be > 0, got {decay_gamma!r}")
+    k_minus_1 = torch.arange(block_size, dtype=dtype, device=device)
+    return torch.exp(-k_minus_1 / decay_gamma)
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """At least fp32: bf16/fp16 logits are upcast, fp64 stays fp64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _check_inputs(
+    labels: Tensor,
+    valid: Tensor,
+    confidence_logits: Tensor | None,
+    weights: LossWeights,
+    denominator: Tensor | None,
+) -> None:
+    if labels.dim() != 2:
+        raise ValueError(f"labels must be [N, γ], got shape {tuple(labels.shape)}")
+    if labels.dtype.is_floating_point or labels.dtype == torch.bool:
+        raise ValueError(f"labels must hold integer token ids, got dtype {labels.dtype}")
+    if valid.shape != labels.shape:
+        raise ValueError(
+            f"valid shape {tuple(valid.shape)} must equal labels shape {tuple(labels.shape)}"
+        )
+    if confidence_logits is None:
+        if weights.conf != 0:
+            raise ValueError(
+                f"confidence_logits is None but weights.conf = {weights.conf}; "
+                "pass the confidence head's logits or set weights.conf = 0 (DFlash)"
+            )
+    elif confidence_logits.shape != labels.shape:
+        raise ValueError(
+            f"confidence_logits shape {tuple(confidence_logits.shape)} must equal labels shape "
+            f"{tuple(labels.shape)}"
+        )
+    if denominator is not None and denominator.numel() != 1:
+        raise ValueError(f"denominator must be a scalar, got shape {tuple(denominator.shape)}")
+
+
+def _check_logits(name: str, logits: Tensor, rows: int, block_size: int) -> None:
+    if logits.dim() != 3 or logits.shape[0] != rows or logits.shape[1] != block_size:
+        raise ValueError(
+            f"{name} must return [n, γ, V] = [{rows}, {block_size}, V] for its row slice, "
+            f"got shape {tuple(logits.shape)}"
+        )
+
+
+def _chunk_terms(
+    draft_logits_fn: LogitsFn,
+    target_logits_fn: LogitsFn,
+    labels: Tensor,
+    start: int,
+    end: int,
+    track_tv: bool,
+) -> tuple[Tensor, Tensor]:
+    """Per-position CE and TV terms of rows [start, end): two [n, γ] tensors.
+
+    ``labels`` is the chunk's slice, with invalid entries already made safe.
+    TV is ``Σ_v |p^d − p^t|`` (no ½); it keeps a graph only if ``track_tv``.
+    """
+    rows, block_size = labels.shape
+    draft = draft_logits_fn(start, end)  # [n, γ, V]
+    _check_logits("draft_logits_fn", draft, rows, block_size)
+    logp_d = torch.log_softmax(draft.to(_compute_dtype(draft.dtype)), dim=-1)  # [n, γ, V]
+    del draft
+    ce = -logp_d.gather(-1, labels[:, :, None]).squeeze(-1)  # [n, γ]
+    with torch.no_grad():
+        target = target_logits_fn(start, end)  # [n, γ, V]
+        _check_logits("target_logits_fn", target, rows, block_size)
+        if target.shape[-1] != logp_d.shape[-1]:
+            raise ValueError(
+                f"target_logits_fn vocabulary {target.shape[-1]} differs from draft_logits_fn "
+                f"vocabulary {logp_d.shape[-1]}"
+            )
+        p_t = torch.softmax(target.to(logp_d.dtype), dim=-1)  # [n, γ, V]
+        del target
+    with torch.set_grad_enabled(track_tv and torch.is_grad_enabled()):
+        tv = (logp_d.exp() - p_t).abs().sum(dim=-1)  # [n, γ]
+    return ce, tv
+
+
+def _reduce(
+    ce_terms: Tensor,
+    tv_terms: Tensor,
+    c_star: Tensor,
+    confidence_logits: Tensor | None,
+    valid: Tensor,
+    weights: LossWeights,
+    denominator: Tensor | None,
+) -> LossOutput:
+    """Weighted means and metrics from per-position terms, all [N, γ]."""
+    block_size = valid.shape[1]
+    device = ce_terms.device
+    w = position_weights(block_size, weights.decay_gamma, device=device, dtype=ce_terms.dtype)  # [γ]
+    valid = valid.to(device=device, dtype=torch.bool)
+    if denominator is None:
+        denominator = (w * valid).sum()
+    denominator = denominator.to(device=device, dtype=ce_terms.dtype).reshape(())
+    # No supervised position anywhere: every sum is 0, keep the loss 0 instead of 0/0.
+    denominator = torch.where(denominator > 0, denominator, torch.ones_like(denominator))
+
+    def weighted_mean(term: Tensor) -> Tensor:
+        # where (not a product with valid) so that inf/NaN in unsupervised slots cannot leak.
+        return (torch.where(valid, term, torch.zeros_like(term)) * w).sum() / denominator
+
+    ce = weighted_mean(ce_terms)
+    tv = weighted_mean(tv_terms)
+    loss = weights.ce * ce + weights.tv * tv
+    if confidence_logits is None:
+        conf = torch.zeros((), dtype=ce.dtype, device=device)
+    else:
+        z = confidence_logits.to(_compute_dtype(confidence_logits.dtype))
+        bce = F.binary_cross_entropy_with_logits(z, c_star.to(z.dtype), reduction="none")  # [N, γ]
+        conf = weighted_mean(bce)
+        loss = loss + weights.conf * conf
+    accept_sum = torch.where(valid, c_star, torch.zeros_like(c_star)).sum(dim=0).float()  # [γ]
+    count = valid.sum(dim=0)  # [γ]
+    return LossOutput(
+        loss=loss,
+        ce=ce.detach(),
+        tv=tv.detach(),
+        conf=conf.detach(),
+        accept_sum=accept_sum.detach(),
+        count=count,
+    )
+
+
+def dspark_loss(
+    draft_logits_fn: LogitsFn,
+    target_logits_fn: LogitsFn,
+    labels: Tensor,
+    valid: Tensor,
+    confidence_logits: Tensor | None,
+    weights: LossWeights,
+    chunk_rows: int = 64,
+    denominator: Tensor | None = None,
+) -> LossOutput:
+    """Memory-bounded DSpark loss (Eq. 8-12), chunked over rows with recomputation.
+
+    Args:
+        draft_logits_fn: ``(row_start, row_end) -> [n, γ, V]`` draft logits U + B
+            of those rows, with grad, any float dtype (computed in ≥ fp32 here).
+            Called once per chunk in forward and again in backward, so it must
+            be deterministic given the RNG state (dropout is replayed).
+        target_logits_fn: ``(row_start, row_end) -> [n, γ, V]`` target logits
+            (p^t_k comes from target position i+k−1). Called under ``no_grad``,
+            also once more per chunk in backward.
+        labels: Long [N, γ], x*_k; entries where ``valid`` is false are ignored.
+        valid: Bool [N, γ], prefix-closed supervision mask.
+        confidence_logits: [N, γ] pre-sigmoid confidence head outputs (with grad),
+            or None without a confidence head (then ``weights.conf`` must be 0).
+        weights: α of Eq. 12 and λ of the position weights.
+        chunk_rows: rows per chunk; peak memory grows with chunk_rows·γ·V.
+        denominator: Σ w_k·valid over the global batch; default: this call's.
+
+    Returns:
+        :class:`LossOutput`. Gradients equal those of the unchunked formula.
+    """
+    _check_inputs(labels, valid, confidence_logits, weights, denominator)
+    if not isinstance(chunk_rows, int) or chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be a positive int, got {chunk_rows!r}")
+    num_rows = labels.shape[0]
+    valid = valid.bool()
+    safe_labels = torch.where(valid, labels.long(), torch.zeros_like(labels, dtype=torch.long))
+    track_tv = weights.tv != 0
+    use_checkpoint = torch.is_grad_enabled()
+
+    # An empty batch still runs one empty chunk, so that the loss stays attached to the graph.
+    bounds = [(s, min(s + chunk_rows, num_rows)) for s in range(0, num_rows, chunk_rows)] or [(0, 0)]
+    ce_chunks, tv_chunks = [], []
+    for start, end in bounds:
+        args = (draft_logits_fn, target_logits_fn, safe_labels[start:end], start, end, track_tv)
+        if use_checkpoint:
+            ce, tv = checkpoint(_chunk_terms, *args, use_reentrant=False)
+        else:
+            ce, tv = _chunk_terms(*args)
+        ce_chunks.append(ce)
+        tv_chunks.append(tv)
+    ce_terms = torch.cat(ce_chunks)  # [N, γ]
+    tv_terms = torch.cat(tv_chunks)  # [N, γ]
+    c_star = (1.0 - 0.5 * tv_terms.detach()).clamp(0.0, 1.0)  # [N, γ], Eq. 8
+    return _reduce(ce_terms, tv_terms, c_star, confidence_logits, valid, weights, denominator)
+
+
+def naive_dspark_loss(
+    draft_logits: Tensor,
+    target_logits: Tensor,
+    labels: Tensor,
+    valid: Tensor,
+    confidence_logits: Tensor | None,
+    weights: LossWeights,
+) -> LossOutput:
+    """Baseline only: the textbook loss on full [N, γ, V] logits, for benchmarks.
+
+    Same values and gradients as :func:`dspark_loss`, written the way it is
+    often written elsewhere: separate softmax and log-softmax, c* computed from
+    a second softmax with its own autograd graph (detached only where it is
+    used), no chunking, no checkpointing. Its memory therefore grows with
+    N·γ·V several times over; do not train with it.
+    """
+    _check_inputs(labels, valid, confidence_logits, weights, None)
+    for name, logits in (("draft_logits", draft_logits), ("target_logits", target_logits)):
+        if logits.dim() != 3 or logits.shape[:2] != labels.shape:
+            raise ValueError(
+                f"{name} must be [N, γ, V] with [N, γ] = {tuple(labels.shape)}, got {tuple(logits.shape)}"
+            )
+    if target_logits.shape != draft_logits.shape:
+        raise ValueError(
+            f"target_logits shape {tuple(target_logits.shape)} must equal draft_logits shape "
+            f"{tuple(draft_logits.shape)}"
+        )
+    valid = valid.bool()
+    safe_labels = torch.where(valid, labels.long(), torch.zeros_like(labels, dtype=torch.long))
+    dtype = _compute_dtype(draft_logits.dtype)
+    draft = draft_logits.to(dtype)
+    log_p_d = torch.log_softmax(draft, dim=-1)
+    p_d = torch.softmax(draft, dim=-1)
+    p_t = torch.softmax(target_logits.to(dtype), dim=-1).detach()
+    ce_terms = -log_p_d.gather(-1, safe_labels[:, :, None]).squeeze(-1)
+    tv_terms = (p_d - p_t).abs().sum(dim=-1)
+    c_star_graph = (1.0 - 0.5 * (torch.softmax(draft, dim=-1) - p_t).abs().sum(dim=-1)).clamp(0.0, 1.0)
+    return _reduce(
+        ce_terms, tv_terms, c_star_graph.detach(), confidence_logits, valid, weights, None
+    )

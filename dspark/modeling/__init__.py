@@ -1,0 +1,19 @@
+"""Drafter modules: backbone (Eq. 2-3), sequential heads (Eq. 5-6), confidence head (Eq. 7)."""
+
+from dspark.modeling.checkpoint import load_drafter, save_drafter
+from dspark.modeling.config import DrafterConfig
+from dspark.modeling.drafter import DraftContext, Drafter, Proposal, training_mask
+from dspark.modeling.heads import ConfidenceHead, MarkovHead, RNNHead
+
+__all__ = [
+    "ConfidenceHead",
+    "DraftContext",
+    "Drafter",
+    "DrafterConfig",
+    "MarkovHead",
+    "Proposal",
+    "RNNHead",
+    "load_drafter",
+    "save_drafter",
+    "training_mask",
+]

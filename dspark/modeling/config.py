@@ -1,0 +1,302 @@
+"""The drafter's architecture description and its config.json layout (SPEC 3.1).
+
+A drafter's `config.json` is the target's (text) config with `num_hidden_layers`
+set to the number of draft layers, plus the DSpark fields
+`block_size, mask_token_id, target_layer_ids, num_target_layers, num_anchors,
+markov_rank, markov_head_type, enable_confidence_head,
+confidence_head_with_markov`. This is DeepSpec's layout, so their released
+checkpoints load by name. Our own additions (`dspark_variant`, `block_layout`)
+have defaults that reproduce DeepSpec's behaviour when absent.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+# model_type (as found in a transformers config) -> drafter family adapter.
+FAMILY_OF_MODEL_TYPE = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen3": "qwen3",
+    "gemma4": "gemma4",
+    "gemma4_text": "gemma4",
+}
+SUPPORTED_FAMILIES = ("llama", "qwen3", "gemma4")
+VARIANTS = ("dspark", "dflash")
+BLOCK_LAYOUTS = ("anchor_first", "anchor_plus_masks")
+SEQUENTIAL_HEADS = ("vanilla", "rnn")
+
+# Fields DeepSpec writes on top of the target config.
+_DSPARK_FIELDS = (
+    "block_size",
+    "mask_token_id",
+    "target_layer_ids",
+    "num_target_layers",
+    "num_anchors",
+    "markov_rank",
+    "markov_head_type",
+    "enable_confidence_head",
+    "confidence_head_with_markov",
+)
+
+
+def family_of(model_type: str) -> str:
+    """Map a transformers `model_type` to one of the drafter family adapters."""
+    try:
+        return FAMILY_OF_MODEL_TYPE[model_type]
+    except KeyError:
+        raise ValueError(
+            f"model_type={model_type!r} has no drafter adapter; supported model types: "
+            f"{sorted(FAMILY_OF_MODEL_TYPE)}"
+        ) from None
+
+
+@dataclass
+class DrafterConfig:
+    """Everything needed to build a drafter.
+
+    `base_config` is the target's text config as a plain dict (it drives the
+    per-family details: RoPE parameters, norm eps, activation, head sizes);
+    `num_hidden_layers` there is overwritten by `num_draft_layers` on export.
+    """
+
+    base_config: dict[str, Any]
+    target_layer_ids: list[int]
+    num_target_layers: int
+    mask_token_id: int
+    num_draft_layers: int = 5
+    block_size: int = 7
+    num_anchors: int = 512
+    variant: str = "dspark"  # "dspark" | "dflash"
+    block_layout: str = "anchor_first"  # DSpark layout | original DFlash "anchor_plus_masks"
+    markov_rank: int = 256
+    markov_head_type: str = "vanilla"  # "vanilla" (Markov, Eq. 5) | "rnn" (Eq. 6)
+    enable_confidence_head: bool = True
+    confidence_head_with_markov: bool = True
+    intermediate_size: int | None = None  # None: the target's
+    attn_implementation: str = "sdpa"  # "sdpa" | "eager" | "flex"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        self.validate()
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def model_type(self) -> str:
+        return str(self.base_config.get("model_type", ""))
+
+    @property
+    def family(self) -> str:
+        return family_of(self.model_type)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.base_config["hidden_size"])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.base_config["vocab_size"])
+
+    @property
+    def has_sequential_head(self) -> bool:
+        return self.variant == "dspark" and self.markov_rank > 0
+
+    @property
+    def has_confidence_head(self) -> bool:
+        return self.variant == "dspark" and self.enable_confidence_head
+
+    @property
+    def block_len(self) -> int:
+        """Number of input slots of one block (γ for DSpark's layout, γ+1 for DFlash's)."""
+        return self.block_size + (1 if self.block_layout == "anchor_plus_masks" else 0)
+
+    @property
+    def first_prediction_slot(self) -> int:
+        """Slot whose output predicts x_1: the anchor slot (0) or the first mask slot (1)."""
+        return 1 if self.block_layout == "anchor_plus_masks" else 0
+
+    @property
+    def embed_scale(self) -> float:
+        """Gemma scales input embeddings by sqrt(d); the drafter reuses the same lookup."""
+        return math.sqrt(self.hidden_size) if self.family == "gemma4" else 1.0
+
+    @property
+    def final_logit_softcapping(self) -> float | None:
+        value = self.base_config.get("final_logit_softcapping")
+        return None if value in (None, 0, 0.0) else float(value)
+
+    # --------------------------------------------------------------- validation
+    def validate(self) -> None:
+        self.family  # raises on unsupported model types
+        if self.variant not in VARIANTS:
+            raise ValueError(f"variant={self.variant!r} is not one of {VARIANTS}")
+        if self.block_layout not in BLOCK_LAYOUTS:
+            raise ValueError(f"block_layout={self.block_layout!r} is not one of {BLOCK_LAYOUTS}")
+        if self.markov_head_type not in SEQUENTIAL_HEADS:
+            raise ValueError(
+                f"markov_head_type={self.markov_head_type!r} is not one of {SEQUENTIAL_HEADS}"
+            )
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_draft_layers < 1:
+            raise ValueError(f"num_draft_layers must be >= 1, got {self.num_draft_layers}")
+        if self.markov_rank < 0:
+            raise ValueError(f"markov_rank must be >= 0, got {self.markov_rank}")
+        if self.attn_implementation not in ("sdpa", "eager", "flex"):
+            raise ValueError(
+                f"attn_implementation={self.attn_implementation!r}; use 'sdpa', 'eager' or 'flex'"
+            )
+        ids = self.target_layer_ids
+        if not ids:
+            raise ValueError("target_layer_ids must not be empty")
+        if any(b <= a for a, b in zip(ids, ids[1:])):
+            raise ValueError(f"target_layer_ids must be strictly increasing, got {ids}")
+        if ids[0] < -1 or ids[-1] > self.num_target_layers - 1:
+            raise ValueError(
+                f"target_layer_ids={ids} out of range: each id must be -1 (embeddings) or in "
+                f"[0, {self.num_target_layers - 1}] for a target with {self.num_target_layers} layers"
+            )
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(
+                f"mask_token_id={self.mask_token_id} is outside the vocabulary [0, {self.vocab_size})"
+            )
+        if self.variant == "dspark" and self.enable_confidence_head and self.confidence_head_with_markov:
+            if self.markov_rank == 0:
+                raise ValueError(
+                    "confidence_head_with_markov=True needs markov_rank > 0; set "
+                    "confidence_head_with_markov=False or give the drafter a sequential head"
+                )
+
+    # ------------------------------------------------------------ construction
+    @classmethod
+    def from_target_config(cls, target_config: Any, **fields: Any) -> "DrafterConfig":
+        """Build from a transformers config of the target (its text config is used)."""
+        text = getattr(target_config, "get_text_config", lambda: target_config)()
+        base = text.to_dict()
+        base["model_type"] = getattr(text, "model_type", base.get("model_type"))
+        fields.setdefault("num_target_layers", int(text.num_hidden_layers))
+        return cls(base_config=base, **fields)
+
+    # ------------------------------------------------------------ config.json
+    def to_hf_dict(self) -> dict[str, Any]:
+        """config.json contents: the target config + DeepSpec's DSpark fields + ours."""
+        out = copy.deepcopy(self.base_config)
+        for key in ("architectures", "auto_map", "quantization_config", "transformers_version"):
+            out.pop(key, None)
+        heads, kv_heads, head_dim = resolve_attention_dims(self.base_config)
+        out["num_hidden_layers"] = self.num_draft_layers
+        if self.family == "gemma4":
+            # Every draft layer is a full-attention layer; state its sizes explicitly
+            # instead of the target's per-layer table (which is indexed by target layer).
+            out.pop("per_layer_config", None)
+            out["layer_types"] = ["full_attention"] * self.num_draft_layers
+            out["global_head_dim"] = head_dim
+            out["num_global_key_value_heads"] = kv_heads
+            out["num_kv_shared_layers"] = 0
+            out["hidden_size_per_layer_input"] = 0
+            out["enable_moe_block"] = False
+        elif isinstance(out.get("layer_types"), list):
+            out["layer_types"] = ["full_attention"] * self.num_draft_layers
+        if self.intermediate_size is not None:
+            out["intermediate_size"] = self.intermediate_size
+        arch_prefix = {"qwen3": "Qwen3", "gemma4": "Gemma4", "llama": "Llama"}[self.family]
+        out["architectures"] = [f"{arch_prefix}{'DSpark' if self.variant == 'dspark' else 'DFlash'}Model"]
+        is_dspark = self.variant == "dspark"
+        out.update(
+            block_size=self.block_size,
+            mask_token_id=self.mask_token_id,
+            target_layer_ids=list(self.target_layer_ids),
+            num_target_layers=self.num_target_layers,
+            num_anchors=self.num_anchors,
+            markov_rank=self.markov_rank if is_dspark else 0,
+            markov_head_type=self.markov_head_type,
+            enable_confidence_head=bool(self.enable_confidence_head and is_dspark),
+            confidence_head_with_markov=bool(self.confidence_head_with_markov and is_dspark),
+            dspark_variant=self.variant,
+            block_layout=self.block_layout,
+            target_num_hidden_layers=self.num_target_layers,
+        )
+        out.update(self.extra)
+        return out
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> "DrafterConfig":
+        """Parse a config.json written by us or by DeepSpec."""
+        missing = [k for k in ("model_type", "hidden_size", "vocab_size", "target_layer_ids", "mask_token_id") if k not in d]
+        if missing:
+            raise ValueError(f"drafter config.json lacks the fields {missing}")
+        base = {k: v for k, v in d.items() if k not in _DSPARK_FIELDS}
+        archs = d.get("architectures") or []
+        variant = d.get("dspark_variant")
+        if variant is None:
+            if any("DFlash" in a for a in archs):
+                variant = "dflash"
+            elif int(d.get("markov_rank", 0)) > 0 or d.get("enable_confidence_head", False):
+                variant = "dspark"
+            else:
+                variant = "dflash"
+        num_draft_layers = int(d["num_hidden_layers"])
+        num_target_layers = int(d.get("num_target_layers", d.get("target_num_hidden_layers", max(d["target_layer_ids"]) + 1)))
+        for key in ("dspark_variant", "block_layout", "target_num_hidden_layers"):
+            base.pop(key, None)
+        return cls(
+            base_config=base,
+            target_layer_ids=list(d["target_layer_ids"]),
+            num_target_layers=num_target_layers,
+            mask_token_id=int(d["mask_token_id"]),
+            num_draft_layers=num_draft_layers,
+            block_size=int(d.get("block_size", 7)),
+            num_anchors=int(d.get("num_anchors", 512)),
+            variant=variant,
+            block_layout=d.get("block_layout", "anchor_first"),
+            markov_rank=int(d.get("markov_rank", 0)),
+            markov_head_type=str(d.get("markov_head_type", "vanilla")),
+            enable_confidence_head=bool(d.get("enable_confidence_head", False)),
+            confidence_head_with_markov=bool(d.get("confidence_head_with_markov", False)),
+        )
+
+    def rope_config(self):
+        """A transformers config from which the family's rotary-embedding class computes RoPE
+        for the draft layers (all full attention)."""
+        from transformers import AutoConfig
+
+        d = self.to_hf_dict()
+        model_type = d.pop("model_type")
+        for key in ("architectures", *_DSPARK_FIELDS, "dspark_variant", "block_layout", "target_num_hidden_layers"):
+            d.pop(key, None)
+        if self.family == "gemma4":
+            model_type = "gemma4_text"
+            _, _, head_dim = resolve_attention_dims(self.base_config)
+            d.update(num_hidden_layers=1, layer_types=["full_attention"], head_dim=head_dim, global_head_dim=head_dim)
+        return AutoConfig.for_model(model_type, **d)
+
+    def replace(self, **changes: Any) -> "DrafterConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def resolve_attention_dims(base: dict[str, Any]) -> tuple[int, int, int]:
+    """(num_heads, num_kv_heads, head_dim) of a draft attention layer.
+
+    Draft layers attend globally, so for Gemma4 they take the target's
+    full-attention ("global") sizes, which transformers stores either as
+    `global_head_dim`/`num_global_key_value_heads` or in a per-layer table.
+    """
+    heads = int(base["num_attention_heads"])
+    head_dim = base.get("head_dim") or int(base["hidden_size"]) // heads
+    kv_heads = int(base.get("num_key_value_heads") or heads)
+    if family_of(str(base.get("model_type", ""))) == "gemma4":
+        full = {}
+        table = base.get("per_layer_config") or {}
+        for idx, kind in enumerate(base.get("layer_types") or []):
+            if kind == "full_attention" and str(idx) in table:
+                full = table[str(idx)]
+                break
+        head_dim = base.get("global_head_dim") or full.get("head_dim") or head_dim
+        if base.get("attention_k_eq_v"):
+            kv_heads = int(base.get("num_global_key_value_heads") or full.get("num_key_value_heads") or kv_heads)
+    return heads, kv_heads, int(head_dim)

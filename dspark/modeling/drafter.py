@@ -1,0 +1,375 @@
+"""The DSpark / DFlash drafter: parallel backbone (Eq. 2-3) + sequential head (Eq. 4-6)
++ confidence head (Eq. 7), sharing the target's frozen embedding and LM head.
+
+Two entry points over one backbone:
+
+- `forward(features, input_ids, anchors, keep)` — training: many blocks per
+  sequence, built at given anchor positions (anchor sampling lives in
+  `dspark.data.anchors`), all blocks of a batch in one pass under the SPEC 3.1
+  mask. Returns block hidden states; `draft_logits()` and
+  `confidence_logits()` turn them into teacher-forced logits/confidences so a
+  loss can evaluate the vocabulary in chunks.
+- `propose(context, anchor_tokens, ...)` — inference: one block per running
+  sequence against an incrementally kept context (`DraftContext`: the
+  injected keys/values of every context position, per layer). Samples the
+  block left to right and returns the tokens, the exact fp32 probabilities
+  they were sampled from, and the confidences.
+
+Block layout. With the anchor x_0 at sequence position p, slot i of a block
+sits at position p+i. DSpark ("anchor_first"): γ slots [x_0, MASK, ...],
+slot i predicts x_{i+1}. Original DFlash ("anchor_plus_masks"): γ+1 slots
+[x_0, MASK×γ], slot i ≥ 1 predicts x_i. A block sees the context strictly
+before p and every slot of its own block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dspark.modeling.config import DrafterConfig
+from dspark.modeling.heads import ConfidenceHead, MarkovHead, build_sequential_head
+from dspark.modeling.layers import DraftLayer, Rotary, RMSNorm
+
+SHARED_PARAMS = ("embed_tokens.weight", "lm_head.weight")
+
+
+@dataclass
+class DraftContext:
+    """Incremental drafter context for a batch of running sequences.
+
+    keys/values: per draft layer, [B, Hkv, capacity, hd]; entries at index
+    j < lengths[b] are the injected K/V of context position j of row b.
+    """
+
+    keys: list[Tensor]
+    values: list[Tensor]
+    lengths: Tensor  # Long [B]
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.lengths.shape[0])
+
+    def crop(self, lengths: Tensor | int) -> None:
+        """Forget context positions >= lengths (per row or for all rows)."""
+        new = torch.as_tensor(lengths, device=self.lengths.device).expand_as(self.lengths)
+        if bool((new > self.lengths).any()):
+            raise ValueError("DraftContext.crop can only shorten the context")
+        self.lengths = new.clone()
+
+
+@dataclass
+class Proposal:
+    tokens: Tensor  # Long [B, γ]
+    probs: Tensor  # fp32 [B, γ, V]: the distributions the tokens were sampled from
+    logits: Tensor  # fp32 [B, γ, V]: U_k + B_k before temperature
+    confidences: Tensor | None  # fp32 [B, γ], c_k (not cumulative)
+
+
+class Drafter(nn.Module):
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        self.config = config
+        d, V = config.hidden_size, config.vocab_size
+        m = len(config.target_layer_ids)
+        eps = float(config.base_config.get("rms_norm_eps", 1e-6))
+        # The target's frozen embedding table and LM head, shared by reference (attach_shared).
+        # Deliberately not registered as parameters: no optimizer, `.to()` or state_dict
+        # ever touches them. Checkpoints may still carry them under SPEC 3.1 names.
+        self._shared: dict[str, Tensor] = {}
+        self.fc = nn.Linear(m * d, d, bias=False)  # W_c of Eq. 2
+        self.hidden_norm = RMSNorm(d, eps)
+        self.layers = nn.ModuleList(DraftLayer(config) for _ in range(config.num_draft_layers))
+        self.norm = RMSNorm(d, eps)
+        self.rotary = Rotary(config)
+        self.markov_head: MarkovHead | None = None
+        if config.has_sequential_head:
+            self.markov_head = build_sequential_head(config.markov_head_type, V, config.markov_rank, d)
+        self.confidence_head: ConfidenceHead | None = None
+        if config.has_confidence_head:
+            in_dim = d + (config.markov_rank if config.confidence_head_with_markov else 0)
+            self.confidence_head = ConfidenceHead(in_dim)
+        self.reset_parameters()
+
+    # ------------------------------------------------------------------ setup
+    def reset_parameters(self) -> None:
+        std = float(self.config.base_config.get("initializer_range", 0.02))
+        for sub in [self.fc, *self.layers.modules()]:
+            if isinstance(sub, nn.Linear):
+                nn.init.normal_(sub.weight, std=std)
+                if sub.bias is not None:
+                    nn.init.zeros_(sub.bias)
+        if self.confidence_head is not None:
+            nn.init.normal_(self.confidence_head.proj.weight, std=std)
+            nn.init.zeros_(self.confidence_head.proj.bias)
+
+    def attach_shared(self, embed_weight: Tensor, lm_head_weight: Tensor) -> "Drafter":
+        """Share the target's frozen embedding table [V, d] and LM head [V, d] (no copy)."""
+        V, d = self.config.vocab_size, self.config.hidden_size
+        for name, w in (("embedding", embed_weight), ("LM head", lm_head_weight)):
+            if tuple(w.shape) != (V, d):
+                raise ValueError(
+                    f"target {name} has shape {tuple(w.shape)}, the drafter config expects {(V, d)}: "
+                    "the drafter was built for a different target"
+                )
+        self._shared = {"embed_tokens.weight": embed_weight.detach(), "lm_head.weight": lm_head_weight.detach()}
+        return self
+
+    def attach_target(self, target: Any) -> "Drafter":
+        """Share a `dspark.target.TargetModel`'s embedding and LM head."""
+        return self.attach_shared(target.embed_tokens.weight, target.lm_head_weight())
+
+    @property
+    def is_attached(self) -> bool:
+        return bool(self._shared)
+
+    def shared_weights(self) -> dict[str, Tensor]:
+        """{"embed_tokens.weight": [V, d], "lm_head.weight": [V, d]} (frozen, the target's)."""
+        if not self._shared:
+            raise RuntimeError("attach the target's embedding and LM head first (attach_target / attach_shared)")
+        return self._shared
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.parameters() if p.requires_grad]
+
+    # --------------------------------------------------------------- pieces
+    def embed(self, ids: Tensor) -> Tensor:
+        x = F.embedding(ids, self.shared_weights()["embed_tokens.weight"])
+        scale = self.config.embed_scale
+        return x * torch.tensor(scale, dtype=x.dtype) if scale != 1.0 else x
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """Frozen LM head (+ Gemma soft-capping): U = LMHead(h)."""
+        w = self.shared_weights()["lm_head.weight"]
+        logits = F.linear(hidden.to(w.dtype), w)
+        cap = self.config.final_logit_softcapping
+        return torch.tanh(logits / cap) * cap if cap else logits
+
+    def fuse_context(self, features: Tensor) -> Tensor:
+        """Eq. 2: H_ctx = RMSNorm(W_c [H^{l_1}; ...; H^{l_m}]). features [B, S, m·d] -> [B, S, d]."""
+        return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+
+    def _block_inputs(self, anchor_tokens: Tensor) -> Tensor:
+        """anchor_tokens [...] -> block token ids [..., L] = [x_0, MASK, ..., MASK]."""
+        L = self.config.block_len
+        ids = torch.full((*anchor_tokens.shape, L), self.config.mask_token_id, dtype=torch.long, device=anchor_tokens.device)
+        ids[..., 0] = anchor_tokens
+        return ids
+
+    def _predictions(self, block_hidden: Tensor) -> Tensor:
+        """[..., L, d] -> hidden states h_1..h_γ [..., γ, d] of the prediction slots."""
+        s = self.config.first_prediction_slot
+        return block_hidden[..., s : s + self.config.block_size, :]
+
+    def _run_layers(self, x: Tensor, positions: Tensor, ctx_kv: list[tuple[Tensor, Tensor]], mask: Any) -> Tensor:
+        cos, sin = self.rotary(x, positions)
+        for layer, (k, v) in zip(self.layers, ctx_kv):
+            x = layer(x, cos, sin, k, v, mask)
+        return self.norm(x)
+
+    def _context_kv(self, h_ctx: Tensor, positions: Tensor) -> list[tuple[Tensor, Tensor]]:
+        cos, sin = self.rotary(h_ctx, positions)
+        return [layer.context_kv(h_ctx, cos, sin) for layer in self.layers]
+
+    # ------------------------------------------------------------- training
+    def forward(self, features: Tensor, input_ids: Tensor, anchors: Tensor, keep: Tensor | None = None) -> Tensor:
+        """Training forward over many blocks per sequence.
+
+        features [B, S, m·d] target features; input_ids [B, S]; anchors Long [B, A]
+        anchor positions; keep Bool [B, A] (False = padding block, ignored by the loss).
+        Returns h_1..h_γ of every block: [B, A, γ, d] (after the final norm).
+        """
+        B, S = input_ids.shape
+        A = anchors.shape[1]
+        L = self.config.block_len
+        device = input_ids.device
+        if keep is None:
+            keep = torch.ones_like(anchors, dtype=torch.bool)
+        h_ctx = self.fuse_context(features)
+        ctx_pos = torch.arange(S, device=device).expand(B, S)
+        ctx_kv = self._context_kv(h_ctx, ctx_pos)
+        anchor_tokens = torch.where(keep, input_ids.gather(1, anchors), self.config.mask_token_id)
+        x = self.embed(self._block_inputs(anchor_tokens)).reshape(B, A * L, -1)  # [B, A·L, d]
+        x = x.to(self.fc.weight.dtype)
+        blk_pos = (anchors.unsqueeze(-1) + torch.arange(L, device=device)).reshape(B, A * L)
+        mask = training_mask(anchors, keep, S, L, self.config.attn_implementation)
+        out = self._run_layers(x, blk_pos, ctx_kv, mask)
+        return self._predictions(out.reshape(B, A, L, -1))  # [B, A, γ, d]
+
+    def draft_logits(self, hidden: Tensor, prev_tokens: Tensor) -> Tensor:
+        """Teacher-forced U_k + B_k. hidden [..., γ, d]; prev_tokens [..., γ] = [x_0, x*_1..x*_{γ-1}]
+        -> logits [..., γ, V] (Eq. 4 numerators)."""
+        logits = self.compute_logits(hidden)
+        if self.markov_head is not None:
+            logits = logits + self.markov_head.block_bias(prev_tokens, hidden).to(logits.dtype)
+        return logits
+
+    def confidence_logits(self, hidden: Tensor, prev_tokens: Tensor) -> Tensor | None:
+        """Eq. 7 logits w·[h_k; W1[x_{k-1}]] + b for [..., γ] (None without a confidence head)."""
+        if self.confidence_head is None:
+            return None
+        feats = hidden
+        if self.config.confidence_head_with_markov:
+            feats = torch.cat([hidden, self.markov_head.prev_embedding(prev_tokens).to(hidden.dtype)], dim=-1)
+        return self.confidence_head(feats)
+
+    # ------------------------------------------------------------ inference
+    def new_context(self, batch_size: int, device: torch.device | str | None = None, capacity: int = 256) -> DraftContext:
+        device = torch.device(device) if device is not None else self.fc.weight.device
+        dtype = self.fc.weight.dtype
+        attn = self.layers[0].self_attn
+        shape = (batch_size, attn.num_kv_heads, capacity, attn.head_dim)
+        return DraftContext(
+            keys=[torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers],
+            values=[torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers],
+            lengths=torch.zeros(batch_size, dtype=torch.long, device=device),
+        )
+
+    @torch.no_grad()
+    def extend_context(self, ctx: DraftContext, features: Tensor, num_valid: Tensor | None = None) -> None:
+        """Append target features of new context positions.
+
+        features [B, n, m·d]: row b's first num_valid[b] rows (all n by default) are the
+        features of positions lengths[b], lengths[b]+1, ...; the rest is ignored.
+        """
+        B, n, _ = features.shape
+        device = ctx.lengths.device
+        if B != ctx.batch_size:
+            raise ValueError(f"features has batch {B}, the context has {ctx.batch_size}")
+        counts = torch.full((B,), n, device=device) if num_valid is None else num_valid.to(device)
+        if n == 0 or int(counts.max()) == 0:
+            return
+        positions = ctx.lengths.unsqueeze(1) + torch.arange(n, device=device)  # [B, n]
+        need = int((ctx.lengths + counts).max())
+        cap = ctx.keys[0].shape[2]
+        if need > cap:
+            grow = max(need, 2 * cap) - cap
+            pad = lambda t: torch.cat([t, t.new_zeros(*t.shape[:2], grow, t.shape[3])], dim=2)  # noqa: E731
+            ctx.keys = [pad(t) for t in ctx.keys]
+            ctx.values = [pad(t) for t in ctx.values]
+        kv = self._context_kv(self.fuse_context(features), positions)
+        valid = torch.arange(n, device=device).unsqueeze(0) < counts.unsqueeze(1)  # [B, n]
+        rows, steps = valid.nonzero(as_tuple=True)
+        cols = positions[rows, steps]
+        for store_k, store_v, (k, v) in zip(ctx.keys, ctx.values, kv):
+            store_k[rows, :, cols] = k.transpose(1, 2)[rows, steps].to(store_k.dtype)  # [N, Hkv, hd]
+            store_v[rows, :, cols] = v.transpose(1, 2)[rows, steps].to(store_v.dtype)
+        ctx.lengths = ctx.lengths + counts
+
+    @torch.no_grad()
+    def propose(
+        self,
+        ctx: DraftContext,
+        anchor_tokens: Tensor,
+        *,
+        temperature: float = 1.0,
+        generator: torch.Generator | None = None,
+    ) -> Proposal:
+        """Draft one block per row. The anchor of row b sits at position ctx.lengths[b].
+
+        temperature > 0 samples x_k ~ softmax((U_k + B_k)/T) in fp32 and returns exactly
+        those probabilities; temperature == 0 takes the argmax (probs are then at T=1).
+        """
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        B = ctx.batch_size
+        device = ctx.lengths.device
+        L, gamma = self.config.block_len, self.config.block_size
+        S = int(ctx.lengths.max())
+        ctx_kv = [(k[:, :, :S], v[:, :, :S]) for k, v in zip(ctx.keys, ctx.values)]
+        mask = None
+        if bool((ctx.lengths != S).any()):
+            ctx_ok = torch.arange(S, device=device).unsqueeze(0) < ctx.lengths.unsqueeze(1)  # [B, S]
+            mask = torch.cat([ctx_ok, ctx_ok.new_ones(B, L)], dim=1)[:, None, None, :]  # [B, 1, 1, S+L]
+        x = self.embed(self._block_inputs(anchor_tokens.to(device))).to(self.fc.weight.dtype)  # [B, L, d]
+        positions = ctx.lengths.unsqueeze(1) + torch.arange(L, device=device)
+        hidden = self._predictions(self._run_layers(x, positions, ctx_kv, mask))  # [B, γ, d]
+        base = self.compute_logits(hidden).float()  # U_1..U_γ, one LM-head matmul
+        return self.sample_block(hidden, base, anchor_tokens.to(device), temperature=temperature, generator=generator)
+
+    def sample_block(
+        self,
+        hidden: Tensor,
+        base_logits: Tensor,
+        anchor_tokens: Tensor,
+        *,
+        temperature: float = 1.0,
+        generator: torch.Generator | None = None,
+    ) -> Proposal:
+        """The sequential stage (Eq. 4): left-to-right sampling with the head's carried state.
+
+        hidden [B, γ, d], base_logits [B, γ, V] fp32, anchor_tokens [B].
+        """
+        B, gamma, _ = hidden.shape
+        head = self.markov_head
+        state = head.init_state(B, hidden.device, hidden.dtype) if head is not None else None
+        prev = anchor_tokens
+        tokens, probs, logits_out, conf = [], [], [], []
+        for k in range(gamma):
+            logits = base_logits[:, k]
+            if head is not None:
+                state, bias = head.step(state, prev, hidden[:, k])
+                logits = logits + bias.float()
+            if temperature > 0:
+                p = torch.softmax(logits / temperature, dim=-1)
+                tok = torch.multinomial(p, 1, generator=generator).squeeze(1)
+            else:
+                p = torch.softmax(logits, dim=-1)
+                tok = logits.argmax(dim=-1)
+            if self.confidence_head is not None:
+                conf.append(torch.sigmoid(self.confidence_logits(hidden[:, k], prev)))
+            tokens.append(tok)
+            probs.append(p)
+            logits_out.append(logits)
+            prev = tok
+        return Proposal(
+            tokens=torch.stack(tokens, 1),
+            probs=torch.stack(probs, 1),
+            logits=torch.stack(logits_out, 1),
+            confidences=torch.stack(conf, 1) if conf else None,
+        )
+
+    @torch.no_grad()
+    def propose_from_features(
+        self,
+        features: Tensor,
+        anchor_tokens: Tensor,
+        *,
+        temperature: float = 1.0,
+        generator: torch.Generator | None = None,
+    ) -> Proposal:
+        """One-shot propose(): context = all positions of features [B, S, m·d]; anchor at S."""
+        ctx = self.new_context(features.shape[0], features.device, capacity=max(1, features.shape[1]))
+        self.extend_context(ctx, features)
+        return self.propose(ctx, anchor_tokens, temperature=temperature, generator=generator)
+
+
+def training_mask(anchors: Tensor, keep: Tensor, seq_len: int, block_len: int, impl: str = "sdpa") -> Any:
+    """SPEC 3.1 mask for A blocks per row: query slot of block a sees context j < anchors[a]
+    and all slots of block a. Padding blocks (keep False) see only their own block (their
+    outputs are never supervised; this avoids fully masked rows).
+
+    Returns a bool [B, 1, A·L, S + A·L] (True = attend) or, for impl="flex", a BlockMask.
+    """
+    B, A = anchors.shape
+    Q = A * block_len
+    device = anchors.device
+    eff_anchor = torch.where(keep, anchors, torch.zeros_like(anchors))
+    if impl == "flex":
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            blk = q_idx // block_len
+            in_ctx = (kv_idx < seq_len) & (kv_idx < eff_anchor[b, blk])
+            same_blk = (kv_idx >= seq_len) & ((kv_idx - seq_len) // block_len == blk)
+            return in_ctx | same_blk
+
+        return create_block_mask(mask_mod, B=B, H=None, Q_LEN=Q, KV_LEN=seq_len + Q, device=device)
+    q_blk = torch.arange(Q, device=device) // block_len  # [Q]
+    ctx_vis = torch.arange(seq_len, device=device).view(1, 1, -1) < eff_anchor[:, q_blk].unsqueeze(-1)  # [B, Q, S]
+    blk_vis = (q_blk.unsqueeze(1) == q_blk.unsqueeze(0)).expand(B, Q, Q)  # [B, Q, Q]
+    return torch.cat([ctx_vis, blk_vis], dim=-1).unsqueeze(1)

@@ -1,0 +1,101 @@
+"""Sequential heads (Eq. 5, 6) and the confidence head (Eq. 7).
+
+A sequential head adds a prefix-dependent bias B_k to the backbone's base
+logits U_k. Both heads expose the same two entry points:
+
+- `block_bias(prev_tokens, hidden)`: teacher-forced biases for whole blocks
+  (training, and the float64 reference checks);
+- `step(state, prev_token, hidden_k)`: one step of left-to-right sampling that
+  takes and returns the recurrent state. The Markov head's state is `None`;
+  the RNN head's state is s_{k-1}. Passing a zero state at every step would
+  silently turn the RNN into a Markov head, so callers must carry it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+
+class MarkovHead(nn.Module):
+    """Eq. 5: B(x_{k-1}, ·) = W1[x_{k-1}] W2, a rank-r factorisation of a V×V transition table."""
+
+    def __init__(self, vocab_size: int, rank: int) -> None:
+        super().__init__()
+        self.rank = rank
+        self.markov_w1 = nn.Embedding(vocab_size, rank)  # [V, r]
+        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)  # r -> V
+        nn.init.normal_(self.markov_w1.weight, std=0.02)
+        # Zero output projection: an untrained head is exactly the parallel (DFlash) drafter.
+        nn.init.zeros_(self.markov_w2.weight)
+
+    def prev_embedding(self, tokens: Tensor) -> Tensor:
+        """W1[x] for token ids of any shape -> [..., r]."""
+        return self.markov_w1(tokens)
+
+    def init_state(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> Tensor | None:
+        return None
+
+    def step(self, state: Tensor | None, prev_token: Tensor, hidden: Tensor) -> tuple[Tensor | None, Tensor]:
+        """prev_token [B], hidden [B, d] (unused) -> (state, bias [B, V])."""
+        return state, self.markov_w2(self.prev_embedding(prev_token).to(self.markov_w2.weight.dtype))
+
+    def block_bias(self, prev_tokens: Tensor, hidden: Tensor) -> Tensor:
+        """prev_tokens [..., γ] (x_0, x*_1, ..., x*_{γ-1}) -> bias [..., γ, V]."""
+        return self.markov_w2(self.prev_embedding(prev_tokens).to(self.markov_w2.weight.dtype))
+
+
+class RNNHead(MarkovHead):
+    """Eq. 6: z_k = [s_{k-1}; W1[x_{k-1}]; h_k]; one linear (2r+d -> 3r) gives gate g, candidate c,
+    output o; s_k = σ(g)⊙s_{k-1} + (1-σ(g))⊙tanh(c); B_k = W2 tanh(o); s_0 = 0."""
+
+    def __init__(self, vocab_size: int, rank: int, hidden_size: int) -> None:
+        super().__init__(vocab_size, rank)
+        self.joint_proj = nn.Linear(2 * rank + hidden_size, 3 * rank, bias=False)
+
+    def init_state(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> Tensor:
+        return torch.zeros(batch_size, self.rank, device=device, dtype=dtype)
+
+    def step(self, state: Tensor, prev_token: Tensor, hidden: Tensor) -> tuple[Tensor, Tensor]:
+        """state [B, r], prev_token [B], hidden [B, d] -> (new state [B, r], bias [B, V])."""
+        if state is None:
+            raise ValueError("RNNHead.step needs the carried state; start from init_state()")
+        w = self.joint_proj.weight
+        z = torch.cat([state.to(w.dtype), self.prev_embedding(prev_token).to(w.dtype), hidden.to(w.dtype)], dim=-1)
+        g, c, o = self.joint_proj(z).chunk(3, dim=-1)
+        gate = torch.sigmoid(g)
+        new_state = gate * state.to(w.dtype) + (1 - gate) * torch.tanh(c)
+        return new_state, self.markov_w2(torch.tanh(o))
+
+    def block_bias(self, prev_tokens: Tensor, hidden: Tensor) -> Tensor:
+        """prev_tokens [..., γ], hidden [..., γ, d] -> bias [..., γ, V] (teacher-forced recurrence)."""
+        lead = prev_tokens.shape[:-1]
+        gamma = prev_tokens.shape[-1]
+        flat_tokens = prev_tokens.reshape(-1, gamma)  # [N, γ]
+        flat_hidden = hidden.reshape(-1, gamma, hidden.shape[-1])  # [N, γ, d]
+        state = self.init_state(flat_tokens.shape[0], hidden.device, self.joint_proj.weight.dtype)
+        biases = []
+        for k in range(gamma):
+            state, bias = self.step(state, flat_tokens[:, k], flat_hidden[:, k])
+            biases.append(bias)
+        return torch.stack(biases, dim=1).reshape(*lead, gamma, -1)
+
+
+class ConfidenceHead(nn.Module):
+    """Eq. 7 (with DeepSpec's bias): c_k = σ(w·[h_k ; W1[x_{k-1}]] + b). Returns the logit."""
+
+    def __init__(self, input_dim: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(input_dim, 1)
+
+    def forward(self, features: Tensor) -> Tensor:
+        """features [..., input_dim] -> logits [...] (fp32)."""
+        return self.proj(features.to(self.proj.weight.dtype)).squeeze(-1).float()
+
+
+def build_sequential_head(kind: str, vocab_size: int, rank: int, hidden_size: int) -> MarkovHead:
+    if kind == "vanilla":
+        return MarkovHead(vocab_size, rank)
+    if kind == "rnn":
+        return RNNHead(vocab_size, rank, hidden_size)
+    raise ValueError(f"markov_head_type={kind!r}; use 'vanilla' (Markov, Eq. 5) or 'rnn' (Eq. 6)")

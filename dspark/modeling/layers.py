@@ -1,0 +1,234 @@
+"""KV-injected draft decoder layers (Eq. 3) with small per-family adapters.
+
+One backbone serves every family. What differs between Llama, Qwen3 and
+Gemma4 draft layers is captured by `FamilyAdapter`:
+
+| family | q/k RMSNorm | v RMSNorm | sandwich norms | score scale     | MLP act |
+|--------|-------------|-----------|----------------|-----------------|---------|
+| llama  | no          | no        | no             | 1/sqrt(head_dim)| silu    |
+| qwen3  | yes         | no        | no             | 1/sqrt(head_dim)| silu    |
+| gemma4 | yes         | yes (no w)| yes            | 1.0             | gelu-tanh|
+
+Parameter names follow the transformers modeling files and DeepSpec's
+drafters (`self_attn.{q,k,v,o}_proj`, `self_attn.{q,k}_norm`,
+`mlp.{gate,up,down}_proj`, `input_layernorm`, `post_attention_layernorm`, ...),
+so checkpoints load by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers.activations import ACT2FN
+
+from dspark.modeling.config import DrafterConfig, resolve_attention_dims
+
+
+@dataclass(frozen=True)
+class FamilyAdapter:
+    qk_norm: bool
+    v_norm: bool
+    sandwich_norm: bool
+    unit_score_scale: bool
+    layer_scalar: bool
+
+    @staticmethod
+    def of(family: str) -> "FamilyAdapter":
+        if family == "qwen3":
+            return FamilyAdapter(qk_norm=True, v_norm=False, sandwich_norm=False, unit_score_scale=False, layer_scalar=False)
+        if family == "gemma4":
+            return FamilyAdapter(qk_norm=True, v_norm=True, sandwich_norm=True, unit_score_scale=True, layer_scalar=True)
+        if family == "llama":
+            return FamilyAdapter(qk_norm=False, v_norm=False, sandwich_norm=False, unit_score_scale=False, layer_scalar=False)
+        raise ValueError(f"no draft-layer adapter for family {family!r}")
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * w, computed in fp32 (the same formula for all three families)."""
+
+    def __init__(self, dim: int, eps: float, with_scale: bool = True) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim)) if with_scale else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight is not None:
+            y = y * self.weight.float()
+        return y.to(x.dtype)
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.act_fn = ACT2FN[act]
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x: [B, H, T, hd]; cos/sin: [B, T, hd]."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + rotate_half(x) * sin
+
+
+class Rotary(nn.Module):
+    """RoPE cos/sin for arbitrary positions, delegated to the family's transformers class
+    (so every RoPE scaling type the target uses is reproduced exactly)."""
+
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        rope_cfg = config.rope_config()
+        self.family = config.family
+        if config.family == "gemma4":
+            from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding as cls
+        elif config.family == "qwen3":
+            from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding as cls
+        else:
+            from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding as cls
+        # Kept out of the module tree on purpose: `drafter.to(bfloat16)` must not round the
+        # fp32 inverse frequencies, and they are not part of a checkpoint.
+        self._inner = {"module": cls(rope_cfg)}
+
+    def forward(self, like: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """positions: Long [B, T] -> cos, sin [B, T, hd] in like.dtype."""
+        inner = self._inner["module"]
+        if next(inner.buffers()).device != positions.device:
+            inner.to(positions.device)
+        if self.family == "gemma4":
+            return inner(like, positions, "full_attention")
+        return inner(like, positions)
+
+
+class DraftAttention(nn.Module):
+    """Eq. 3: queries from the block; keys/values = [W_K H_ctx ; W_K H_d], [W_V H_ctx ; W_V H_d]."""
+
+    def __init__(self, config: DrafterConfig, adapter: FamilyAdapter) -> None:
+        super().__init__()
+        base = config.base_config
+        d = config.hidden_size
+        self.num_heads, self.num_kv_heads, self.head_dim = resolve_attention_dims(base)
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}"
+            )
+        bias = bool(base.get("attention_bias", False))
+        eps = float(base.get("rms_norm_eps", 1e-6))
+        self.k_eq_v = config.family == "gemma4" and bool(base.get("attention_k_eq_v", False))
+        self.q_proj = nn.Linear(d, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = None if self.k_eq_v else nn.Linear(d, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, eps) if adapter.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps) if adapter.qk_norm else None
+        self.v_norm = RMSNorm(self.head_dim, eps, with_scale=False) if adapter.v_norm else None
+        self.scaling = 1.0 if adapter.unit_score_scale else self.head_dim**-0.5
+        self.attn_implementation = config.attn_implementation
+
+    def project_kv(self, h: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys/values of rows h [B, T, d] at the positions of cos/sin -> [B, Hkv, T, hd] each.
+
+        Used both for the context (once per context position, cacheable) and for the block.
+        """
+        B, T, _ = h.shape
+        k_raw = self.k_proj(h).view(B, T, self.num_kv_heads, self.head_dim)
+        v = k_raw if self.v_proj is None else self.v_proj(h).view(B, T, self.num_kv_heads, self.head_dim)
+        k = self.k_norm(k_raw) if self.k_norm is not None else k_raw
+        if self.v_norm is not None:
+            v = self.v_norm(v)
+        k = apply_rope(k.transpose(1, 2), cos, sin)
+        return k, v.transpose(1, 2)
+
+    def forward(
+        self,
+        h: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        ctx_k: Tensor,
+        ctx_v: Tensor,
+        mask: Any = None,
+    ) -> Tensor:
+        """h: block rows [B, Q, d]; ctx_k/ctx_v: [B, Hkv, S, hd]; mask: None (all visible),
+        a bool [B, 1, Q, S+Q] (True = attend) or a flex BlockMask."""
+        B, Q, _ = h.shape
+        q = self.q_proj(h).view(B, Q, self.num_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, H, Q, hd]
+        blk_k, blk_v = self.project_kv(h, cos, sin)
+        k = torch.cat([ctx_k.to(blk_k.dtype), blk_k], dim=2)  # [B, Hkv, S+Q, hd]
+        v = torch.cat([ctx_v.to(blk_v.dtype), blk_v], dim=2)
+        out = attention(q, k, v, mask, self.scaling, self.attn_implementation)  # [B, H, Q, hd]
+        return self.o_proj(out.transpose(1, 2).reshape(B, Q, self.num_heads * self.head_dim))
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Any, scale: float, impl: str) -> Tensor:
+    """Grouped-query attention. q [B, H, Q, hd]; k, v [B, Hkv, K, hd]."""
+    if impl == "flex" and mask is not None and not isinstance(mask, Tensor):
+        from torch.nn.attention.flex_attention import flex_attention
+
+        return flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=True)
+    if impl == "eager":
+        groups = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+        scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return torch.matmul(scores.softmax(-1), v.float()).to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
+class DraftLayer(nn.Module):
+    """A pre-norm decoder layer of the target's family whose attention is KV-injected."""
+
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        base = config.base_config
+        adapter = FamilyAdapter.of(config.family)
+        d = config.hidden_size
+        eps = float(base.get("rms_norm_eps", 1e-6))
+        act = base.get("hidden_activation") or base.get("hidden_act") or "silu"
+        intermediate = config.intermediate_size or int(base["intermediate_size"])
+        self.self_attn = DraftAttention(config, adapter)
+        self.mlp = GatedMLP(d, intermediate, act, bias=bool(base.get("mlp_bias", False)))
+        self.input_layernorm = RMSNorm(d, eps)
+        self.post_attention_layernorm = RMSNorm(d, eps)
+        self.sandwich = adapter.sandwich_norm
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(d, eps)
+            self.post_feedforward_layernorm = RMSNorm(d, eps)
+        if adapter.layer_scalar:
+            self.register_buffer("layer_scalar", torch.ones(1))
+        else:
+            self.layer_scalar = None
+
+    def context_kv(self, h_ctx: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """Injected keys/values of fused context rows H_ctx (not normed by this layer: Eq. 3)."""
+        return self.self_attn.project_kv(h_ctx, cos, sin)
+
+    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, ctx_k: Tensor, ctx_v: Tensor, mask: Any = None) -> Tensor:
+        a = self.self_attn(self.input_layernorm(h), cos, sin, ctx_k, ctx_v, mask)
+        if self.sandwich:
+            h = h + self.post_attention_layernorm(a)
+            h = h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        else:
+            h = h + a
+            h = h + self.mlp(self.post_attention_layernorm(h))
+        if self.layer_scalar is not None:
+            h = h * self.layer_scalar
+        return h

@@ -1,0 +1,518 @@
+"""The training recipe: one process or many (torchrun; gloo on CPU, NCCL on GPU).
+
+Exactness is the design constraint:
+
+- The global batch of step s is a fixed list of sample indices (a per-epoch
+  permutation seeded by config.seed); rank r takes its contiguous slice and
+  walks it in micro-batches. Anchors of a sample are drawn from a generator
+  seeded by (seed, epoch, sample index), so they do not depend on how the
+  batch is split over ranks or micro-batches.
+- Every micro-batch backpropagates raw weighted sums (Σ w_k·term over its
+  supervised positions); before the optimizer step the gradients are scaled by
+  1/D with D = Σ w_k over all supervised positions of the global batch
+  (reduced across ranks). This is exactly the gradient of the weighted mean
+  over the global batch (SPEC 4), whatever the split.
+- One integer, the optimizer step, is the source of truth for resume: it
+  fixes the data position; checkpoints also hold optimizer, scheduler and
+  every rank's RNG state. A resumed run reproduces an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import shutil
+import tempfile
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from dspark.config import Config
+from dspark.data.anchors import block_labels, sample_anchors, target_positions
+from dspark.data.dataset import SampleSource, collate
+from dspark.loss import LossWeights, dspark_loss
+from dspark.modeling import Drafter, load_drafter, save_drafter
+
+log = logging.getLogger(__name__)
+
+LATEST = "latest"
+
+
+# ----------------------------------------------------------------- the step
+class DraftLossModule(nn.Module):
+    """Drafter + loss as one module, so DDP sees every parameter use inside forward()."""
+
+    def __init__(self, drafter: Drafter, target: Any, weights: LossWeights, chunk_rows: int) -> None:
+        super().__init__()
+        self.drafter = drafter
+        self.weights = weights
+        self.chunk_rows = chunk_rows
+        # Not a submodule: the frozen target is neither trained, synced nor saved.
+        self._target = [target]
+
+    @property
+    def target(self) -> Any:
+        return self._target[0]
+
+    def forward(self, batch: dict[str, Tensor], anchors: Tensor, keep: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        """Returns (Σ w·(ce·CE + tv·TV + conf·CONF) over this micro-batch, detached metric sums)."""
+        drafter = self.drafter
+        gamma = drafter.config.block_size
+        input_ids, loss_mask = batch["input_ids"], batch["loss_mask"]
+        if "features" in batch:
+            features, final_hidden = batch["features"], batch["final_hidden"]
+        else:  # online mode: the frozen target runs here, its features are never stored
+            # Right padding: causal attention keeps real positions from seeing it.
+            out = self.target(input_ids, return_logits=False)
+            features, final_hidden = out.features, out.last_hidden
+        B, S = input_ids.shape
+        labels, valid, prev = block_labels(input_ids, loss_mask, anchors, keep, gamma)  # [B, A, γ] each
+        hidden = drafter(features, input_ids, anchors, keep)  # [B, A, γ, d]
+        tpos = target_positions(anchors, gamma, S)  # [B, A, γ]
+        t_hidden = final_hidden.gather(1, tpos.reshape(B, -1, 1).expand(-1, -1, final_hidden.shape[-1]))
+        t_hidden = t_hidden.reshape(-1, gamma, final_hidden.shape[-1])  # [N, γ, d]
+        h_flat = hidden.reshape(-1, gamma, hidden.shape[-1])  # [N, γ, d]
+        prev_flat = prev.reshape(-1, gamma)
+        conf = drafter.confidence_logits(h_flat, prev_flat)
+
+        def draft_logits_fn(r0: int, r1: int) -> Tensor:
+            return drafter.draft_logits(h_flat[r0:r1], prev_flat[r0:r1])
+
+        def target_logits_fn(r0: int, r1: int) -> Tensor:
+            return drafter.compute_logits(t_hidden[r0:r1])
+
+        out = dspark_loss(
+            draft_logits_fn,
+            target_logits_fn,
+            labels.reshape(-1, gamma),
+            valid.reshape(-1, gamma),
+            conf,
+            self.weights,
+            chunk_rows=self.chunk_rows,
+            denominator=torch.ones((), device=input_ids.device),
+        )
+        w = _position_weights(gamma, self.weights.decay_gamma, input_ids.device)
+        metrics = {
+            "ce": out.ce.detach(),
+            "tv": out.tv.detach(),
+            "conf": out.conf.detach(),
+            "weight": (valid.float() * w).sum(),
+            "accept_sum": out.accept_sum.detach(),
+            "count": out.count.detach().float(),
+            "anchors": keep.sum().float(),
+            "tokens": (loss_mask > 0).sum().float(),
+        }
+        return out.loss, metrics
+
+
+def _position_weights(gamma: int, decay: float, device: torch.device) -> Tensor:
+    from dspark.loss import position_weights
+
+    return position_weights(gamma, decay, device=device)
+
+
+def tau_probabilistic(accept: Tensor) -> float:
+    """τ from per-position acceptance rates (1 − TV): 1 + Σ_k Π_{i≤k} acc_i."""
+    return float(1.0 + torch.cumprod(accept.double(), 0).sum())
+
+
+# ------------------------------------------------------------ data schedule
+@dataclass
+class Schedule:
+    num_samples: int
+    global_batch: int
+    micro_batch: int
+    world: int
+    rank: int
+    seed: int
+    total_steps: int
+
+    def epoch_perm(self, epoch: int) -> Tensor:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(self.num_samples, generator=g)
+
+    def step_samples(self, step: int) -> list[tuple[int, int]]:
+        """(epoch, sample index) of this rank's share of the global batch of `step`."""
+        per_rank = self.global_batch // self.world
+        start = step * self.global_batch + self.rank * per_rank
+        out, perm_cache = [], {}
+        for g in range(start, start + per_rank):
+            epoch, pos = divmod(g, self.num_samples)
+            if epoch not in perm_cache:
+                perm_cache[epoch] = self.epoch_perm(epoch)
+            out.append((epoch, int(perm_cache[epoch][pos])))
+        return out
+
+
+def anchors_for(loss_mask: Tensor, num_anchors: int, seed: int, epoch: int, index: int) -> tuple[Tensor, Tensor]:
+    """Anchors of one sample, independent of batching and ranks. loss_mask [S] -> ([A], [A])."""
+    g = torch.Generator().manual_seed((seed * 7_919 + epoch) * 1_000_003 + index)
+    anchors, keep = sample_anchors(loss_mask.unsqueeze(0).cpu(), num_anchors, generator=g)
+    return anchors[0], keep[0]
+
+
+def lr_lambda(total_steps: int, warmup_ratio: float, min_ratio: float) -> Callable[[int], float]:
+    warmup = max(1, int(round(warmup_ratio * total_steps)))
+
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return f
+
+
+# ------------------------------------------------------------- checkpoints
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def latest_checkpoint(out_dir: str | os.PathLike) -> Path | None:
+    pointer = Path(out_dir) / "checkpoints" / LATEST
+    if not pointer.is_file():
+        return None
+    path = Path(out_dir) / "checkpoints" / pointer.read_text().strip()
+    return path if (path / "trainer_state.pt").is_file() else None
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+# --------------------------------------------------------------- the trainer
+@dataclass
+class TrainResult:
+    out_dir: Path
+    steps: int
+    final_checkpoint: Path | None
+    history: list[dict[str, Any]]
+
+
+class Trainer:
+    def __init__(
+        self,
+        config: Config,
+        target: Any,
+        drafter: Drafter,
+        train_data: SampleSource,
+        eval_data: SampleSource | None = None,
+        *,
+        out_dir: str | os.PathLike | None = None,
+        progress: bool = True,
+    ) -> None:
+        self.config = config
+        self.target = target
+        self.drafter = drafter
+        self.train_data = train_data
+        self.eval_data = eval_data
+        self.out_dir = Path(out_dir or config.out_dir)
+        self.progress = progress
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world = dist.get_world_size() if self.distributed else 1
+        self.device = next(drafter.parameters()).device
+        tc = config.train
+        if tc.global_batch_size % (self.world * tc.micro_batch_size):
+            raise ValueError(
+                f"train.global_batch_size={tc.global_batch_size} must be divisible by "
+                f"world size {self.world} × train.micro_batch_size={tc.micro_batch_size}"
+            )
+        if len(train_data) == 0:
+            raise ValueError("the training set is empty")
+        total = tc.max_steps or max(1, math.ceil(tc.epochs * len(train_data) / tc.global_batch_size))
+        self.schedule = Schedule(len(train_data), tc.global_batch_size, tc.micro_batch_size, self.world, self.rank, config.seed, total)
+        lw = LossWeights(ce=config.loss.ce_weight, tv=config.loss.tv_weight, conf=config.loss.conf_weight, decay_gamma=config.loss.loss_decay_gamma)
+        self.module = DraftLossModule(drafter, target, lw, config.loss.chunk_rows)
+        self.model: nn.Module = self.module
+        if self.distributed:
+            from torch.nn.parallel import DistributedDataParallel
+
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            self.model = DistributedDataParallel(self.module, device_ids=ids)
+        if tc.compile:
+            self.model = torch.compile(self.model)
+        params = drafter.trainable_parameters()
+        fused = self.device.type == "cuda"
+        self.optimizer = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, 0.95), fused=fused or None)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(total, tc.warmup_ratio, tc.min_lr_ratio))
+        self.step = 0
+        self.history: list[dict[str, Any]] = []
+        self.wall_offset = 0.0  # training seconds spent before a resume
+        self._tb = None
+
+    # ------------------------------------------------------------ utilities
+    def _autocast(self):
+        if self.config.train.mixed_precision == "bf16" and self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return nullcontext()
+
+    def _all_reduce(self, t: Tensor) -> Tensor:
+        if self.distributed:
+            dist.all_reduce(t)
+        return t
+
+    def _micro_batches(self, step: int):
+        samples = self.schedule.step_samples(step)
+        mb = self.config.train.micro_batch_size
+        for i in range(0, len(samples), mb):
+            chunk = samples[i : i + mb]
+            items = [self.train_data[idx] for _, idx in chunk]
+            anchors, keep = zip(
+                *(anchors_for(it["loss_mask"], self.config.data.num_anchors, self.config.seed, ep, idx) for it, (ep, idx) in zip(items, chunk))
+            )
+            batch = {k: v.to(self.device, non_blocking=True) for k, v in collate(items).items()}
+            yield batch, torch.stack(anchors).to(self.device), torch.stack(keep).to(self.device)
+
+    # ----------------------------------------------------------------- step
+    def train_step(self) -> dict[str, float]:
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, Tensor] = {}
+        batches = list(self._micro_batches(self.step))
+        for i, (batch, anchors, keep) in enumerate(batches):
+            last = i == len(batches) - 1
+            sync = self.model.no_sync() if self.distributed and not last and hasattr(self.model, "no_sync") else nullcontext()
+            with sync:
+                with self._autocast():
+                    loss, metrics = self.model(batch, anchors, keep)
+                loss.backward()
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0) + v.float()
+        flat_keys = sorted(sums)
+        packed = torch.cat([sums[k].reshape(-1) for k in flat_keys])
+        self._all_reduce(packed)
+        offset, reduced = 0, {}
+        for k in flat_keys:
+            n = sums[k].numel()
+            reduced[k] = packed[offset : offset + n].reshape(sums[k].shape)
+            offset += n
+        denom = reduced["weight"].clamp_min(1e-12)
+        # DDP averaged the gradients over ranks; we want Σ_ranks grad / D.
+        scale = float(self.world) / float(denom)
+        for p in self.drafter.trainable_parameters():
+            if p.grad is not None:
+                p.grad.mul_(scale)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.trainable_parameters(), self.config.train.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.step += 1
+        accept = reduced["accept_sum"] / reduced["count"].clamp_min(1)
+        tc = self.config.loss
+        ce, tv, conf = (float(reduced[k] / denom) for k in ("ce", "tv", "conf"))
+        return {
+            "step": self.step,
+            "loss": tc.ce_weight * ce + tc.tv_weight * tv + tc.conf_weight * conf,
+            "ce": ce,
+            "tv": tv,
+            "conf": conf,
+            "lr": self.scheduler.get_last_lr()[0],
+            "grad_norm": float(grad_norm),
+            "accept": [round(float(a), 4) for a in accept],
+            "tau_prob": tau_probabilistic(accept),
+            "anchors": float(reduced["anchors"]),
+            "tokens": float(reduced["tokens"]),
+        }
+
+    @torch.no_grad()
+    def evaluate(self, max_samples: int = 0) -> dict[str, float]:
+        """Held-out loss terms, per-position acceptance (1 − TV) and τ_probabilistic."""
+        if self.eval_data is None or len(self.eval_data) == 0:
+            return {}
+        self.module.eval()
+        n = len(self.eval_data) if not max_samples else min(max_samples, len(self.eval_data))
+        mine = list(range(self.rank, n, self.world))
+        sums: dict[str, Tensor] = {}
+        mb = self.config.train.micro_batch_size
+        for i in range(0, len(mine), mb):
+            idx = mine[i : i + mb]
+            items = [self.eval_data[j] for j in idx]
+            ak = [anchors_for(it["loss_mask"], self.config.data.num_anchors, self.config.seed + 1, 0, j) for it, j in zip(items, idx)]
+            batch = {k: v.to(self.device) for k, v in collate(items).items()}
+            anchors = torch.stack([a for a, _ in ak]).to(self.device)
+            keep = torch.stack([k for _, k in ak]).to(self.device)
+            with self._autocast():
+                _, metrics = self.module(batch, anchors, keep)
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0) + v.float()
+        keys = ["ce", "tv", "conf", "weight", "accept_sum", "count"]
+        gamma = self.drafter.config.block_size
+        packed = torch.cat([torch.as_tensor(sums.get(k, torch.zeros(gamma if k in ("accept_sum", "count") else ())), device=self.device).reshape(-1).float() for k in keys])
+        self._all_reduce(packed)
+        ce, tv, conf, weight = packed[:4]
+        accept = packed[4 : 4 + gamma] / packed[4 + gamma : 4 + 2 * gamma].clamp_min(1)
+        denom = weight.clamp_min(1e-12)
+        return {
+            "eval_ce": float(ce / denom),
+            "eval_tv": float(tv / denom),
+            "eval_conf": float(conf / denom),
+            "eval_accept": [round(float(a), 4) for a in accept],
+            "eval_tau_prob": tau_probabilistic(accept),
+        }
+
+    # ----------------------------------------------------------- checkpoints
+    def save_checkpoint(self) -> Path:
+        """Drafter folder + trainer state (optimizer, scheduler, step, every rank's RNG), atomically."""
+        ckpt_root = self.out_dir / "checkpoints"
+        name = f"step-{self.step:07d}"
+        rng = _rng_state()
+        rngs = [None] * self.world
+        if self.distributed:
+            dist.all_gather_object(rngs, rng)
+        else:
+            rngs = [rng]
+        final = ckpt_root / name
+        if self.rank == 0:
+            ckpt_root.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=ckpt_root))
+            try:
+                save_drafter(self.drafter, tmp / "drafter")
+                state = {
+                    "step": self.step,
+                    "optimizer": self.optimizer.state_dict(),
+                    "scheduler": self.scheduler.state_dict(),
+                    "rng": rngs,
+                    "world_size": self.world,
+                    "wall_seconds": self.wall_offset + (time.perf_counter() - self._t0),
+                    "history": self.history,
+                    "config": self.config.to_dict(),
+                }
+                torch.save(state, tmp / "trainer_state.pt")
+                if final.exists():
+                    shutil.rmtree(final)
+                os.replace(tmp, final)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            _atomic_write_text(ckpt_root / LATEST, name)
+            self._prune(ckpt_root)
+        if self.distributed:
+            dist.barrier()
+        return final
+
+    def _prune(self, root: Path, keep: int = 2) -> None:
+        ckpts = sorted(p for p in root.glob("step-*") if p.is_dir())
+        for old in ckpts[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def load_checkpoint(self, path: Path) -> None:
+        state = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=True)
+        if state["world_size"] != self.world:
+            log.warning("resuming a %d-rank run on %d ranks: data order is kept, RNG streams are re-seeded", state["world_size"], self.world)
+        loaded = load_drafter(path / "drafter", device=self.device)
+        with torch.no_grad():
+            for name, p in self.drafter.state_dict().items():
+                p.copy_(loaded.state_dict()[name])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step = int(state["step"])
+        self.wall_offset = float(state.get("wall_seconds", 0.0))
+        self.history = list(state.get("history", []))
+        if state["world_size"] == self.world:
+            _set_rng_state(state["rng"][self.rank])
+
+    # ------------------------------------------------------------------ run
+    def _log(self, record: dict[str, Any]) -> None:
+        self.history.append(record)
+        if self.rank != 0:
+            return
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.out_dir / "train_log.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.config.train.tensorboard:
+            if self._tb is None:
+                from torch.utils.tensorboard import SummaryWriter  # optional dependency
+
+                self._tb = SummaryWriter(str(self.out_dir / "tb"))
+            for k, v in record.items():
+                if isinstance(v, (int, float)) and k != "step":
+                    self._tb.add_scalar(k, v, record["step"])
+
+    def fit(self, resume: bool = False, stop_after: int | None = None) -> TrainResult:
+        """Train to the configured number of steps (or `stop_after` more steps: used by tests
+        to simulate a killed job)."""
+        from tqdm.auto import tqdm
+
+        tc = self.config.train
+        if resume:
+            path = latest_checkpoint(self.out_dir)
+            if path is not None:
+                self.load_checkpoint(path)
+                if self.rank == 0:
+                    log.info("resumed from %s at step %d", path, self.step)
+        self._t0 = time.perf_counter()
+        total = self.schedule.total_steps
+        end = total if stop_after is None else min(total, self.step + stop_after)
+        bar = tqdm(total=total, initial=self.step, disable=not self.progress or self.rank != 0, desc=f"train {self.config.name}", dynamic_ncols=True)
+        window_t, window_anchors, window_tokens = time.perf_counter(), 0.0, 0.0
+        last_ckpt = None
+        if self.step == 0 and self.eval_data is not None and tc.eval_every:
+            self._log({"step": 0, "wall_min": 0.0, **self.evaluate()})
+        while self.step < end:
+            rec = self.train_step()
+            window_anchors += rec["anchors"]
+            window_tokens += rec["tokens"]
+            wall = self.wall_offset + time.perf_counter() - self._t0
+            rec["wall_min"] = round(wall / 60, 4)
+            if self.step % tc.log_every == 0 or self.step == end:
+                dt = max(1e-9, time.perf_counter() - window_t)
+                rec["anchors_per_s"] = round(window_anchors / dt, 2)
+                rec["anchor_positions_per_s"] = round(window_anchors * self.drafter.config.block_size / dt, 2)
+                rec["tokens_per_s"] = round(window_tokens / dt, 2)
+                window_t, window_anchors, window_tokens = time.perf_counter(), 0.0, 0.0
+                if tc.eval_every and (self.step % tc.eval_every == 0 or self.step == total):
+                    rec.update(self.evaluate())
+                self._log(rec)
+            bar.set_postfix(loss=f"{rec['loss']:.3f}", tau=f"{rec['tau_prob']:.2f}", lr=f"{rec['lr']:.1e}")
+            bar.update(1)
+            out_of_time = tc.max_wall_minutes and wall / 60 >= tc.max_wall_minutes
+            if self.step % tc.save_every == 0 or self.step == total or out_of_time:
+                last_ckpt = self.save_checkpoint()
+            if out_of_time:
+                if self.rank == 0:
+                    log.info("stopping at step %d: train.max_wall_minutes=%s reached", self.step, tc.max_wall_minutes)
+                break
+        bar.close()
+        if self.rank == 0 and self.step >= total:
+            final = self.out_dir / "drafter"
+            save_drafter(self.drafter, final)
+        return TrainResult(self.out_dir, self.step, last_ckpt, self.history)
+
+
+def setup_distributed() -> tuple[int, int, torch.device]:
+    """Init torch.distributed from torchrun's environment (gloo on CPU, NCCL on GPU)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    else:
+        device = torch.device("cpu")
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    return rank, world, device
+
+
+def config_dict(config: Config) -> dict[str, Any]:
+    return dataclasses.asdict(config)
