@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 
@@ -57,6 +58,83 @@ def cmd_propose(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load(args: argparse.Namespace):
+    from dspark.config import load_config
+
+    return load_config(args.config, args.overrides)
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from dspark.build import load_target
+    from dspark.pipeline import prepare
+
+    config = _load(args)
+    target = load_target(config)
+    result = prepare(config, target, build_cache=False if args.no_cache else None)
+    print(json.dumps(result.stats, indent=2, default=str))
+    print(f"data in {result.data_dir}")
+    return 0
+
+
+def cmd_cache(args: argparse.Namespace) -> int:
+    from dspark.build import load_target
+    from dspark.data.cache import CacheDims, bytes_per_token, estimate_cache_size
+    from dspark.data.dataset import load_rendered
+    from dspark.pipeline import cache_dir, data_dir, prepare
+
+    config = _load(args)
+    if args.estimate:
+        from transformers import AutoConfig
+
+        from dspark.hub import resolve_target_path
+
+        hf = AutoConfig.from_pretrained(resolve_target_path(config.target.name_or_path), trust_remote_code=config.target.trust_remote_code)
+        dims = CacheDims.of(hf, config.drafter.target_layer_ids)
+        rendered = data_dir(config) / "rendered.jsonl"
+        prec = config.data.cache_precision
+        if rendered.is_file():
+            samples = load_rendered(rendered)
+            size = estimate_cache_size(dims, samples, prec)
+            n_tok = sum(len(s.input_ids) for s in samples)
+            print(f"{len(samples)} samples, {n_tok} tokens: {size / 2**20:.1f} MiB at {prec} ({size / max(1, n_tok):.0f} B/token)")
+        else:
+            print(f"{rendered} not found (run `dspark prepare --no-cache` first); per token at {prec}: "
+                  f"{bytes_per_token(dims.hidden_size, dims.num_captured, prec, 1.0):.0f} B worst case")
+        return 0
+    target = load_target(config)
+    prepare(config, target, build_cache=True)
+    print(f"cache in {cache_dir(config)}")
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    import torch
+
+    from dspark.build import build_drafter, load_target
+    from dspark.config import apply_overrides
+    from dspark.pipeline import training_sources
+    from dspark.train import Trainer, setup_distributed
+
+    config = _load(args)
+    rank, world, device = setup_distributed()
+    if device.type == "cuda":
+        config = apply_overrides(config, [f"target.device={device}"])
+    torch.manual_seed(config.seed)
+    target = load_target(config)
+    train_src, eval_src = training_sources(config, target)
+    drafter = build_drafter(config, target)
+    trainer = Trainer(config, target, drafter, train_src, eval_src)
+    if rank == 0:
+        print(f"training {config.name}: {len(train_src)} train / {len(eval_src)} held-out samples, "
+              f"{trainer.schedule.total_steps} steps of {config.train.global_batch_size} sequences on {world} rank(s)")
+    result = trainer.fit(resume=args.resume)
+    if rank == 0:
+        last = next((r for r in reversed(result.history) if "eval_tau_prob" in r), result.history[-1] if result.history else {})
+        print(f"done at step {result.steps}; drafter in {result.out_dir / 'drafter'}; "
+              f"held-out tau_prob {last.get('eval_tau_prob', float('nan')):.3f}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dspark", description="DSpark speculative-decoding drafters")
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -70,6 +148,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-blocks", type=int, default=3)
     p.add_argument("--temperature", type=float, default=0.0)
     p.set_defaults(func=cmd_propose)
+
+    p = sub.add_parser("prepare", help="regenerate answers with the target, render them, build the feature cache")
+    _add_config_args(p)
+    p.add_argument("--no-cache", action="store_true", help="stop after rendering (online feature mode)")
+    p.set_defaults(func=cmd_prepare)
+
+    p = sub.add_parser("cache", help="build the target feature cache (or --estimate its size)")
+    _add_config_args(p)
+    p.add_argument("--estimate", action="store_true", help="print the size the cache will take, write nothing")
+    p.set_defaults(func=cmd_cache)
+
+    p = sub.add_parser("train", help="train a drafter (torchrun for several processes)")
+    _add_config_args(p)
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in out_dir")
+    p.set_defaults(func=cmd_train)
     return parser
 
 

@@ -466,7 +466,7 @@ class Trainer:
         bar = tqdm(total=total, initial=self.step, disable=not self.progress or self.rank != 0, desc=f"train {self.config.name}", dynamic_ncols=True)
         window_t, window_anchors, window_tokens = time.perf_counter(), 0.0, 0.0
         last_ckpt = None
-        if self.step == 0 and self.eval_data is not None and tc.eval_every:
+        if self.step == 0 and self.eval_data is not None and len(self.eval_data) and tc.eval_every:
             self._log({"step": 0, "wall_min": 0.0, **self.evaluate()})
         while self.step < end:
             rec = self.train_step()

@@ -84,7 +84,7 @@ def load_rendered(path: str | os.PathLike) -> list[RenderedSample]:
             row = json.loads(line)
             if len(row["input_ids"]) != len(row["loss_mask"]):
                 raise ValueError(f"{path}:{line_no}: input_ids and loss_mask lengths differ")
-            out.append(RenderedSample(input_ids=row["input_ids"], loss_mask=row["loss_mask"], num_loss_tokens=int(sum(row["loss_mask"]))))
+            out.append(RenderedSample(input_ids=row["input_ids"], loss_mask=row["loss_mask"]))
     return out
 
 

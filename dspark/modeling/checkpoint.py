@@ -9,6 +9,7 @@ and a `model.` name prefix) load by name.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -25,6 +26,8 @@ from dspark.modeling.drafter import SHARED_PARAMS, Drafter
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
+
+log = logging.getLogger(__name__)
 
 
 def atomic_replace_dir(tmp: Path, final: Path) -> None:
@@ -102,8 +105,8 @@ def load_drafter(
     drafter = Drafter(config)
     state = read_weights(folder)
     expected = set(drafter.state_dict())
-    missing = sorted(expected - set(state) - set(SHARED_PARAMS))
-    unexpected = sorted(set(state) - expected)
+    missing = sorted(expected - set(state))
+    unexpected = sorted(set(state) - expected - set(SHARED_PARAMS))
     if missing or unexpected:
         raise ValueError(
             f"checkpoint {folder} does not match its config.json: missing {missing[:8]}"
@@ -116,4 +119,6 @@ def load_drafter(
         drafter.attach_target(target)
     elif all(k in state for k in SHARED_PARAMS):
         drafter.attach_shared(state["embed_tokens.weight"].to(device, dtype), state["lm_head.weight"].to(device, dtype))
+    else:
+        log.warning("%s holds no embedding / LM head and no target was given: call attach_target() before use", folder)
     return drafter

@@ -241,6 +241,8 @@ class Drafter(nn.Module):
         if B != ctx.batch_size:
             raise ValueError(f"features has batch {B}, the context has {ctx.batch_size}")
         counts = torch.full((B,), n, device=device) if num_valid is None else num_valid.to(device)
+        if num_valid is not None and bool(((counts < 0) | (counts > n)).any()):
+            raise ValueError(f"num_valid must lie in [0, {n}] (the number of feature rows given), got {counts.tolist()}")
         if n == 0 or int(counts.max()) == 0:
             return
         positions = ctx.lengths.unsqueeze(1) + torch.arange(n, device=device)  # [B, n]

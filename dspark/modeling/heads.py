@@ -40,9 +40,13 @@ class MarkovHead(nn.Module):
         """prev_token [B], hidden [B, d] (unused) -> (state, bias [B, V])."""
         return state, self.markov_w2(self.prev_embedding(prev_token).to(self.markov_w2.weight.dtype))
 
+    def block_latent(self, prev_tokens: Tensor, hidden: Tensor) -> Tensor:
+        """The rank-r vectors whose W2 projection is the bias: W1[x_{k-1}] -> [..., γ, r]."""
+        return self.prev_embedding(prev_tokens).to(self.markov_w2.weight.dtype)
+
     def block_bias(self, prev_tokens: Tensor, hidden: Tensor) -> Tensor:
-        """prev_tokens [..., γ] (x_0, x*_1, ..., x*_{γ-1}) -> bias [..., γ, V]."""
-        return self.markov_w2(self.prev_embedding(prev_tokens).to(self.markov_w2.weight.dtype))
+        """prev_tokens [..., γ] (x_0, x*_1, ..., x*_{γ-1}) -> bias [..., γ, V] = W2 · block_latent."""
+        return self.markov_w2(self.block_latent(prev_tokens, hidden))
 
 
 class RNNHead(MarkovHead):
@@ -56,29 +60,33 @@ class RNNHead(MarkovHead):
     def init_state(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> Tensor:
         return torch.zeros(batch_size, self.rank, device=device, dtype=dtype)
 
-    def step(self, state: Tensor, prev_token: Tensor, hidden: Tensor) -> tuple[Tensor, Tensor]:
-        """state [B, r], prev_token [B], hidden [B, d] -> (new state [B, r], bias [B, V])."""
-        if state is None:
-            raise ValueError("RNNHead.step needs the carried state; start from init_state()")
+    def _cell(self, state: Tensor, prev_token: Tensor, hidden: Tensor) -> tuple[Tensor, Tensor]:
+        """One Eq. 6 update: (s_{k-1}, x_{k-1}, h_k) -> (s_k, tanh(o_k) [B, r])."""
         w = self.joint_proj.weight
         z = torch.cat([state.to(w.dtype), self.prev_embedding(prev_token).to(w.dtype), hidden.to(w.dtype)], dim=-1)
         g, c, o = self.joint_proj(z).chunk(3, dim=-1)
         gate = torch.sigmoid(g)
-        new_state = gate * state.to(w.dtype) + (1 - gate) * torch.tanh(c)
-        return new_state, self.markov_w2(torch.tanh(o))
+        return gate * state.to(w.dtype) + (1 - gate) * torch.tanh(c), torch.tanh(o)
 
-    def block_bias(self, prev_tokens: Tensor, hidden: Tensor) -> Tensor:
-        """prev_tokens [..., γ], hidden [..., γ, d] -> bias [..., γ, V] (teacher-forced recurrence)."""
+    def step(self, state: Tensor, prev_token: Tensor, hidden: Tensor) -> tuple[Tensor, Tensor]:
+        """state [B, r], prev_token [B], hidden [B, d] -> (new state [B, r], bias [B, V])."""
+        if state is None:
+            raise ValueError("RNNHead.step needs the carried state; start from init_state()")
+        new_state, latent = self._cell(state, prev_token, hidden)
+        return new_state, self.markov_w2(latent)
+
+    def block_latent(self, prev_tokens: Tensor, hidden: Tensor) -> Tensor:
+        """tanh(o_k) of the teacher-forced recurrence: prev_tokens [..., γ], hidden [..., γ, d] -> [..., γ, r]."""
         lead = prev_tokens.shape[:-1]
         gamma = prev_tokens.shape[-1]
         flat_tokens = prev_tokens.reshape(-1, gamma)  # [N, γ]
         flat_hidden = hidden.reshape(-1, gamma, hidden.shape[-1])  # [N, γ, d]
         state = self.init_state(flat_tokens.shape[0], hidden.device, self.joint_proj.weight.dtype)
-        biases = []
+        latents = []
         for k in range(gamma):
-            state, bias = self.step(state, flat_tokens[:, k], flat_hidden[:, k])
-            biases.append(bias)
-        return torch.stack(biases, dim=1).reshape(*lead, gamma, -1)
+            state, latent = self._cell(state, flat_tokens[:, k], flat_hidden[:, k])
+            latents.append(latent)
+        return torch.stack(latents, dim=1).reshape(*lead, gamma, -1)
 
 
 class ConfidenceHead(nn.Module):

@@ -179,9 +179,7 @@ class DraftAttention(nn.Module):
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: Any, scale: float, impl: str) -> Tensor:
     """Grouped-query attention. q [B, H, Q, hd]; k, v [B, Hkv, K, hd]."""
     if impl == "flex" and mask is not None and not isinstance(mask, Tensor):
-        from torch.nn.attention.flex_attention import flex_attention
-
-        return flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=True)
+        return _compiled_flex()(q, k, v, block_mask=mask, scale=scale, enable_gqa=True)
     if impl == "eager":
         groups = q.shape[1] // k.shape[1]
         k = k.repeat_interleave(groups, dim=1)
@@ -191,6 +189,18 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Any, scale: float, impl: st
             scores = scores.masked_fill(~mask, float("-inf"))
         return torch.matmul(scores.softmax(-1), v.float()).to(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
+_FLEX: list[Any] = []
+
+
+def _compiled_flex() -> Any:
+    """flex_attention must run compiled to be fused (uncompiled it materialises the scores)."""
+    if not _FLEX:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _FLEX.append(torch.compile(flex_attention, dynamic=False))
+    return _FLEX[0]
 
 
 class DraftLayer(nn.Module):
