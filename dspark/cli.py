@@ -135,6 +135,69 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    import torch
+
+    from dspark.build import DTYPES
+    from dspark.evaluate import evaluate
+    from dspark.modeling import load_drafter
+    from dspark.modeling.checkpoint import read_config
+    from dspark.target import TargetModel
+    from dspark.train import setup_distributed
+
+    rank, world, device = setup_distributed()
+    dcfg = read_config(args.draft)
+    target = TargetModel.from_pretrained(args.target, dcfg.target_layer_ids, dtype=DTYPES[args.dtype], device=device,
+                                         trust_remote_code=args.trust_remote_code)
+    overrides = {"block_size": args.block_size} if args.block_size else {}
+    drafter = load_drafter(args.draft, target, dtype=torch.float32 if args.dtype == "float32" else DTYPES[args.dtype],
+                           device=device, **overrides)
+    drafter.eval()
+    if args.builtin_eval:
+        from dspark.data.prompts import builtin_eval_sets
+
+        benchmarks, names = builtin_eval_sets(), None
+        if rank == 0:
+            print("no benchmark files: evaluating on the built-in evaluation prompts (held out of training)")
+    else:
+        benchmarks, names = args.data_dir, args.benchmarks or None
+    report = evaluate(
+        target, drafter, benchmarks, names=names, num_samples=args.num_samples or None,
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed, out_dir=args.out,
+        baseline=not args.no_baseline, label=args.label or None,
+    )
+    if rank == 0:
+        from dspark.evaluate import report_markdown
+
+        print(report_markdown(report))
+        print(f"report: {args.out}/report.md, report.json, rounds.jsonl, plots")
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from dspark.evaluate import compare_reports, load_report
+
+    reports = {}
+    for path in args.reports:
+        rep = load_report(path)
+        reports[rep.get("label") or str(path)] = rep
+    table = compare_reports(reports)
+    print(table)
+    speed = []
+    for label, rep in reports.items():
+        macro = rep.get("macro", {})
+        sp = macro.get("speedup", {}) if isinstance(macro, dict) else {}
+        if isinstance(sp, dict) and sp.get("avg") is not None:
+            speed.append(f"{label}: {sp['avg']:.2f}x")
+    if speed:
+        print("wall-clock speedup vs target-only decoding (avg): " + ", ".join(speed))
+    if args.out:
+        from pathlib import Path
+
+        Path(args.out).write_text(table + "\n")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dspark", description="DSpark speculative-decoding drafters")
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -163,6 +226,29 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in out_dir")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("eval", help="accepted length τ on the nine benchmarks (torchrun shards prompts)")
+    p.add_argument("--target", default="smollm2-135m", help="hub name, local folder, or smollm2-135m")
+    p.add_argument("--draft", required=True, help="a drafter folder (ours or DeepSpec's layout)")
+    p.add_argument("--data-dir", default="eval_datasets", help="folder with the nine *.jsonl files")
+    p.add_argument("--benchmarks", nargs="*", default=[], help="subset of benchmark names (default: all nine)")
+    p.add_argument("--builtin-eval", action="store_true", help="use the built-in evaluation prompts instead of files")
+    p.add_argument("--num-samples", type=int, default=0, help="prompts per benchmark (default: SPEC 6 counts)")
+    p.add_argument("--max-new-tokens", type=int, default=2048)
+    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    p.add_argument("--block-size", type=int, default=0, help="override the drafter's γ")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", choices=sorted(["float32", "bfloat16", "float16"]))
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--no-baseline", action="store_true", help="skip target-only decoding (no speedup figures)")
+    p.add_argument("--label", default="", help="row label in the report tables")
+    p.add_argument("--out", required=True, help="output folder")
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("compare", help="Table-1-style comparison of several eval reports")
+    p.add_argument("reports", nargs="+", help="eval output folders (or report.json files)")
+    p.add_argument("--out", default="", help="also write the table here")
+    p.set_defaults(func=cmd_compare)
     return parser
 
 

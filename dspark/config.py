@@ -91,6 +91,7 @@ class LossConfig:
     conf_weight: float = 1.0
     loss_decay_gamma: float = 4.0
     chunk_rows: int = 64
+    fused: bool = True  # LM-head gradients in the forward pass (no recomputation); False: generic chunked loss
 
 
 @dataclass

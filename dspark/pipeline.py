@@ -36,7 +36,7 @@ def load_train_prompts(config: Config) -> tuple[list[list[dict[str, str]]], list
     spec = config.data.train_prompts
     ids: list[str | None]
     if spec == "builtin":
-        records = P.builtin_prompt_records()
+        records = [r for r in P.builtin_prompt_records() if not P.is_reserved_for_eval(r[0])]
         convs = [c for _, _, c in records]
         ids = [i for i, _, _ in records]
     elif spec.startswith("hub:"):

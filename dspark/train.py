@@ -39,7 +39,7 @@ from torch import Tensor, nn
 from dspark.config import Config
 from dspark.data.anchors import block_labels, sample_anchors, target_positions
 from dspark.data.dataset import SampleSource, collate
-from dspark.loss import LossWeights, dspark_loss
+from dspark.loss import LossWeights, dspark_loss, fused_dspark_loss
 from dspark.modeling import Drafter, load_drafter, save_drafter
 
 log = logging.getLogger(__name__)
@@ -51,11 +51,14 @@ LATEST = "latest"
 class DraftLossModule(nn.Module):
     """Drafter + loss as one module, so DDP sees every parameter use inside forward()."""
 
-    def __init__(self, drafter: Drafter, target: Any, weights: LossWeights, chunk_rows: int) -> None:
+    def __init__(self, drafter: Drafter, target: Any, weights: LossWeights, chunk_rows: int, fused: bool = True) -> None:
         super().__init__()
         self.drafter = drafter
         self.weights = weights
         self.chunk_rows = chunk_rows
+        # fused: gradients of the vocabulary-sized terms computed in the forward pass, no
+        # recomputation (loss.fused_dspark_loss); otherwise the general chunked dspark_loss.
+        self.fused = fused
         # Not a submodule: the frozen target is neither trained, synced nor saved.
         self._target = [target]
 
@@ -84,22 +87,41 @@ class DraftLossModule(nn.Module):
         prev_flat = prev.reshape(-1, gamma)
         conf = drafter.confidence_logits(h_flat, prev_flat)
 
-        def draft_logits_fn(r0: int, r1: int) -> Tensor:
-            return drafter.draft_logits(h_flat[r0:r1], prev_flat[r0:r1])
+        one = torch.ones((), device=input_ids.device)  # raw sums: the trainer divides by the global D
+        if self.fused:
+            head = drafter.markov_head
+            out = fused_dspark_loss(
+                h_flat,
+                drafter.shared_weights()["lm_head.weight"],
+                t_hidden,
+                labels.reshape(-1, gamma),
+                valid.reshape(-1, gamma),
+                conf,
+                self.weights,
+                latent=None if head is None else head.block_latent(prev_flat, h_flat),
+                w2=None if head is None else head.markov_w2.weight,
+                softcap=drafter.config.final_logit_softcapping,
+                chunk_rows=self.chunk_rows,
+                denominator=one,
+            )
+        else:
 
-        def target_logits_fn(r0: int, r1: int) -> Tensor:
-            return drafter.compute_logits(t_hidden[r0:r1])
+            def draft_logits_fn(r0: int, r1: int) -> Tensor:
+                return drafter.draft_logits(h_flat[r0:r1], prev_flat[r0:r1])
 
-        out = dspark_loss(
-            draft_logits_fn,
-            target_logits_fn,
-            labels.reshape(-1, gamma),
-            valid.reshape(-1, gamma),
-            conf,
-            self.weights,
-            chunk_rows=self.chunk_rows,
-            denominator=torch.ones((), device=input_ids.device),
-        )
+            def target_logits_fn(r0: int, r1: int) -> Tensor:
+                return drafter.compute_logits(t_hidden[r0:r1])
+
+            out = dspark_loss(
+                draft_logits_fn,
+                target_logits_fn,
+                labels.reshape(-1, gamma),
+                valid.reshape(-1, gamma),
+                conf,
+                self.weights,
+                chunk_rows=self.chunk_rows,
+                denominator=one,
+            )
         w = _position_weights(gamma, self.weights.decay_gamma, input_ids.device)
         metrics = {
             "ce": out.ce.detach(),
@@ -243,7 +265,7 @@ class Trainer:
         total = tc.max_steps or max(1, math.ceil(tc.epochs * len(train_data) / tc.global_batch_size))
         self.schedule = Schedule(len(train_data), tc.global_batch_size, tc.micro_batch_size, self.world, self.rank, config.seed, total)
         lw = LossWeights(ce=config.loss.ce_weight, tv=config.loss.tv_weight, conf=config.loss.conf_weight, decay_gamma=config.loss.loss_decay_gamma)
-        self.module = DraftLossModule(drafter, target, lw, config.loss.chunk_rows)
+        self.module = DraftLossModule(drafter, target, lw, config.loss.chunk_rows, fused=config.loss.fused)
         self.model: nn.Module = self.module
         if self.distributed:
             from torch.nn.parallel import DistributedDataParallel

@@ -134,3 +134,16 @@ def test_torchrun_two_ranks_equal_one_process(tmp_path):
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=2e-5)
         moved = max(moved, float((a[k] - start.drafter.state_dict()[k]).abs().max()))
     assert moved > 1e-3  # the runs trained: the comparison is not between two untouched models
+
+
+def test_fused_and_generic_loss_paths_give_the_same_step(tiny_qwen3, tmp_path):
+    """The trainer's fused LM-head loss and the generic chunked loss are the same function."""
+    grads = []
+    for fused in (True, False):
+        t = tiny_trainer(tiny_qwen3, str(tmp_path / f"f{fused}"), max_steps=1, grad_clip=1e9)
+        t.module.fused = fused
+        rec = t.train_step()
+        grads.append((rec["loss"], {n: p.grad.clone() for n, p in t.drafter.named_parameters() if p.requires_grad}))
+    assert grads[0][0] == pytest.approx(grads[1][0], rel=1e-5)
+    for k in grads[0][1]:
+        torch.testing.assert_close(grads[0][1][k], grads[1][1][k], rtol=1e-4, atol=1e-7)

@@ -205,6 +205,21 @@ def load_builtin_prompts(domain: str | None = None) -> list[Conversation]:
     return [conv for _, record_domain, conv in builtin_prompt_records() if domain in (None, record_domain)]
 
 
+def is_reserved_for_eval(prompt_id: str) -> bool:
+    """Every tenth built-in prompt (ids ending in 0: math-010, code-020, ...) is held out of
+    training and forms the small built-in evaluation set used when no benchmark files exist."""
+    return prompt_id.endswith("0")
+
+
+def builtin_eval_sets() -> dict[str, list[Conversation]]:
+    """{"builtin-math": [...], "builtin-code": [...], "builtin-chat": [...]}: the reserved prompts."""
+    sets: dict[str, list[Conversation]] = {}
+    for pid, domain, conv in builtin_prompt_records():
+        if is_reserved_for_eval(pid):
+            sets.setdefault(f"builtin-{domain}", []).append(conv)
+    return sets
+
+
 def builtin_prompt_records() -> list[tuple[str, str, Conversation]]:
     """(id, domain, conversation) for every built-in prompt, in file order."""
     text = resources.files("dspark.data").joinpath(_BUILTIN_FILE).read_text(encoding="utf-8")

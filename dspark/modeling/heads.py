@@ -36,9 +36,22 @@ class MarkovHead(nn.Module):
     def init_state(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> Tensor | None:
         return None
 
+    def project(self, latent: Tensor) -> Tensor:
+        """latent [B, r] -> W2 latent [B, V]. Without grad (drafting), multiplies by a cached
+        contiguous W2ᵀ [r, V]: on CPU 2.5-3x faster than the [V, r] layout the checkpoint keeps."""
+        w = self.markov_w2.weight
+        if torch.is_grad_enabled() and w.requires_grad:
+            return self.markov_w2(latent)
+        key = (w.data_ptr(), w._version, w.dtype, w.device)
+        cache = self.__dict__.get("_w2t")
+        if cache is None or cache[0] != key:
+            cache = (key, w.detach().t().contiguous())
+            self.__dict__["_w2t"] = cache
+        return latent.to(w.dtype) @ cache[1]
+
     def step(self, state: Tensor | None, prev_token: Tensor, hidden: Tensor) -> tuple[Tensor | None, Tensor]:
         """prev_token [B], hidden [B, d] (unused) -> (state, bias [B, V])."""
-        return state, self.markov_w2(self.prev_embedding(prev_token).to(self.markov_w2.weight.dtype))
+        return state, self.project(self.prev_embedding(prev_token).to(self.markov_w2.weight.dtype))
 
     def block_latent(self, prev_tokens: Tensor, hidden: Tensor) -> Tensor:
         """The rank-r vectors whose W2 projection is the bias: W1[x_{k-1}] -> [..., γ, r]."""
@@ -73,7 +86,7 @@ class RNNHead(MarkovHead):
         if state is None:
             raise ValueError("RNNHead.step needs the carried state; start from init_state()")
         new_state, latent = self._cell(state, prev_token, hidden)
-        return new_state, self.markov_w2(latent)
+        return new_state, self.project(latent)
 
     def block_latent(self, prev_tokens: Tensor, hidden: Tensor) -> Tensor:
         """tanh(o_k) of the teacher-forced recurrence: prev_tokens [..., γ], hidden [..., γ, d] -> [..., γ, r]."""
