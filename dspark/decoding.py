@@ -12,10 +12,14 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from dspark.modeling import Drafter
+    from dspark.target import TargetModel
 
 # ---------------------------------------------------------------------------
 # Verification primitives (SPEC section 5). Pure functions of tensors: no model,
@@ -109,7 +113,7 @@ def rejection_sample(
         weights = torch.where(use_residual.unsqueeze(-1), residual, target_row)  # [B, V]
     else:
         weights = target_row
-    next_token = _sample_from_weights(weights, generator)
+    next_token = sample_categorical(weights, generator)
     return num_accepted, next_token
 
 
@@ -142,7 +146,7 @@ def greedy_verify(
     return num_accepted, next_token
 
 
-def _sample_from_weights(weights: Tensor, generator: torch.Generator | None) -> Tensor:
+def sample_categorical(weights: Tensor, generator: torch.Generator | None = None) -> Tensor:
     """One index per row of non-negative ``weights`` [B, V], with P(i) ∝ weights[i].
 
     Inverse CDF on one uniform per row; the CDF is accumulated in float64 so
@@ -244,7 +248,8 @@ def _lengths_or_full(lengths: Tensor | None, batch: int, ell: int, device: torch
 # wall-clock comparison between them measures speculation and nothing else.
 # ---------------------------------------------------------------------------
 
-ChooseLength = Callable[["list[float] | None", int], int]
+# (confidences c_1..c_γ or None, round index) -> verification length ℓ in 0..γ
+ChooseLength = Callable[[list[float] | None, int], int]
 
 
 @dataclass
@@ -295,8 +300,8 @@ class DecodeResult:
 
 @torch.no_grad()
 def speculative_generate(
-    target: Any,
-    drafter: Any,
+    target: TargetModel,
+    drafter: Drafter,
     prompt_ids: Sequence[int],
     *,
     max_new_tokens: int,
@@ -316,8 +321,9 @@ def speculative_generate(
     the new anchor.
 
     Args:
-        target: a `dspark.target.TargetModel` (or anything with its forward/new_cache/crop_cache).
-        drafter: a `dspark.modeling.Drafter` (new_context / extend_context / propose).
+        target: the frozen target (its forward, new_cache and crop_cache are used).
+        drafter: the drafter (new_context, extend_context and propose are used; a
+            test double with the same protocol works too).
         prompt_ids: the rendered prompt, at least one token.
         max_new_tokens: the most tokens to generate (the last round is truncated).
         temperature: T > 0 samples from softmax(logits / T) with rejection
@@ -383,7 +389,7 @@ def speculative_generate(
 
 @torch.no_grad()
 def target_generate(
-    target: Any,
+    target: TargetModel,
     prompt_ids: Sequence[int],
     *,
     max_new_tokens: int,
@@ -420,7 +426,7 @@ def _next_token(logits: Tensor, temperature: float, generator: torch.Generator |
     """One token per row of logits [B, V]: the argmax at T = 0, else a draw from softmax(logits/T). -> [B]."""
     if temperature == 0:
         return logits.argmax(dim=-1)
-    return _sample_from_weights(logits_to_probs(logits, temperature), generator)
+    return sample_categorical(logits_to_probs(logits, temperature), generator)
 
 
 def _through_first_eos(tokens: list[int], eos: set[int]) -> list[int]:

@@ -1,4 +1,5 @@
-"""The training recipe: one process or many (torchrun; gloo on CPU, NCCL on GPU).
+"""The training recipe: one process or many (torchrun; gloo on CPU, NCCL on GPU), the
+drafter replicated (train.distributed = "ddp") or sharded with FSDP2 ("fsdp").
 
 Exactness is the design constraint:
 
@@ -11,15 +12,20 @@ Exactness is the design constraint:
   supervised positions); before the optimizer step the gradients are scaled by
   1/D with D = Σ w_k over all supervised positions of the global batch
   (reduced across ranks). This is exactly the gradient of the weighted mean
-  over the global batch (SPEC 4), whatever the split.
+  over the global batch (SPEC 4), whatever the split. DDP and FSDP both average
+  gradients over ranks, so the scale applied is world/D.
 - One integer, the optimizer step, is the source of truth for resume: it
   fixes the data position; checkpoints also hold optimizer, scheduler and
   every rank's RNG state. A resumed run reproduces an uninterrupted one.
+- Checkpoints are the same whatever the parallelism: a plain drafter folder with
+  full tensors plus trainer_state.pt (FSDP gathers full tensors to rank 0 to write
+  them and re-shards them on load), so an FSDP checkpoint loads with load_drafter.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 import math
@@ -49,7 +55,7 @@ LATEST = "latest"
 
 # ----------------------------------------------------------------- the step
 class DraftLossModule(nn.Module):
-    """Drafter + loss as one module, so DDP sees every parameter use inside forward()."""
+    """Drafter + loss as one module, so DDP / FSDP see every parameter use inside forward()."""
 
     def __init__(self, drafter: Drafter, target: Any, weights: LossWeights, chunk_rows: int, fused: bool = True) -> None:
         super().__init__()
@@ -222,6 +228,34 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+# -------------------------------------------------------------------- FSDP
+def shard_fsdp(module: DraftLossModule, device: torch.device) -> None:
+    """FSDP2 in place: one shard group per draft layer, then the root (fc, norms, heads).
+
+    Rank 0's initial parameters are copied to every rank first, as DDP does. The frozen
+    target and the shared embedding / LM head are not parameters of `module`, so they
+    stay whole and untouched on every rank.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+    for t in itertools.chain(module.parameters(), module.buffers()):
+        dist.broadcast(t.data, src=0)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for layer in module.drafter.layers:
+        fully_shard(layer, mesh=mesh)
+        # The drafter projects the context K/V through layer.context_kv(), outside the
+        # layer's forward(): FSDP must gather the layer's parameters for that call too.
+        register_fsdp_forward_method(layer, "context_kv")
+    fully_shard(module, mesh=mesh)
+
+
+def _full_state_options(**kw: bool) -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, **kw)
+
+
 # --------------------------------------------------------------- the trainer
 @dataclass
 class TrainResult:
@@ -267,7 +301,12 @@ class Trainer:
         lw = LossWeights(ce=config.loss.ce_weight, tv=config.loss.tv_weight, conf=config.loss.conf_weight, decay_gamma=config.loss.loss_decay_gamma)
         self.module = DraftLossModule(drafter, target, lw, config.loss.chunk_rows, fused=config.loss.fused)
         self.model: nn.Module = self.module
-        if self.distributed:
+        # Under FSDP the drafter's parameters are DTensor shards: use drafter_state_dict()
+        # for whole tensors.
+        self.fsdp = self.distributed and tc.distributed == "fsdp"
+        if self.fsdp:
+            shard_fsdp(self.module, self.device)
+        elif self.distributed:
             from torch.nn.parallel import DistributedDataParallel
 
             ids = [self.device.index] if self.device.type == "cuda" else None
@@ -314,6 +353,8 @@ class Trainer:
         batches = list(self._micro_batches(self.step))
         for i, (batch, anchors, keep) in enumerate(batches):
             last = i == len(batches) - 1
+            if self.fsdp:  # accumulate unsharded gradients locally, reduce-scatter after the last
+                self.module.set_requires_gradient_sync(last)
             sync = self.model.no_sync() if self.distributed and not last and hasattr(self.model, "no_sync") else nullcontext()
             with sync:
                 with self._autocast():
@@ -330,12 +371,14 @@ class Trainer:
             reduced[k] = packed[offset : offset + n].reshape(sums[k].shape)
             offset += n
         denom = reduced["weight"].clamp_min(1e-12)
-        # DDP averaged the gradients over ranks; we want Σ_ranks grad / D.
+        # DDP / FSDP averaged the gradients over ranks; we want Σ_ranks grad / D.
         scale = float(self.world) / float(denom)
         for p in self.drafter.trainable_parameters():
             if p.grad is not None:
                 p.grad.mul_(scale)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.trainable_parameters(), self.config.train.grad_clip)
+        if self.fsdp:  # the norm of sharded gradients is a DTensor
+            grad_norm = grad_norm.full_tensor()
         self.optimizer.step()
         self.scheduler.step()
         self.step += 1
@@ -366,8 +409,16 @@ class Trainer:
         mine = list(range(self.rank, n, self.world))
         sums: dict[str, Tensor] = {}
         mb = self.config.train.micro_batch_size
-        for i in range(0, len(mine), mb):
-            idx = mine[i : i + mb]
+        rounds = math.ceil(len(mine) / mb)
+        if self.fsdp:  # every forward is a collective: all ranks run as many as the busiest one
+            rounds_t = torch.tensor([rounds], device=self.device)
+            dist.all_reduce(rounds_t, op=dist.ReduceOp.MAX)
+            rounds = int(rounds_t)
+        for i in range(rounds):
+            idx = mine[i * mb : (i + 1) * mb]
+            padding = not idx
+            if padding:  # an FSDP rank out of samples: a forward whose metrics are dropped
+                idx = [0]
             items = [self.eval_data[j] for j in idx]
             ak = [anchors_for(it["loss_mask"], self.config.data.num_anchors, self.config.seed + 1, 0, j) for it, j in zip(items, idx)]
             batch = {k: v.to(self.device) for k, v in collate(items).items()}
@@ -375,6 +426,8 @@ class Trainer:
             keep = torch.stack([k for _, k in ak]).to(self.device)
             with self._autocast():
                 _, metrics = self.module(batch, anchors, keep)
+            if padding:
+                continue
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0) + v.float()
         keys = ["ce", "tv", "conf", "weight", "accept_sum", "count"]
@@ -393,10 +446,31 @@ class Trainer:
         }
 
     # ----------------------------------------------------------- checkpoints
+    def drafter_state_dict(self) -> dict[str, Tensor]:
+        """The drafter's full tensors (state_dict names). Under FSDP this gathers the shards:
+        every rank must call it, and only rank 0 gets the tensors (on CPU; others get {})."""
+        if not self.fsdp:
+            return self.drafter.state_dict()
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        full = get_model_state_dict(self.module, options=_full_state_options(cpu_offload=True))
+        prefix = "drafter."
+        return {k[len(prefix):]: v for k, v in full.items() if k.startswith(prefix)}
+
+    def _optimizer_state_dict(self) -> dict[str, Any]:
+        """Under FSDP: full optimizer state keyed by parameter name, on rank 0 only (collective)."""
+        if not self.fsdp:
+            return self.optimizer.state_dict()
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(self.module, self.optimizer, options=_full_state_options(cpu_offload=True))
+
     def save_checkpoint(self) -> Path:
         """Drafter folder + trainer state (optimizer, scheduler, step, every rank's RNG), atomically."""
         ckpt_root = self.out_dir / "checkpoints"
         name = f"step-{self.step:07d}"
+        drafter_state = self.drafter_state_dict() if self.fsdp else None
+        optimizer_state = self._optimizer_state_dict()
         rng = _rng_state()
         rngs = [None] * self.world
         if self.distributed:
@@ -408,10 +482,10 @@ class Trainer:
             ckpt_root.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=ckpt_root))
             try:
-                save_drafter(self.drafter, tmp / "drafter")
+                save_drafter(self.drafter, tmp / "drafter", state_dict=drafter_state)
                 state = {
                     "step": self.step,
-                    "optimizer": self.optimizer.state_dict(),
+                    "optimizer": optimizer_state,
                     "scheduler": self.scheduler.state_dict(),
                     "rng": rngs,
                     "world_size": self.world,
@@ -441,11 +515,19 @@ class Trainer:
         state = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=True)
         if state["world_size"] != self.world:
             log.warning("resuming a %d-rank run on %d ranks: data order is kept, RNG streams are re-seeded", state["world_size"], self.world)
-        loaded = load_drafter(path / "drafter", device=self.device)
-        with torch.no_grad():
-            for name, p in self.drafter.state_dict().items():
-                p.copy_(loaded.state_dict()[name])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.fsdp:  # every rank reads the full tensors and keeps its shard
+            from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+            loaded = load_drafter(path / "drafter", self.target, dtype=self.drafter.fc.weight.dtype)
+            full = {f"drafter.{k}": v for k, v in loaded.state_dict().items()}
+            set_model_state_dict(self.module, full, options=_full_state_options())
+            set_optimizer_state_dict(self.module, self.optimizer, state["optimizer"], options=_full_state_options())
+        else:
+            loaded = load_drafter(path / "drafter", self.target, device=self.device)
+            with torch.no_grad():
+                for name, p in self.drafter.state_dict().items():
+                    p.copy_(loaded.state_dict()[name])
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
         self.wall_offset = float(state.get("wall_seconds", 0.0))
@@ -515,9 +597,10 @@ class Trainer:
                     log.info("stopping at step %d: train.max_wall_minutes=%s reached", self.step, tc.max_wall_minutes)
                 break
         bar.close()
-        if self.rank == 0 and self.step >= total:
-            final = self.out_dir / "drafter"
-            save_drafter(self.drafter, final)
+        if self.step >= total:
+            drafter_state = self.drafter_state_dict() if self.fsdp else None
+            if self.rank == 0:
+                save_drafter(self.drafter, self.out_dir / "drafter", state_dict=drafter_state)
         return TrainResult(self.out_dir, self.step, last_ckpt, self.history)
 
 

@@ -33,7 +33,7 @@ config = Config(
         feature_mode="cache",
         cache_precision="fp8",
     ),
-    generation=GenerationConfig(temperature=0.7, top_p=0.8, top_k=20, max_new_tokens=384, batch_size=32),
+    generation=GenerationConfig(temperature=0.7, top_p=0.8, top_k=20, max_new_tokens=192, batch_size=32),
     loss=LossConfig(ce_weight=1.0, tv_weight=0.0, conf_weight=0.0, loss_decay_gamma=4.0, chunk_rows=32),
     train=TrainConfig(
         lr=1e-3,

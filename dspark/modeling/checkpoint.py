@@ -42,11 +42,23 @@ def atomic_replace_dir(tmp: Path, final: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def save_drafter(drafter: Drafter, folder: str | os.PathLike, *, include_shared: bool = False, metadata: dict[str, str] | None = None) -> Path:
-    """Write config.json + model.safetensors atomically (a temp folder renamed into place)."""
+def save_drafter(
+    drafter: Drafter,
+    folder: str | os.PathLike,
+    *,
+    state_dict: dict[str, torch.Tensor] | None = None,
+    include_shared: bool = False,
+    metadata: dict[str, str] | None = None,
+) -> Path:
+    """Write config.json + model.safetensors atomically (a temp folder renamed into place).
+
+    `state_dict` replaces `drafter.state_dict()` when the drafter's own tensors are not
+    whole, e.g. full tensors gathered from an FSDP-sharded drafter (same names).
+    """
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
-    state = {name: t.detach().contiguous().cpu() for name, t in drafter.state_dict().items()}
+    source = drafter.state_dict() if state_dict is None else state_dict
+    state = {name: t.detach().contiguous().cpu() for name, t in source.items()}
     if include_shared:
         for name, t in drafter.shared_weights().items():
             state[name] = t.detach().cpu().clone()  # a copy: safetensors refuses shared storage

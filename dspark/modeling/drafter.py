@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dspark.decoding import sample_categorical
 from dspark.modeling.config import DrafterConfig
 from dspark.modeling.heads import ConfidenceHead, MarkovHead, build_sequential_head
 from dspark.modeling.layers import DraftLayer, Rotary, RMSNorm
@@ -318,7 +319,7 @@ class Drafter(nn.Module):
                 logits = logits + bias.float()
             if temperature > 0:
                 p = torch.softmax(logits / temperature, dim=-1)
-                tok = torch.multinomial(p, 1, generator=generator).squeeze(1)
+                tok = sample_categorical(p, generator)  # inverse CDF: 20x cheaper than multinomial at V=49k
             else:
                 p = torch.softmax(logits, dim=-1)
                 tok = logits.argmax(dim=-1)

@@ -1,0 +1,83 @@
+"""Typed configs: the shipped config files, SPEC 4 values, overrides and their errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dspark.config import Config, apply_overrides, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+SPEC4_LAYERS = {
+    "qwen3_4b": [1, 9, 17, 25, 33],
+    "qwen3_8b": [1, 9, 17, 25, 33],
+    "qwen3_14b": [1, 10, 19, 28, 37],
+    "gemma4_12b": [5, 17, 29, 41, 46],
+}
+MASK = {"qwen3_4b": 151669, "qwen3_8b": 151669, "qwen3_14b": 151669, "gemma4_12b": 4}
+
+
+@pytest.mark.parametrize("target", sorted(SPEC4_LAYERS))
+@pytest.mark.parametrize("variant", ["dspark", "dflash"])
+def test_reference_configs_reproduce_spec4(variant, target):
+    c = load_config(ROOT / "config" / variant / f"{variant}_{target}.py")
+    assert c.drafter.variant == variant
+    assert c.drafter.target_layer_ids == SPEC4_LAYERS[target]
+    assert c.drafter.mask_token_id == MASK[target]
+    assert (c.drafter.block_size, c.drafter.num_draft_layers, c.data.num_anchors, c.data.max_length) == (7, 5, 512, 4096)
+    t = c.train
+    assert (t.lr, t.weight_decay, t.warmup_ratio, t.min_lr_ratio, t.grad_clip) == (6e-4, 0.0, 0.04, 0.0, 1.0)
+    assert (t.global_batch_size, t.epochs, c.seed, t.mixed_precision) == (512, 10, 42, "bf16")
+    assert (c.generation.temperature, c.generation.top_p, c.generation.top_k) == (0.7, 0.8, 20)
+    assert c.loss.loss_decay_gamma == 4.0
+    if variant == "dspark":
+        assert (c.loss.ce_weight, c.loss.tv_weight, c.loss.conf_weight) == (0.1, 0.9, 1.0)
+        assert (c.drafter.markov_rank, c.drafter.markov_head_type, c.drafter.enable_confidence_head) == (256, "vanilla", True)
+    else:
+        assert (c.loss.ce_weight, c.loss.tv_weight, c.loss.conf_weight) == (1.0, 0.0, 0.0)
+        assert c.drafter.markov_rank == 0 and not c.drafter.enable_confidence_head
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "config").glob("*/*.py")), ids=lambda p: p.stem)
+def test_every_shipped_config_loads(path):
+    assert isinstance(load_config(path), Config)
+
+
+def test_overrides_are_typed_and_do_not_mutate_the_original():
+    c = Config()
+    d = apply_overrides(c, ["train.lr=3e-4", "drafter.target_layer_ids=[2, 4]", "drafter.intermediate_size=None",
+                            "train.compile=true", "name=x"])
+    assert (d.train.lr, d.drafter.target_layer_ids, d.drafter.intermediate_size, d.train.compile, d.name) == (3e-4, [2, 4], None, True, "x")
+    assert c.train.lr == 6e-4 and c.drafter.target_layer_ids == [1, 9, 17, 25, 33]
+
+
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("train.lrr=1", ["unknown config key 'train.lrr'", "train.lr"]),
+        ("train.lr=fast", ["train.lr", "number"]),
+        ("drafter.block_size=2.5", ["drafter.block_size", "integer"]),
+        ("drafter.target_layer_ids=3", ["drafter.target_layer_ids", "list"]),
+        ("drafter.variant=eagle", ["drafter.variant", "dspark"]),
+        ("train.micro_batch_size=3", ["train.global_batch_size", "micro_batch_size"]),
+        ("drafter.target_layer_ids=[3, 1]", ["drafter.target_layer_ids", "strictly increasing"]),
+        ("trainlr", ["key.path=value"]),
+    ],
+)
+def test_bad_overrides_name_the_key(override, words):
+    with pytest.raises(ValueError) as e:
+        apply_overrides(Config(), [override])
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_config_file_must_bind_a_config(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("lr = 3e-4\n")
+    with pytest.raises(ValueError, match="must bind a dspark.config.Config"):
+        load_config(bad)
+    wrong = tmp_path / "wrong.py"
+    wrong.write_text("from dspark.config import Config, TrainConfig\nconfig = Config(train=TrainConfig(lr='x'))\n")
+    with pytest.raises(ValueError, match="train.lr expects a number"):
+        load_config(wrong)
