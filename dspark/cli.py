@@ -198,6 +198,20 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_curves(args: argparse.Namespace) -> int:
+    from dspark.curves import curves_table, plot_learning_curves
+
+    runs = {}
+    for item in args.runs:
+        label, _, path = item.rpartition("=") if "=" in item else (item, "", item)
+        runs[label or path] = path
+    print(curves_table(runs, args.key))
+    if args.out:
+        plot_learning_curves(runs, args.out, args.key)
+        print(f"plot: {args.out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dspark", description="DSpark speculative-decoding drafters")
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -249,6 +263,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("reports", nargs="+", help="eval output folders (or report.json files)")
     p.add_argument("--out", default="", help="also write the table here")
     p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("curves", help="learning curves (held-out τ vs wall-clock minutes) of training runs")
+    p.add_argument("runs", nargs="+", help="LABEL=RUN_DIR (a dspark train out_dir) or RUN_DIR")
+    p.add_argument("--key", default="eval_tau_prob", help="logged metric to plot")
+    p.add_argument("--out", default="", help="PNG path")
+    p.set_defaults(func=cmd_curves)
     return parser
 
 
