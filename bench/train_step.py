@@ -49,7 +49,7 @@ from torch.utils._pytree import tree_leaves
 from transformers import Qwen3Config
 
 from dspark.data.anchors import block_labels, sample_anchors, target_positions
-from dspark.loss import LossWeights, dspark_loss, naive_dspark_loss
+from dspark.loss import LossWeights, dspark_loss, fused_dspark_loss, naive_dspark_loss
 from dspark.modeling import Drafter, DrafterConfig
 
 TARGET_LAYER_IDS = [1, 9, 17, 25, 33]  # Qwen3-4B/8B defaults (SPEC 2); the target has 36 layers
@@ -141,7 +141,7 @@ def build(size: TrainSize, device: torch.device, seed: int = 0) -> tuple[Drafter
     return drafter, {k: v.to(device) for k, v in batch.items()}
 
 
-def train_step(drafter: Drafter, batch: dict[str, Tensor], naive: bool, weights: LossWeights) -> Tensor:
+def train_step(drafter: Drafter, batch: dict[str, Tensor], variant: str, weights: LossWeights) -> Tensor:
     """Forward + backward of drafter and loss (no optimizer); mirrors DraftLossModule.forward."""
     drafter.zero_grad(set_to_none=True)
     input_ids, anchors, keep = batch["input_ids"], batch["anchors"], batch["keep"]
@@ -156,11 +156,17 @@ def train_step(drafter: Drafter, batch: dict[str, Tensor], naive: bool, weights:
     prev_flat = prev.reshape(-1, GAMMA)  # [N, γ]
     labels, valid = labels.reshape(-1, GAMMA), valid.reshape(-1, GAMMA)
     conf = drafter.confidence_logits(h_flat, prev_flat)  # [N, γ]
-    if naive:
+    if variant == "naive":
         draft = drafter.draft_logits(h_flat, prev_flat)  # [N, γ, V]
         with torch.no_grad():
             target = drafter.compute_logits(t_hidden)  # [N, γ, V]
         out = naive_dspark_loss(draft, target, labels, valid, conf, weights)
+    elif variant == "fused":  # what the trainer runs (train.loss.fused = True)
+        head = drafter.markov_head
+        out = fused_dspark_loss(
+            h_flat, drafter.shared_weights()["lm_head.weight"], t_hidden, labels, valid, conf, weights,
+            latent=head.block_latent(prev_flat, h_flat), w2=head.markov_w2.weight, chunk_rows=CHUNK_ROWS,
+        )
     else:
         out = dspark_loss(
             lambda r0, r1: drafter.draft_logits(h_flat[r0:r1], prev_flat[r0:r1]),
@@ -176,7 +182,7 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def peak_step_bytes(drafter: Drafter, batch: dict[str, Tensor], naive: bool, weights: LossWeights,
+def peak_step_bytes(drafter: Drafter, batch: dict[str, Tensor], variant: str, weights: LossWeights,
                     device: torch.device) -> tuple[int, Tensor]:
     """(peak bytes allocated by one step above what existed before it, the step's loss)."""
     drafter.zero_grad(set_to_none=True)
@@ -184,12 +190,12 @@ def peak_step_bytes(drafter: Drafter, batch: dict[str, Tensor], naive: bool, wei
         sync(device)
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
-        loss = train_step(drafter, batch, naive, weights)
+        loss = train_step(drafter, batch, variant, weights)
         sync(device)
         return torch.cuda.max_memory_allocated(device) - before, loss
     mode = LiveBytes()
     with mode:
-        loss = train_step(drafter, batch, naive, weights)
+        loss = train_step(drafter, batch, variant, weights)
     return mode.peak, loss
 
 
@@ -197,28 +203,36 @@ def bench_size(size: TrainSize, repeats: int, device: torch.device) -> dict[str,
     drafter, batch = build(size, device)
     weights = LossWeights()
     # Warm-up = the memory-tracked step of each variant (its tracking overhead is not timed).
-    peak_c, loss_c = peak_step_bytes(drafter, batch, False, weights, device)
-    peak_n, loss_n = peak_step_bytes(drafter, batch, True, weights, device)
-    times: dict[bool, list[float]] = {False: [], True: []}
+    variants = ("fused", "chunked", "naive")
+    peak, loss = {}, {}
+    for v in variants:
+        peak[v], loss[v] = peak_step_bytes(drafter, batch, v, weights, device)
+    times: dict[str, list[float]] = {v: [] for v in variants}
     for rep in range(repeats):
-        for naive in ((False, True) if rep % 2 == 0 else (True, False)):
+        for v in variants[rep % 3:] + variants[: rep % 3]:  # rotate the order: same load for all
             sync(device)
             start = time.perf_counter()
-            train_step(drafter, batch, naive, weights)
+            train_step(drafter, batch, v, weights)
             sync(device)
-            times[naive].append(time.perf_counter() - start)
-    chunked, naive = statistics.median(times[False]), statistics.median(times[True])
+            times[v].append(time.perf_counter() - start)
+    med = {v: statistics.median(times[v]) for v in variants}
     positions = size.anchors * GAMMA
+    ratio = lambda a, b: statistics.median(x / y for x, y in zip(times[a], times[b]))  # noqa: E731
     return {
-        "chunked_s": chunked,
-        "naive_s": naive,
-        "time_ratio": statistics.median(c / n for c, n in zip(times[False], times[True])),
-        "chunked_mb": peak_c / 2**20,
-        "naive_mb": peak_n / 2**20,
-        "mem_ratio": peak_c / peak_n,
-        "chunked_pos_s": positions / chunked,
-        "naive_pos_s": positions / naive,
-        "loss_rel_diff": abs(float(loss_c) - float(loss_n)) / max(abs(float(loss_n)), 1e-12),
+        "fused_s": med["fused"],
+        "chunked_s": med["chunked"],
+        "naive_s": med["naive"],
+        "time_ratio": ratio("chunked", "naive"),
+        "fused_time_ratio": ratio("fused", "naive"),
+        "fused_mb": peak["fused"] / 2**20,
+        "chunked_mb": peak["chunked"] / 2**20,
+        "naive_mb": peak["naive"] / 2**20,
+        "mem_ratio": peak["chunked"] / peak["naive"],
+        "fused_mem_ratio": peak["fused"] / peak["naive"],
+        "fused_pos_s": positions / med["fused"],
+        "chunked_pos_s": positions / med["chunked"],
+        "naive_pos_s": positions / med["naive"],
+        "loss_rel_diff": max(abs(float(loss[v]) - float(loss["naive"])) for v in variants) / max(abs(float(loss["naive"])), 1e-12),
     }
 
 
@@ -243,18 +257,23 @@ def main(argv: list[str] | None = None) -> None:
           f"chunk_rows={CHUNK_ROWS}, {device.type}, threads {args.threads}; peak memory: {memory}")
     for size in sizes:
         print(f"   {size.describe()}")
-    header = (f"{'size':<6}{'chunked s':>11}{'naive s':>10}{'time c/n':>10}{'chunked MB':>12}{'naive MB':>11}"
-              f"{'mem c/n':>9}{'chunked pos/s':>15}{'naive pos/s':>13}{'|Δloss|/loss':>14}")
+    header = (f"{'size':<6}{'fused s':>10}{'chunked s':>11}{'naive s':>10}{'time f/n':>10}{'time c/n':>10}"
+              f"{'fused MB':>10}{'chunked MB':>12}{'naive MB':>11}{'mem f/n':>9}{'mem c/n':>9}"
+              f"{'fused pos/s':>13}{'chunked pos/s':>15}{'naive pos/s':>13}{'|Δloss|/loss':>14}")
     print(header)
     print("-" * len(header))
     for size in sizes:
         repeats = args.repeats or size.repeats
         res = bench_size(size, repeats, device)
-        print(f"{size.name:<6}{res['chunked_s']:>11.3f}{res['naive_s']:>10.3f}{res['time_ratio']:>10.3f}"
-              f"{res['chunked_mb']:>12.1f}{res['naive_mb']:>11.1f}{res['mem_ratio']:>9.3f}"
-              f"{res['chunked_pos_s']:>15,.0f}{res['naive_pos_s']:>13,.0f}{res['loss_rel_diff']:>14.1e}")
-    print("time c/n: paired median ratio chunked/naive step time; mem c/n: chunked/naive peak bytes "
-          "allocated by the step; pos/s: anchors × γ / median step time.")
+        print(f"{size.name:<6}{res['fused_s']:>10.3f}{res['chunked_s']:>11.3f}{res['naive_s']:>10.3f}"
+              f"{res['fused_time_ratio']:>10.3f}{res['time_ratio']:>10.3f}"
+              f"{res['fused_mb']:>10.1f}{res['chunked_mb']:>12.1f}{res['naive_mb']:>11.1f}"
+              f"{res['fused_mem_ratio']:>9.3f}{res['mem_ratio']:>9.3f}"
+              f"{res['fused_pos_s']:>13,.0f}{res['chunked_pos_s']:>15,.0f}{res['naive_pos_s']:>13,.0f}"
+              f"{res['loss_rel_diff']:>14.1e}")
+    print("fused = fused_dspark_loss (what the trainer runs), chunked = dspark_loss, naive = naive_dspark_loss. "
+          "time x/n: paired median ratio to the naive step time; mem x/n: ratio of peak bytes allocated by the "
+          "step; pos/s: anchors × γ / median step time.")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,10 @@ Where each piece of the paper lives:
 - ``reliability_diagram``, ``reliability_grid``
                                     PNG reliability diagrams (matplotlib is
                                     imported inside them only).
+- ``calibrate_rounds``, ``write_sts_report``
+                                    the `dspark calibrate` recipe: STS fitted
+                                    on part of a rounds.jsonl log (split by
+                                    request), measured on the rest.
 
 Shapes: N rounds, γ draft positions. ``conf`` [N, γ] holds the per-position
 conditional confidences c_k (not cumulative); ``accepted`` [N] the accepted
@@ -45,6 +49,10 @@ __all__ = [
     "load_sts_json",
     "reliability_diagram",
     "reliability_grid",
+    "conditional_metrics",
+    "split_rounds_by_request",
+    "calibrate_rounds",
+    "write_sts_report",
 ]
 
 _CLIP = 1e-6
@@ -475,3 +483,158 @@ def reliability_grid(
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(os.fspath(path), format="png", dpi=100)
+
+
+# ----------------------------------------------------------------------------
+# STS from a round log (the `dspark calibrate` recipe)
+# ----------------------------------------------------------------------------
+
+_REQUEST_KEYS = ("benchmark", "policy", "concurrency", "request")
+
+
+def conditional_metrics(conf: Any, accepted: Any, proposed: Any, n_bins: int = 20) -> list[dict[str, float]]:
+    """Per-position quality of the conditional confidence c_k itself (not the product).
+
+    For k = 1..γ, over the rounds that verified k and accepted the first k−1:
+    prediction c_k, label 1[k accepted]. Keys as in ``confidence_metrics``.
+    A per-position temperature is strictly increasing in c_k, so STS leaves
+    this AUROC unchanged at every k (the AUROC of a_k only at k = 1)."""
+    c = _as_conf(conf)
+    gamma = c.shape[1]
+    m, ell = _rounds(accepted, proposed, gamma)
+    if m.shape[0] != c.shape[0]:
+        raise ValueError(f"conf has {c.shape[0]} rounds but accepted has {m.shape[0]}")
+    out = []
+    for k in range(1, gamma + 1):
+        rows = (ell >= k) & (m >= k - 1)
+        p, y = c[rows, k - 1], m[rows] >= k
+        out.append({
+            "position": k,
+            "count": int(p.size),
+            "ece": ece(p, y, n_bins),
+            "auroc": roc_auc(p, y),
+            "brier": brier(p, y),
+            "mean_pred": float(p.mean()) if p.size else float("nan"),
+            "mean_label": float(y.mean()) if y.size else float("nan"),
+        })
+    return out
+
+
+def split_rounds_by_request(
+    rounds: Sequence[Mapping[str, Any]], fit_fraction: float = 0.5, seed: int = 0
+) -> tuple[list[Mapping[str, Any]], list[Mapping[str, Any]]]:
+    """(fit, test) rounds, split by request so that no request has rounds on both sides.
+
+    A request is identified by the keys benchmark / policy / concurrency / request
+    present in its rows (plus ``source``, when rounds from several files are
+    pooled). A seeded shuffle of the requests puts round(fit_fraction · n) of them
+    (at least 1, and at most n − 1 when fit_fraction < 1) in the fit part."""
+    if not 0.0 < float(fit_fraction) <= 1.0:
+        raise ValueError(f"fit_fraction must be in (0, 1], got {fit_fraction}")
+    keys: dict[tuple, int] = {}
+    for index, row in enumerate(rounds):
+        if "request" not in row:
+            raise ValueError(f"round {index} has no 'request' field: {dict(row)!r:.160}; expected a rounds.jsonl row")
+        keys.setdefault(tuple(row.get(k) for k in ("source", *_REQUEST_KEYS)), len(keys))
+    n = len(keys)
+    if n == 0:
+        raise ValueError("no rounds to split")
+    if fit_fraction < 1.0 and n < 2:
+        raise ValueError(f"only one request in the log: cannot hold out a test part (fit_fraction={fit_fraction}); "
+                         "pass fit_fraction=1 or log more requests")
+    n_fit = min(max(1, round(float(fit_fraction) * n)), n if fit_fraction >= 1.0 else n - 1)
+    order = np.random.default_rng(seed).permutation(n)
+    fit_ids = set(order[:n_fit].tolist())
+    fit, test = [], []
+    for row in rounds:
+        key = keys[tuple(row.get(k) for k in ("source", *_REQUEST_KEYS))]
+        (fit if key in fit_ids else test).append(row)
+    return fit, test
+
+
+def _round_arrays(rounds: Sequence[Mapping[str, Any]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    conf = np.asarray([r["confidences"] for r in rounds], dtype=np.float64)  # [N, γ]
+    accepted = np.asarray([r["accepted"] for r in rounds], dtype=np.int64)
+    proposed = np.asarray([r["proposed"] for r in rounds], dtype=np.int64)
+    return conf, accepted, proposed
+
+
+def calibrate_rounds(
+    rounds: Sequence[Mapping[str, Any]],
+    fit_fraction: float = 0.5,
+    seed: int = 0,
+    n_bins: int = 20,
+    grid: Optional[Any] = None,
+) -> tuple[dict[str, Any], list[Mapping[str, Any]]]:
+    """Fit STS on part of a round log and measure it on the held-out rest.
+
+    ``rounds``: rows of rounds.jsonl (``dspark eval`` or ``dspark simulate``);
+    rows without confidences are dropped. The requests are split with
+    ``split_rounds_by_request``; ``fit_sts`` runs on the fit part.
+
+    Returns (report, evaluated rows). The report holds the SGLang fields ``temperatures``, ``ece_before``,
+    ``ece_after`` (per position, ECE of a_k on the test part, on the fit part
+    when fit_fraction = 1), ``evaluated_on`` ("test" or "fit"), ``split``
+    (requests and rounds per part, fit_fraction, seed) and ``per_position``:
+    for "test" and "fit", ``before`` / ``after`` (``confidence_metrics`` of
+    a_k) and ``conditional_before`` / ``conditional_after``
+    (``conditional_metrics`` of c_k). The rows are those the headline metrics
+    were measured on (the test part, or the fit part when fit_fraction = 1)."""
+    with_conf = [r for r in rounds if r.get("confidences") is not None]
+    if not with_conf:
+        raise ValueError("no round has confidences: the log comes from a drafter without a confidence head")
+    widths = {len(r["confidences"]) for r in with_conf}
+    if len(widths) != 1:
+        raise ValueError(
+            f"rounds have confidences of different lengths {sorted(widths)}; calibrate one drafter at a time"
+        )
+    fit, test = split_rounds_by_request(with_conf, fit_fraction, seed)
+    conf, accepted, proposed = _round_arrays(fit)
+    temps = fit_sts(conf, accepted, proposed, grid=grid, n_bins=n_bins)
+
+    per_position: dict[str, Any] = {}
+    for part, rows in (("fit", fit), ("test", test)):
+        if not rows:
+            continue
+        c, m, ell = _round_arrays(rows)
+        calibrated = apply_temperatures(c, temps)
+        per_position[part] = {
+            "before": confidence_metrics(c, m, ell, n_bins),
+            "after": confidence_metrics(calibrated, m, ell, n_bins),
+            "conditional_before": conditional_metrics(c, m, ell, n_bins),
+            "conditional_after": conditional_metrics(calibrated, m, ell, n_bins),
+        }
+    evaluated_on = "test" if test else "fit"
+    main = per_position[evaluated_on]
+
+    def requests(rows: Sequence[Mapping[str, Any]]) -> int:
+        return len({tuple(r.get(k) for k in ("source", *_REQUEST_KEYS)) for r in rows})
+
+    return {
+        "temperatures": [float(t) for t in temps],
+        "ece_before": [p["ece"] for p in main["before"]],
+        "ece_after": [p["ece"] for p in main["after"]],
+        "evaluated_on": evaluated_on,
+        "split": {"fit_fraction": float(fit_fraction), "seed": int(seed), "fit_requests": requests(fit),
+                  "test_requests": requests(test), "fit_rounds": len(fit), "test_rounds": len(test)},
+        "per_position": per_position,
+    }, (test if test else fit)
+
+
+def write_sts_report(
+    path: PathLike, report: Mapping[str, Any], rows: Sequence[Mapping[str, Any]], n_bins: int = 20
+) -> dict[str, str]:
+    """Write a ``calibrate_rounds`` result: the STS JSON at ``path`` (SGLang fields first,
+    then evaluated_on, split, per_position) and ``<stem>_reliability.png`` next to it
+    (a_k before / after STS on ``rows``, the evaluated rows). Returns both paths."""
+    data = dict(report)
+    _as_temperatures(data["temperatures"])
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(_json_clean(data), f, indent=2)
+        f.write("\n")
+    png = os.path.join(os.path.dirname(os.fspath(path)), os.path.splitext(os.path.basename(os.fspath(path)))[0]
+                       + "_reliability.png")
+    c, m, ell = _round_arrays(rows)
+    reliability_grid(c, apply_temperatures(c, data["temperatures"]), m, ell, png, n_bins=n_bins,
+                     title=f"Prefix survival a_k before / after STS ({data['evaluated_on']} part, {len(rows)} rounds)")
+    return {"json": os.fspath(path), "plot": png}

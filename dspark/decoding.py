@@ -14,11 +14,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from dspark.modeling import Drafter
+    from dspark.modeling import Drafter, Proposal
     from dspark.target import TargetModel
 
 # ---------------------------------------------------------------------------
@@ -244,8 +245,10 @@ def _lengths_or_full(lengths: Tensor | None, batch: int, ell: int, device: torch
 # ---------------------------------------------------------------------------
 # The speculative decoding loop (SPEC section 1) and its target-only baseline.
 # One request (batch 1), a KV-cached target and an incrementally kept drafter
-# context. Both loops draw every token through the helpers above, so a
-# wall-clock comparison between them measures speculation and nothing else.
+# context; SpeculativeRequest holds that state and steps it one round at a time
+# (dspark.serving steps many of them in lockstep under a scheduler). Both loops
+# draw every token through the helpers above, so a wall-clock comparison
+# between them measures speculation and nothing else.
 # ---------------------------------------------------------------------------
 
 # (confidences c_1..c_γ or None, round index) -> verification length ℓ in 0..γ
@@ -312,13 +315,8 @@ def speculative_generate(
 ) -> DecodeResult:
     """Speculative decoding of one request (SPEC section 1), lossless at every temperature.
 
-    Invariant at the start of every round: the target cache and the drafter
-    context both hold positions 0 .. P+n−2 (P prompt tokens, n tokens
-    generated so far), and the anchor x_0, the last generated token, sits at
-    position P+n−1. A round drafts x_1..x_γ from x_0, verifies x_0..x_ℓ in one
-    target forward, keeps x_0..x_m in the cache and in the drafter context
-    (with the features of that same forward) and makes the emitted next token
-    the new anchor.
+    A loop over one ``SpeculativeRequest``: draft, pick ℓ, verify, until done.
+    See ``SpeculativeRequest`` for the cache/context invariant of every round.
 
     Args:
         target: the frozen target (its forward, new_cache and crop_cache are used).
@@ -333,58 +331,165 @@ def speculative_generate(
             the number of drafts to verify; default γ every round.
         generator: source of every random draw (draft sampling and verification).
     """
-    _check_generate_args(prompt_ids, max_new_tokens, temperature)
-    clock = _PhaseClock(target.device)
-    eos = {int(t) for t in eos_token_ids}
-    prompt_len = len(prompt_ids)
-    tokens: list[int] = []
-    rounds: list[RoundRecord] = []
-    if max_new_tokens == 0:
-        return DecodeResult(prompt_len, tokens, rounds, False, clock.finish())
+    request = SpeculativeRequest(
+        target, drafter, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature,
+        eos_token_ids=eos_token_ids, generator=generator,
+    )
+    while not request.done:
+        request.draft()
+        gamma = request.gamma
+        ell = gamma if choose_length is None else _checked_length(
+            choose_length(request.confidences, len(request.rounds)), gamma
+        )
+        request.verify(ell)
+    return request.result()
 
-    with clock("prefill"):
-        cache = target.new_cache()
-        out = target(_ids(prompt_ids, target.device), past_key_values=cache, use_cache=True, logits_to_keep=1)
-        ctx = drafter.new_context(1, target.device, capacity=prompt_len + max_new_tokens)
-        drafter.extend_context(ctx, out.features)  # context positions 0..P-1
-        anchor = _next_token(out.logits[:, -1], temperature, generator)  # x_0, [1]
-        tokens.append(int(anchor))
 
-    def done() -> bool:
-        return tokens[-1] in eos or len(tokens) >= max_new_tokens
+class SpeculativeRequest:
+    """One request's speculative decoding, stepped one round at a time (SPEC section 1).
 
-    while not done():
-        with clock("draft"):
-            proposal = drafter.propose(ctx, anchor, temperature=temperature, generator=generator)
-        gamma = proposal.tokens.shape[1]
-        confidences = None if proposal.confidences is None else proposal.confidences[0].tolist()
-        ell = gamma if choose_length is None else _checked_length(choose_length(confidences, len(rounds)), gamma)
+    The pieces of ``speculative_generate`` with the verification length chosen
+    from outside between ``draft`` and ``verify``, so that a serving loop
+    (``dspark.serving``) can step many requests in lockstep and let a scheduler
+    see all their confidences before any of them is verified. Every request
+    keeps its own target KV cache, drafter context and random generator;
+    verification runs per request (batch 1) with real rejection sampling.
+
+    Construction runs the prefill and emits x_0. Then, until ``done``::
+
+        proposal = request.draft()       # x_1..x_γ, their probabilities, c_1..c_γ
+        record = request.verify(ell)     # verify x_1..x_ℓ, 0 ≤ ℓ ≤ γ
+    and ``request.result()`` gives the DecodeResult.
+
+    Invariant at the start of every round: the target cache and the drafter
+    context both hold positions 0 .. P+n−2 (P prompt tokens, n tokens
+    generated so far), and the anchor x_0, the last generated token, sits at
+    position P+n−1. A round drafts x_1..x_γ from x_0, verifies x_0..x_ℓ in one
+    target forward, keeps x_0..x_m in the cache and in the drafter context
+    (with the features of that same forward) and makes the emitted next token
+    the new anchor.
+
+    Random draws, in order: x_0 at construction, then per round the drafts
+    (``draft``) and the acceptance tests and next token (``verify``), all from
+    ``generator``: the same generator state gives the same tokens whatever the
+    other requests of a batch do.
+
+    Arguments as in ``speculative_generate``.
+    """
+
+    @torch.no_grad()
+    def __init__(
+        self,
+        target: TargetModel,
+        drafter: Drafter,
+        prompt_ids: Sequence[int],
+        *,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        eos_token_ids: Iterable[int] = (),
+        generator: torch.Generator | None = None,
+    ) -> None:
+        _check_generate_args(prompt_ids, max_new_tokens, temperature)
+        self.target, self.drafter = target, drafter
+        self.max_new_tokens, self.temperature, self.generator = max_new_tokens, temperature, generator
+        self.eos = {int(t) for t in eos_token_ids}
+        self.prompt_len = len(prompt_ids)
+        self.tokens: list[int] = []
+        self.rounds: list[RoundRecord] = []
+        self.proposal: Proposal | None = None  # the pending draft, between draft() and verify()
+        self.clock = _PhaseClock(target.device)
+        if max_new_tokens == 0:
+            return
+        with self.clock("prefill"):
+            self.cache = target.new_cache()
+            out = target(_ids(prompt_ids, target.device), past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+            self.ctx = drafter.new_context(1, target.device, capacity=self.prompt_len + max_new_tokens)
+            drafter.extend_context(self.ctx, out.features)  # context positions 0..P-1
+            self.anchor = _next_token(out.logits[:, -1], temperature, generator)  # x_0, [1]
+            self.tokens.append(int(self.anchor))
+
+    @property
+    def done(self) -> bool:
+        """True once the last token is an EOS or max_new_tokens tokens exist."""
+        return len(self.tokens) >= self.max_new_tokens or self.tokens[-1] in self.eos
+
+    @property
+    def gamma(self) -> int:
+        """γ of the pending draft (call ``draft`` first)."""
+        return self._pending().tokens.shape[1]
+
+    @property
+    def confidences(self) -> list[float] | None:
+        """c_1..c_γ of the pending draft, None without a confidence head."""
+        c = self._pending().confidences
+        return None if c is None else c[0].tolist()
+
+    @torch.no_grad()
+    def draft(self) -> Proposal:
+        """Draft x_1..x_γ from the current anchor (SPEC 1, steps 2-4); kept until ``verify``."""
+        if self.done:
+            raise RuntimeError("draft() on a finished request; check request.done first")
+        if self.proposal is not None:
+            raise RuntimeError("draft() called twice without verify(); each round drafts once")
+        with self.clock("draft"):
+            self.proposal = self.drafter.propose(
+                self.ctx, self.anchor, temperature=self.temperature, generator=self.generator
+            )
+        return self.proposal
+
+    @torch.no_grad()
+    def verify(self, ell: int) -> RoundRecord:
+        """Verify the first ``ell`` drafts in one target forward (SPEC 1 step 6, SPEC 5).
+
+        Appends the accepted prefix and the next token to ``tokens`` (truncated at
+        max_new_tokens and after an EOS), and when the request goes on crops the
+        cache to x_0..x_m, extends the drafter context with their features and
+        makes the next token the anchor. Returns the round's record."""
+        proposal, gamma = self._pending(), self.gamma
+        if isinstance(ell, bool) or not isinstance(ell, (int, np.integer)) or not 0 <= int(ell) <= gamma:
+            raise ValueError(
+                f"verification length ell={ell!r} must be an int in 0..γ = 0..{gamma} (γ is the drafter's block size)"
+            )
+        ell = int(ell)
+        confidences = self.confidences
+        self.proposal = None
+        target, anchor = self.target, self.anchor
         draft = proposal.tokens[:, :ell]  # [1, ℓ]
 
-        with clock("verify"):  # positions P+n-1 .. P+n-1+ℓ; logits row k is p_t of x_{k+1}
-            out = target(torch.cat([anchor[:, None], draft], dim=1), past_key_values=cache, use_cache=True)
+        with self.clock("verify"):  # positions P+n-1 .. P+n-1+ℓ; logits row k is p_t of x_{k+1}
+            out = target(torch.cat([anchor[:, None], draft], dim=1), past_key_values=self.cache, use_cache=True)
 
-        with clock("accept"):
-            if temperature == 0:
+        with self.clock("accept"):
+            if self.temperature == 0:
                 num_accepted, next_token = greedy_verify(draft, out.logits)
             else:
-                target_probs = logits_to_probs(out.logits, temperature)  # [1, ℓ+1, V]
+                target_probs = logits_to_probs(out.logits, self.temperature)  # [1, ℓ+1, V]
                 num_accepted, next_token = rejection_sample(
-                    draft, proposal.probs[:, :ell], target_probs, generator=generator
+                    draft, proposal.probs[:, :ell], target_probs, generator=self.generator
                 )
             m, *drafted, nxt = torch.cat([num_accepted, draft[0], next_token]).tolist()  # one host sync
-            emitted = _through_first_eos(drafted[:m] + [nxt], eos)
-            rounds.append(RoundRecord(proposed=ell, accepted=min(m, len(emitted)), confidences=confidences))
-            tokens += emitted[: max_new_tokens - len(tokens)]
-        if done():
-            break
+            emitted = _through_first_eos(drafted[:m] + [nxt], self.eos)
+            record = RoundRecord(proposed=ell, accepted=min(m, len(emitted)), confidences=confidences)
+            self.rounds.append(record)
+            self.tokens += emitted[: self.max_new_tokens - len(self.tokens)]
+        if self.done:
+            return record
 
-        with clock("bookkeeping"):  # keep x_0..x_m, drop the rejected drafts
-            target.crop_cache(cache, prompt_len + len(tokens) - 1)
-            drafter.extend_context(ctx, out.features[:, : m + 1])
-            anchor = next_token
+        with self.clock("bookkeeping"):  # keep x_0..x_m, drop the rejected drafts
+            target.crop_cache(self.cache, self.prompt_len + len(self.tokens) - 1)
+            self.drafter.extend_context(self.ctx, out.features[:, : m + 1])
+            self.anchor = next_token
+        return record
 
-    return DecodeResult(prompt_len, tokens, rounds, tokens[-1] in eos, clock.finish())
+    def result(self) -> DecodeResult:
+        """The DecodeResult so far; timings["total"] is the wall clock since construction."""
+        finished = bool(self.tokens) and self.tokens[-1] in self.eos
+        return DecodeResult(self.prompt_len, list(self.tokens), list(self.rounds), finished, self.clock.finish())
+
+    def _pending(self) -> Proposal:
+        if self.proposal is None:
+            raise RuntimeError("no pending draft: call draft() before reading it or calling verify()")
+        return self.proposal
 
 
 @torch.no_grad()

@@ -20,6 +20,12 @@ report; with ``out_dir`` it also writes
 
 ``compare_reports`` puts several reports side by side as Table 1.
 
+With ``scheduler=...`` (``dspark eval --scheduler``) the requests of each
+benchmark run through the serving simulator's stepping loop
+(``dspark.serving.run_requests``): ``concurrency`` requests in lockstep, a
+verification-length policy choosing ℓ for all of them from their confidences,
+so rounds.jsonl and τ come out of the same code path as ``dspark simulate``.
+
 Under ``torchrun`` every rank decodes prompts ``rank::world`` of each
 benchmark; the records are gathered with ``all_gather_object``, every rank
 returns the same report, and rank 0 writes the files.
@@ -64,6 +70,8 @@ from dspark.metrics import (
     macro_average,
     summarize_rounds,
 )
+from dspark.scheduler import SPSTable
+from dspark.serving import Job, SimResult, make_policy, run_requests
 
 PathLike = Union[str, os.PathLike]
 DecodeFn = Callable[..., Any]
@@ -172,6 +180,24 @@ def _load_prompts(source: Path | list[Conversation], num_samples: int | None, se
     return [prompts[i] for i in chosen]
 
 
+def load_benchmark_prompts(
+    benchmarks: Mapping[str, PathLike | Sequence[Conversation]] | PathLike,
+    names: Sequence[str] | None = None,
+    num_samples: int | Mapping[str, int] | None = None,
+    seed: int = 0,
+) -> dict[str, list[Conversation]]:
+    """The first-user-turn prompts ``evaluate`` would decode: name -> seeded subset
+    (``resolve_benchmarks``, ``samples_per_benchmark``; missing files are skipped with a warning)."""
+    files, _ = resolve_benchmarks(benchmarks, names)
+    counts = samples_per_benchmark(list(files), num_samples)
+    return {name: _load_prompts(source, counts[name], seed) for name, source in files.items()}
+
+
+def default_eos_ids(target: Any, tokenizer: Any) -> list[int]:
+    """The ids that end a request by default: end-of-turn, tokenizer EOS and model EOS ids."""
+    return _default_eos_ids(target, tokenizer)
+
+
 def _default_eos_ids(target: Any, tokenizer: Any) -> list[int]:
     """The chat template's end-of-turn token, the tokenizer's and the model's EOS ids."""
     from dspark.data.generate import end_of_turn_token_ids
@@ -235,6 +261,9 @@ def evaluate(
     run_config: Any = None,
     decode_fn: DecodeFn = speculative_generate,
     baseline_fn: DecodeFn = target_generate,
+    scheduler: Any = None,
+    sps: SPSTable | PathLike | None = None,
+    concurrency: int = 1,
 ) -> dict[str, Any]:
     """Evaluate a drafter on the SPEC 6 benchmarks; returns the report (see the module docstring).
 
@@ -263,6 +292,18 @@ def evaluate(
             eos_token_ids, choose_length, generator) -> DecodeResult``.
         baseline_fn: ``(target, prompt_ids, *, max_new_tokens, temperature,
             eos_token_ids, generator) -> DecodeResult``.
+        scheduler: a verification-length policy (``dspark.serving.make_policy`` spec
+            such as "algorithm1", "async", "static1", "threshold:0.5", or a Policy).
+            The requests of each benchmark then run through the serving
+            simulator's stepping loop (``dspark.serving.run_requests``) with
+            ``concurrency`` slots, the policy seeing every live request's
+            confidences (calibrated with ``sts_temperatures``); rounds.jsonl
+            records the ℓ it chose as ``proposed`` (plus step and batch_tokens).
+            Requests keep their per-request seeds. ``decode_fn`` is then used
+            for the warm-up only, and ``choose_length`` must be None.
+        sps: the SPS table (or its JSON path) for policies that need one and for
+            the simulated throughput in ``report["serving"]``.
+        concurrency: requests decoded in lockstep with a scheduler (default 1).
     """
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
@@ -274,6 +315,11 @@ def evaluate(
             "the target has no tokenizer (target.tokenizer is None) and none was passed; "
             "pass tokenizer=... or load the target from a folder with tokenizer files"
         )
+    if scheduler is not None and choose_length is not None:
+        raise ValueError("pass either scheduler (a serving policy) or choose_length (a per-request hook), not both")
+    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+        raise ValueError(f"concurrency must be an int >= 1, got {concurrency!r}")
+    sps_table = SPSTable.from_json(sps) if isinstance(sps, (str, os.PathLike)) else sps
     files, skipped = resolve_benchmarks(benchmarks, names)
     counts = samples_per_benchmark(list(files), num_samples)
     eos = sorted(int(i) for i in eos_token_ids) if eos_token_ids is not None else _default_eos_ids(target, tokenizer)
@@ -285,9 +331,27 @@ def evaluate(
     decode_kwargs = dict(temperature=temperature, eos_token_ids=eos, max_new_tokens=max_new_tokens)
     records: list[dict[str, Any]] = []
     rounds: list[dict[str, Any]] = []
+    serving: dict[str, Any] = {}
     warmed = not warmup
     for name, source in files.items():
         conversations = _load_prompts(source, counts[name], seed)
+        if scheduler is not None:
+            mine = list(range(rank, len(conversations), world))
+            prompts = [render_prompt(tokenizer, conversations[i], enable_thinking=False) for i in mine]
+            if prompts and not warmed:
+                _warmup(target, drafter, prompts[0], decode_fn, baseline_fn if baseline else None,
+                        {**decode_kwargs, "max_new_tokens": min(WARMUP_TOKENS, max_new_tokens)}, None, device)
+                warmed = True
+            jobs = [Job(p, _request_seed(seed, name, i), (name, i)) for p, i in zip(prompts, mine)]
+            bench_records, bench_rounds, serving[name] = _run_scheduled(
+                target, drafter, jobs, scheduler, sps_table, concurrency, temps, device,
+                baseline_fn if baseline else None, decode_kwargs, progress=progress and rank == 0, desc=name,
+            )
+            for record in bench_records:
+                record["rank"] = rank
+            records += bench_records
+            rounds += bench_rounds
+            continue
         bar = tqdm(range(rank, len(conversations), world), desc=name, unit="req",
                    disable=not progress or rank != 0, dynamic_ncols=True)
         accepted_sum = num_rounds = 0
@@ -328,7 +392,9 @@ def evaluate(
         "seed": seed,
         "gamma": gamma,
         "baseline": baseline,
-        "scheduler": getattr(choose_length, "__name__", type(choose_length).__name__) if choose_length else None,
+        "scheduler": _scheduler_name(scheduler, concurrency, choose_length),
+        "concurrency": concurrency if scheduler is not None else None,
+        "sps": None if sps_table is None else sps_table.to_dict(),
         "sts_temperatures": None if temps is None else [float(t) for t in temps],
         "eos_token_ids": eos,
         "world_size": world,
@@ -344,6 +410,8 @@ def evaluate(
         skipped=skipped,
         temperatures=temps,
     )
+    if scheduler is not None:
+        report["serving"] = serving  # per benchmark on this rank: simulated Θ, τ, mean ℓ (dspark.serving)
     report["timings"]["wall_s"] = time.perf_counter() - started
     if out_dir is not None and rank == 0:
         write_outputs(out_dir, report, records, rounds, temperatures=temps)
@@ -423,15 +491,96 @@ def _run_request(
         "timings": dict(result.timings),
     }
     if baseline_fn is not None:
-        start = time.perf_counter()
-        base = baseline_fn(target, prompt_ids, generator=_generator(device, request_seed), **decode_kwargs)
-        record.update(
-            baseline_tokens=len(base.tokens),
-            baseline_wall_s=time.perf_counter() - start,
-            baseline_timings=dict(base.timings),
-            baseline_finished_by_eos=bool(base.finished_by_eos),
-        )
+        record.update(_run_baseline(target, prompt_ids, request_seed, device, baseline_fn, decode_kwargs))
     return record, rounds
+
+
+def _run_baseline(
+    target: Any, prompt_ids: Sequence[int], request_seed: int, device: Any, baseline_fn: DecodeFn,
+    decode_kwargs: dict[str, Any],
+) -> dict[str, Any]:
+    """Target-only decode of one prompt with the request's seed: the baseline_* fields of its record."""
+    start = time.perf_counter()
+    base = baseline_fn(target, prompt_ids, generator=_generator(device, request_seed), **decode_kwargs)
+    return dict(
+        baseline_tokens=len(base.tokens),
+        baseline_wall_s=time.perf_counter() - start,
+        baseline_timings=dict(base.timings),
+        baseline_finished_by_eos=bool(base.finished_by_eos),
+    )
+
+
+def _run_scheduled(
+    target: Any,
+    drafter: Any,
+    jobs: list[Job],
+    scheduler: Any,
+    sps_table: SPSTable | None,
+    concurrency: int,
+    temps: np.ndarray | None,
+    device: Any,
+    baseline_fn: DecodeFn | None,
+    decode_kwargs: dict[str, Any],
+    progress: bool,
+    desc: str,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
+    """One benchmark's requests through the serving loop under ``scheduler``: records, rounds, summary.
+
+    Every job runs to completion (the slots drain at the end). A request's
+    wall_s is the time of its own phases (prefill, draft, verify, ...), not
+    the time it waited while the other live requests were stepped."""
+    bar = tqdm(total=len(jobs), desc=desc, unit="req", disable=not progress, dynamic_ncols=True)
+
+    def on_step(result: SimResult) -> None:
+        bar.update(result.requests_finished - bar.n)
+        if result.request_steps:
+            bar.set_postfix(tau=f"{result.tau:.2f}", refresh=False)
+
+    sim = run_requests(target, drafter, jobs, concurrency=concurrency, policy=make_policy(scheduler, sps_table),
+                       sps=sps_table, sts_temperatures=temps, on_step=on_step, **decode_kwargs)
+    bar.update(len(jobs) - bar.n)
+    bar.close()
+    rounds = [
+        {
+            "benchmark": row["tag"][0],
+            "request": row["tag"][1],
+            "round": row["round"],
+            "proposed": row["proposed"],
+            "accepted": row["accepted"],
+            "confidences": None if row["confidences"] is None else [float(c) for c in row["confidences"]],
+            "step": row["step"],
+            "batch_tokens": row["batch_tokens"],
+        }
+        for row in sim.rounds
+    ]
+    rounds.sort(key=lambda r: (r["request"], r["round"]))
+    records = []
+    for info, job in zip(sim.requests, jobs):
+        out = info["result"]
+        record: dict[str, Any] = {
+            "benchmark": job.tag[0],
+            "request": job.tag[1],
+            "prompt_tokens": len(job.prompt_ids),
+            "tokens": len(out.tokens),
+            "rounds": len(out.rounds),
+            "tau": 1 + sum(r.accepted for r in out.rounds) / len(out.rounds) if out.rounds else None,
+            "finished_by_eos": bool(out.finished_by_eos),
+            "wall_s": info["timings"]["total"],
+            "timings": dict(info["timings"]),
+        }
+        if baseline_fn is not None:
+            record.update(_run_baseline(target, job.prompt_ids, job.seed, device, baseline_fn, decode_kwargs))
+        records.append(record)
+    return records, rounds, sim.summary()
+
+
+def _scheduler_name(scheduler: Any, concurrency: int, choose_length: Any) -> str | None:
+    if scheduler is not None:
+        name = scheduler if isinstance(scheduler, str) else getattr(scheduler, "name", type(scheduler).__name__)
+        return f"{name} (serving loop, R = {concurrency})"
+    if choose_length is not None:
+        return getattr(choose_length, "__name__", type(choose_length).__name__)
+    return None
 
 
 def _gather(records: list, rounds: list, world: int) -> tuple[list, list]:
@@ -850,8 +999,10 @@ def plot_reliability(
 __all__ = [
     "build_report",
     "compare_reports",
+    "default_eos_ids",
     "evaluate",
     "evaluate_from_config",
+    "load_benchmark_prompts",
     "load_report",
     "plot_acceptance",
     "plot_reliability",

@@ -81,5 +81,5 @@ def test_train_step_quick_prints_time_and_memory_ratios(runs):
     assert len(rows) == 1, rows
     (row,) = rows
     assert len(row) == len(header), (header, row)
-    for column in ("time c/n", "mem c/n", "chunked pos/s", "naive pos/s"):
+    for column in ("time f/n", "time c/n", "mem f/n", "mem c/n", "fused pos/s", "chunked pos/s", "naive pos/s"):
         assert _positive_finite(row[header.index(column)]), (column, row)

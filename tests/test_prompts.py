@@ -16,7 +16,7 @@ from dspark.data.prompts import (
     prompt_only,
 )
 
-EVAL_DIR = Path("/work/shared/eval_datasets")
+EVAL_DIR = Path(__file__).resolve().parents[2] / "shared" / "eval_datasets"  # ../shared beside the repo
 EVAL_FILES = [
     "gsm8k", "math500", "aime25", "humaneval", "mbpp",
     "livecodebench", "mt-bench", "alpaca", "arena-hard-v2",

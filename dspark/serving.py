@@ -1,0 +1,681 @@
+"""Serving simulator: R concurrent requests, a verification-length policy and a profiled clock.
+
+What it computes (SPEC 7, paper Section 3.2.2, Section 5.2 and Figure 8):
+R requests decode in lockstep. At every step each live request drafts a
+block (real drafter, ``SpeculativeRequest.draft``), a *policy* picks the
+verification lengths ℓ_r of all live requests at once from their
+(STS-calibrated) confidences, and every request verifies its ℓ_r drafts
+(real target forward, real rejection sampling, ``SpeculativeRequest.verify``).
+The target's batch at that step holds B = Σ_r (1 + ℓ_r) tokens, and the step
+is charged 1 / SPS(B) simulated seconds from a profiled ``SPSTable``
+(``dspark.sps.profile_sps``). Token throughput Θ = tokens emitted /
+simulated seconds.
+
+What is real and what is modelled:
+
+- real: every draft token, every confidence, every acceptance decision, so τ
+  and the lengths the policy picks are those of the actual models;
+- modelled: time. A step costs (1 + draft_overhead) / SPS(B), i.e. the
+  drafter's own time is ignored by default (``draft_overhead = 0``) or taken
+  as a constant fraction of the verification step; prefills are not charged
+  (as in decode-throughput measurements), and the tokens they emit (x_0) are
+  not counted in Θ. Verification runs per request here (batch 1), so the wall
+  clock of the simulation says nothing about serving speed; only the SPS
+  clock does.
+
+Concurrency: R slots. A request that finishes frees its slot and the next
+request takes it at the next step. ``simulate`` either cycles the prompt
+list (``cycle=True``, the default: request i uses prompt i mod N, so exactly
+R requests are live at every step, and the run stops once ``num_requests``
+requests have finished; requests still running then count with the tokens
+they produced) or runs every prompt once (``cycle=False``: the slots drain at
+the end, so the last steps have fewer than R live requests). Every request
+draws from its own generator, seeded by its index, so its tokens do not
+depend on the order in which requests are stepped.
+
+Policies (``make_policy``; a spec string, or any callable
+``(request_ids, confidences [R, γ]) -> lengths [R]``):
+
+- ``algorithm1``        Algorithm 1 with the early-stopping break
+                        (``scheduler.schedule_prefix``), lossless;
+- ``async``             the production variant of Section 5.2
+                        (``scheduler.AsyncPrefixScheduler``): capacity K from
+                        the confidences of two steps earlier by an
+                        unconstrained search, top-K admission by the current
+                        a_{r,j}; ``async:K0`` sets the capacity used while no
+                        request has a two-step-old draft (default 0);
+- ``static1``           ℓ = 1 for every request (MTP-1-like);
+- ``static``            ℓ = γ (verify every draft); ``static:<ℓ>`` any fixed ℓ;
+- ``threshold:<a>``     ℓ_r = #{j : a_{r,j} ≥ a} (``scheduler.threshold_lengths``).
+
+Every one of them decides whether x_{r,k} is verified without looking at
+x_{r,k} itself, so decoding stays lossless (SPEC 7.2, 7.3).
+
+The budget reported per request-step is mean ℓ_r (draft tokens sent to the
+target) and mean (1 + ℓ_r) (target tokens per request, the quantity of the
+paper's Fig. 8 c-d, where MTP-1 sits at a static 2).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+import numpy as np
+import torch
+
+from dspark.calibration import apply_temperatures
+from dspark.decoding import SpeculativeRequest
+from dspark.scheduler import (
+    AsyncPrefixScheduler,
+    SPSTable,
+    schedule_prefix,
+    threshold_lengths,
+)
+
+__all__ = [
+    "Job",
+    "Policy",
+    "POLICY_HELP",
+    "SimResult",
+    "make_policy",
+    "run_requests",
+    "simulate",
+    "simulate_grid",
+    "results_markdown",
+    "plot_figure8",
+    "write_results",
+]
+
+PathLike = Union[str, os.PathLike]
+# (request ids of the R live requests, confidences [R, γ]) -> lengths int [R] in 0..γ
+LengthFn = Callable[[Sequence[Hashable], np.ndarray], Any]
+
+POLICY_HELP = "algorithm1, async[:K0], static1, static[:ℓ], threshold:<a>"
+
+
+# ---------------------------------------------------------------------------
+# Policies
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class Policy:
+    """A verification-length policy: ``policy(request_ids, confidences)`` -> lengths int64 [R].
+
+    name: the spec it was made from (for tables and logs).
+    needs_confidences: whether it reads the confidences (the drafter must
+        have a confidence head); static policies read only their shape.
+    choose: the function; ``confidences`` is float64 [R, γ] (calibrated when
+        STS temperatures are given, NaN when the drafter has none).
+    """
+
+    name: str
+    needs_confidences: bool
+    choose: LengthFn
+
+    def __call__(self, request_ids: Sequence[Hashable], confidences: np.ndarray) -> np.ndarray:
+        return self.choose(request_ids, confidences)
+
+
+def make_policy(spec: str | Policy | LengthFn, sps: SPSTable | None = None) -> Policy:
+    """A fresh Policy from a spec string (see the module docstring) or a callable.
+
+    Stateful policies (``async``) keep per-request history, so make one per run.
+    ``sps`` is required by ``algorithm1`` and ``async``."""
+    if isinstance(spec, Policy):
+        return spec
+    if callable(spec):
+        return Policy(getattr(spec, "__name__", type(spec).__name__), True, spec)
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"policy must be a non-empty string ({POLICY_HELP}) or a callable, got {spec!r}")
+    name = spec.strip()
+    kind, _, arg = name.partition(":")
+    kind = kind.lower()
+
+    def needs_sps() -> SPSTable:
+        if sps is None:
+            raise ValueError(f"policy {name!r} needs an SPS table (--sps FILE from `dspark profile-sps`)")
+        return sps
+
+    if kind == "algorithm1" and not arg:
+        table = needs_sps()
+        return Policy(name, True, lambda ids, c: schedule_prefix(c, table, early_stop=True))
+    if kind == "async":
+        default = _parse_number(arg, name, int) if arg else 0
+        if default < 0:
+            raise ValueError(f"policy {name!r}: the default capacity K0 must be >= 0")
+        scheduler = AsyncPrefixScheduler(needs_sps(), default_capacity=default)
+        return Policy(name, True, lambda ids, c: scheduler.step(ids, c))
+    if kind == "static1" and not arg:
+        return Policy(name, False, lambda ids, c: np.full(c.shape[0], min(1, c.shape[1]), dtype=np.int64))
+    if kind == "static":
+        if not arg:
+            return Policy(name, False, lambda ids, c: np.full(c.shape[0], c.shape[1], dtype=np.int64))
+        ell = _parse_number(arg, name, int)
+        if ell < 0:
+            raise ValueError(f"policy {name!r}: ℓ must be >= 0")
+
+        def static(ids: Sequence[Hashable], c: np.ndarray) -> np.ndarray:
+            if ell > c.shape[1]:
+                raise ValueError(f"policy {name!r} asks for ℓ = {ell} but the drafter's block size γ is {c.shape[1]}")
+            return np.full(c.shape[0], ell, dtype=np.int64)
+
+        return Policy(name, False, static)
+    if kind == "threshold" and arg:
+        threshold = _parse_number(arg, name, float)
+        if not 0.0 <= threshold <= 1.0:
+            raise ValueError(f"policy {name!r}: the threshold must be in [0, 1]")
+        return Policy(name, True, lambda ids, c: threshold_lengths(c, threshold))
+    raise ValueError(f"unknown policy {spec!r}; choose from {POLICY_HELP}")
+
+
+def _parse_number(text: str, name: str, kind: type) -> Any:
+    try:
+        return kind(text)
+    except ValueError:
+        raise ValueError(f"policy {name!r}: cannot read {text!r} as {kind.__name__}") from None
+
+
+# ---------------------------------------------------------------------------
+# Results
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class Job:
+    """One request to serve: its prompt ids, the seed of its generator, and a tag
+    (any JSON-able value, e.g. (benchmark, index)) copied into its log lines."""
+
+    prompt_ids: Sequence[int]
+    seed: int
+    tag: Any = None
+
+
+@dataclass
+class SimResult:
+    """What one serving run returns.
+
+    Counts over the steps of the run (a step = every live request drafts and verifies once):
+      steps; sim_time_s = Σ_steps (1 + draft_overhead) / SPS(B) (NaN without a table);
+      tokens = tokens emitted by verification (x_0 of each prefill excluded);
+      request_steps = Σ_steps live requests (= rounds); accepted = Σ m; proposed = Σ ℓ;
+      batch_tokens = Σ_steps B; live_time_s = Σ_steps live · step time (for per-user speed).
+    requests: one dict per request admitted, in admission order: index, tag, prompt_tokens,
+      tokens (count), rounds (count), finished; once finished also finished_by_eos,
+      timings (its own phases) and result (its DecodeResult).
+    rounds: one dict per round (step, request, tag, round, proposed, accepted, emitted,
+      confidences (raw c_1..c_γ or None), expected_accepted (Σ_{j≤ℓ} a_j of the
+      confidences the policy saw, None without), batch_tokens).
+    step_log: one dict per step (step, live, batch_tokens, step_time_s, tokens).
+    """
+
+    policy: str
+    concurrency: int
+    steps: int = 0
+    sim_time_s: float = 0.0
+    tokens: int = 0
+    request_steps: int = 0
+    accepted: int = 0
+    proposed: int = 0
+    batch_tokens: int = 0
+    live_time_s: float = 0.0
+    wall_s: float = 0.0
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    rounds: list[dict[str, Any]] = field(default_factory=list)
+    step_log: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def throughput(self) -> float:
+        """Θ: tokens per simulated second."""
+        return self.tokens / self.sim_time_s if self.sim_time_s > 0 else math.nan
+
+    @property
+    def tau(self) -> float:
+        """Mean accepted + 1 per request-step (pooled over rounds)."""
+        return 1 + self.accepted / self.request_steps if self.request_steps else math.nan
+
+    @property
+    def mean_ell(self) -> float:
+        """Mean verification length ℓ_r per request-step (draft tokens verified)."""
+        return self.proposed / self.request_steps if self.request_steps else math.nan
+
+    @property
+    def budget_tokens(self) -> float:
+        """Mean 1 + ℓ_r: target tokens per request per step (paper Fig. 8 c-d)."""
+        return 1 + self.mean_ell
+
+    @property
+    def mean_batch_tokens(self) -> float:
+        """Mean B per step."""
+        return self.batch_tokens / self.steps if self.steps else math.nan
+
+    @property
+    def tokens_per_s_per_user(self) -> float:
+        """Tokens per simulated second of a live request (Θ / R when R requests are always live)."""
+        return self.tokens / self.live_time_s if self.live_time_s > 0 else math.nan
+
+    @property
+    def requests_finished(self) -> int:
+        return sum(1 for r in self.requests if r["finished"])
+
+    def summary(self) -> dict[str, Any]:
+        """The scalar results as a dict (what results.json and the tables hold)."""
+        return {
+            "policy": self.policy,
+            "concurrency": self.concurrency,
+            "throughput": self.throughput,
+            "tau": self.tau,
+            "mean_ell": self.mean_ell,
+            "budget_tokens": self.budget_tokens,
+            "tokens_per_s_per_user": self.tokens_per_s_per_user,
+            "mean_batch_tokens": self.mean_batch_tokens,
+            "steps": self.steps,
+            "sim_time_s": self.sim_time_s,
+            "tokens": self.tokens,
+            "request_steps": self.request_steps,
+            "accepted": self.accepted,
+            "proposed": self.proposed,
+            "requests_admitted": len(self.requests),
+            "requests_finished": self.requests_finished,
+            "wall_s": self.wall_s,
+        }
+
+
+# ---------------------------------------------------------------------------
+# The stepping loop
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class _Live:
+    index: int
+    job: Job
+    request: SpeculativeRequest
+
+
+@torch.no_grad()
+def run_requests(
+    target: Any,
+    drafter: Any,
+    jobs: Iterable[Job],
+    *,
+    concurrency: int,
+    policy: str | Policy | LengthFn,
+    sps: SPSTable | None,
+    sts_temperatures: Sequence[float] | None = None,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    eos_token_ids: Iterable[int] = (),
+    stop_after_finished: int | None = None,
+    draft_overhead: float = 0.0,
+    on_step: Callable[[SimResult], None] | None = None,
+) -> SimResult:
+    """Serve ``jobs`` with ``concurrency`` slots under ``policy``; the stepping loop of the simulator.
+
+    Requests are admitted in the order of ``jobs`` whenever a slot is free
+    (prefill on admission). Each step: every live request drafts, the policy
+    picks ℓ_r for all of them from the confidences (calibrated with
+    ``sts_temperatures`` when given), every request verifies ℓ_r drafts, the
+    step is charged (1 + draft_overhead) / SPS(B) with B = Σ_r (1 + ℓ_r)
+    (no charge and a NaN clock without ``sps``), finished requests leave.
+    Stops when ``jobs`` is exhausted and every request has finished, or as
+    soon as ``stop_after_finished`` requests have finished (for an endless
+    ``jobs`` iterator). ``on_step`` is called with the result after each step.
+    """
+    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+        raise ValueError(f"concurrency must be an int >= 1, got {concurrency!r}")
+    if not math.isfinite(draft_overhead) or draft_overhead < 0:
+        raise ValueError(
+            f"draft_overhead must be a finite number >= 0 (a fraction of the step time), got {draft_overhead!r}"
+        )
+    policy = make_policy(policy, sps)
+    temps = None if sts_temperatures is None else np.asarray(sts_temperatures, dtype=np.float64).ravel()
+    eos = [int(t) for t in eos_token_ids]
+    device = torch.device(getattr(target, "device", "cpu"))
+    result = SimResult(policy=policy.name, concurrency=concurrency)
+    started = time.perf_counter()
+    pending: Iterator[Job] = iter(jobs)
+    exhausted = False
+    live: list[_Live] = []
+    admitted = finished = 0
+
+    def finish(entry: _Live) -> None:
+        nonlocal finished
+        finished += 1
+        out = entry.request.result()
+        info = result.requests[entry.index]
+        info.update(tokens=len(out.tokens), rounds=len(out.rounds), finished=True,
+                    finished_by_eos=out.finished_by_eos, timings=_phases(out.timings), result=out)
+
+    while True:
+        while len(live) < concurrency and not exhausted and not _stop(finished, stop_after_finished):
+            job = next(pending, None)
+            if job is None:
+                exhausted = True
+                break
+            generator = torch.Generator(device=device).manual_seed(int(job.seed))
+            request = SpeculativeRequest(target, drafter, job.prompt_ids, max_new_tokens=max_new_tokens,
+                                         temperature=temperature, eos_token_ids=eos, generator=generator)
+            entry = _Live(admitted, job, request)
+            admitted += 1
+            result.requests.append({"index": entry.index, "tag": job.tag, "prompt_tokens": len(job.prompt_ids),
+                                    "tokens": len(request.tokens), "rounds": 0, "finished": False})
+            if request.done:  # max_new_tokens <= 1, or x_0 is an EOS: no round at all
+                finish(entry)
+            else:
+                live.append(entry)
+        if not live or _stop(finished, stop_after_finished):
+            break
+
+        for entry in live:
+            entry.request.draft()
+        raw = [entry.request.confidences for entry in live]
+        gamma = live[0].request.gamma
+        conf = _confidence_matrix(raw, gamma, temps, policy)  # [R, γ]
+        lengths = _checked_lengths(policy([e.index for e in live], conf), len(live), gamma, policy.name)
+        batch = int(len(live) + lengths.sum())
+        step_time = _step_time(sps, batch, draft_overhead)
+        a = np.cumprod(conf, axis=1)  # [R, γ], NaN without confidences
+
+        step_tokens = 0
+        for row, (entry, ell) in enumerate(zip(live, lengths.tolist())):
+            before = len(entry.request.tokens)
+            record = entry.request.verify(ell)
+            emitted = len(entry.request.tokens) - before
+            step_tokens += emitted
+            result.accepted += record.accepted
+            expected = float(a[row, :ell].sum()) if raw[row] is not None else None
+            result.rounds.append({
+                "step": result.steps, "request": entry.index, "tag": entry.job.tag,
+                "round": len(entry.request.rounds) - 1, "proposed": record.proposed, "accepted": record.accepted,
+                "emitted": emitted, "confidences": record.confidences, "expected_accepted": expected,
+                "batch_tokens": batch,
+            })
+            result.requests[entry.index].update(tokens=len(entry.request.tokens), rounds=len(entry.request.rounds))
+        result.step_log.append({"step": result.steps, "live": len(live), "batch_tokens": batch,
+                                "step_time_s": step_time, "tokens": step_tokens})
+        result.steps += 1
+        result.sim_time_s += step_time
+        result.live_time_s += step_time * len(live)
+        result.tokens += step_tokens
+        result.request_steps += len(live)
+        result.proposed += int(lengths.sum())
+        result.batch_tokens += batch
+        still = []
+        for entry in live:
+            if entry.request.done:
+                finish(entry)
+            else:
+                still.append(entry)
+        live = still
+        if on_step is not None:
+            on_step(result)
+
+    result.wall_s = time.perf_counter() - started
+    return result
+
+
+def _stop(finished: int, stop_after: int | None) -> bool:
+    return stop_after is not None and finished >= stop_after
+
+
+def _phases(timings: Mapping[str, float]) -> dict[str, float]:
+    """Per-phase seconds of one request; "total" becomes the sum of its own phases
+    (its wall clock since admission would include the other requests' turns)."""
+    phases = {k: float(v) for k, v in timings.items() if k != "total"}
+    return {**phases, "total": sum(phases.values())}
+
+
+def _confidence_matrix(
+    raw: Sequence[list[float] | None], gamma: int, temps: np.ndarray | None, policy: Policy
+) -> np.ndarray:
+    """[R, γ] float64: the confidences the policy sees (STS-calibrated), NaN rows without a head."""
+    if any(c is None for c in raw):
+        if policy.needs_confidences:
+            raise ValueError(
+                f"policy {policy.name!r} schedules by confidence but the drafter returns none "
+                "(no confidence head); use a static policy (static1, static, static:<ℓ>)"
+            )
+        return np.full((len(raw), gamma), np.nan)
+    conf = np.asarray(raw, dtype=np.float64)  # [R, γ]
+    if temps is not None:
+        if temps.size != gamma:
+            raise ValueError(f"sts_temperatures has {temps.size} values but the drafter's block size γ is {gamma}")
+        conf = apply_temperatures(conf, temps)
+    return conf
+
+
+def _checked_lengths(lengths: Any, rows: int, gamma: int, name: str) -> np.ndarray:
+    out = np.asarray(lengths)
+    if out.shape != (rows,) or (out.size and not np.all(out == np.round(out))):
+        raise ValueError(f"policy {name!r} must return {rows} integer lengths, got {lengths!r}")
+    out = out.astype(np.int64)
+    if out.size and (out.min() < 0 or out.max() > gamma):
+        raise ValueError(f"policy {name!r} returned lengths {out.tolist()}; each must be in 0..γ = 0..{gamma}")
+    return out
+
+
+def _step_time(sps: SPSTable | None, batch: int, draft_overhead: float) -> float:
+    if sps is None:
+        return math.nan
+    speed = float(sps(batch))
+    if not speed > 0:
+        raise ValueError(
+            f"a step needs B = {batch} batch tokens but the SPS table stops at max_batch_tokens = "
+            f"{sps.max_batch_tokens}; profile larger batches (dspark profile-sps --batch-tokens ...) "
+            "or lower the concurrency"
+        )
+    return (1.0 + draft_overhead) / speed
+
+
+def job_seed(seed: int, index: int) -> int:
+    """The generator seed of request ``index`` of a run seeded with ``seed``."""
+    return (int(seed) * 1_000_003 + 7_919 * int(index) + 1) % (2**63)
+
+
+def simulate(
+    target: Any,
+    drafter: Any,
+    prompts: Sequence[Sequence[int]],
+    *,
+    concurrency: int,
+    policy: str | Policy | LengthFn,
+    sps: SPSTable,
+    sts_temperatures: Sequence[float] | None = None,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    seed: int = 0,
+    eos_token_ids: Iterable[int] = (),
+    cycle: bool = True,
+    num_requests: int | None = None,
+    draft_overhead: float = 0.0,
+    on_step: Callable[[SimResult], None] | None = None,
+) -> SimResult:
+    """Simulate serving ``prompts`` (token-id lists) at concurrency R under ``policy``.
+
+    ``cycle=True``: request i uses prompt i mod N and exactly R requests are
+    live at every step; the run stops once ``num_requests`` requests have
+    finished (default max(N, R)). ``cycle=False``: every prompt is served once
+    (``num_requests`` must be None) and the last steps run with fewer live
+    requests. Request i draws from a generator seeded with ``job_seed(seed, i)``.
+    See ``run_requests`` for one step and the module docstring for the model.
+    """
+    if not prompts:
+        raise ValueError("prompts is empty; give at least one prompt (a list of token ids)")
+    if not isinstance(sps, SPSTable):
+        raise ValueError(f"sps must be an SPSTable (SPSTable.from_json('sps.json')), got {type(sps).__name__}")
+    prompts = [list(p) for p in prompts]
+    if cycle:
+        stop = max(len(prompts), concurrency) if num_requests is None else num_requests
+        if isinstance(stop, bool) or not isinstance(stop, int) or stop < 1:
+            raise ValueError(f"num_requests must be an int >= 1, got {num_requests!r}")
+
+        def endless() -> Iterator[Job]:
+            i = 0
+            while True:
+                yield Job(prompts[i % len(prompts)], job_seed(seed, i), i % len(prompts))
+                i += 1
+
+        jobs: Iterable[Job] = endless()
+    else:
+        if num_requests is not None:
+            raise ValueError("num_requests applies to cycle=True only; without cycling every prompt runs once")
+        stop = None
+        jobs = [Job(p, job_seed(seed, i), i) for i, p in enumerate(prompts)]
+    return run_requests(
+        target, drafter, jobs, concurrency=concurrency, policy=policy, sps=sps, sts_temperatures=sts_temperatures,
+        max_new_tokens=max_new_tokens, temperature=temperature, eos_token_ids=eos_token_ids,
+        stop_after_finished=stop, draft_overhead=draft_overhead, on_step=on_step,
+    )
+
+
+def simulate_grid(
+    target: Any,
+    drafter: Any,
+    prompts: Sequence[Sequence[int]],
+    *,
+    concurrencies: Sequence[int],
+    policies: Sequence[str],
+    progress: Callable[[SimResult], None] | None = None,
+    **kwargs: Any,
+) -> list[SimResult]:
+    """``simulate`` for every (policy, concurrency) pair, each with a fresh policy and the same
+    seed (so every cell serves the same requests with the same random streams).
+    ``progress`` is called with each finished result."""
+    results = []
+    for spec in policies:
+        for concurrency in concurrencies:
+            result = simulate(target, drafter, prompts, concurrency=concurrency, policy=spec, **kwargs)
+            results.append(result)
+            if progress is not None:
+                progress(result)
+    return results
+
+
+# ---------------------------------------------------------------------------
+# Tables, plots, files
+# ---------------------------------------------------------------------------
+
+
+def _fmt(x: Any, digits: int = 2) -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "–"
+    if isinstance(x, (int, np.integer)):
+        return str(int(x))
+    return f"{float(x):.{digits}f}"
+
+
+def results_markdown(results: Sequence[SimResult]) -> str:
+    """One row per (policy, concurrency): Θ, τ, mean ℓ, 1 + ℓ, per-user speed, mean B, counts."""
+    header = ["policy", "R", "Θ tok/s", "τ", "mean ℓ", "1+ℓ", "tok/s/user", "mean B", "steps", "tokens",
+              "finished"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in results:
+        row = [r.policy, str(r.concurrency), _fmt(r.throughput, 1), _fmt(r.tau), _fmt(r.mean_ell),
+               _fmt(r.budget_tokens), _fmt(r.tokens_per_s_per_user, 1), _fmt(r.mean_batch_tokens, 1),
+               str(r.steps), str(r.tokens), f"{r.requests_finished}/{len(r.requests)}"]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _new_figure(figsize: tuple[float, float]):
+    # A Figure with its own Agg canvas: no pyplot state, no display needed.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=figsize)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _by_policy(results: Sequence[SimResult]) -> dict[str, list[SimResult]]:
+    groups: dict[str, list[SimResult]] = {}
+    for r in results:
+        groups.setdefault(r.policy, []).append(r)
+    return {p: sorted(rs, key=lambda r: r.concurrency) for p, rs in groups.items()}
+
+
+def plot_figure8(results: Sequence[SimResult], path: PathLike, title: str = "") -> None:
+    """Paper Fig. 8 as a PNG: throughput Θ (top) and target tokens per request 1 + ℓ (bottom)
+    against concurrency, one line per policy."""
+    fig = _new_figure((6.0, 6.4))
+    top, bottom = fig.add_subplot(2, 1, 1), fig.add_subplot(2, 1, 2, sharex=None)
+    for index, (policy, rs) in enumerate(_by_policy(results).items()):
+        xs = [r.concurrency for r in rs]
+        style = dict(marker="o", color=f"C{index}", label=policy)
+        top.plot(xs, [r.throughput for r in rs], **style)
+        bottom.plot(xs, [r.budget_tokens for r in rs], **style)
+    ticks = sorted({r.concurrency for r in results})
+    for ax in (top, bottom):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ticks, [str(t) for t in ticks])
+        ax.grid(alpha=0.3)
+        ax.set_xlabel("concurrent requests R")
+    top.set_ylabel("throughput Θ (tokens / simulated s)")
+    bottom.set_ylabel("verification budget 1 + ℓ (tokens / request / step)")
+    bottom.set_ylim(bottom=0)
+    top.legend(fontsize=8)
+    top.set_title(title or "Load-adaptive throughput and verification budget (cf. paper Fig. 8)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(os.fspath(path), format="png", dpi=100)
+
+
+def plot_frontier(results: Sequence[SimResult], path: PathLike) -> None:
+    """Paper Fig. 7 as a PNG: throughput against per-user speed, one line per policy (points = R)."""
+    fig = _new_figure((5.5, 4.0))
+    ax = fig.add_subplot(1, 1, 1)
+    for index, (policy, rs) in enumerate(_by_policy(results).items()):
+        ax.plot([r.tokens_per_s_per_user for r in rs], [r.throughput for r in rs], marker="o",
+                color=f"C{index}", label=policy)
+        for r in rs:
+            ax.annotate(f"R={r.concurrency}", (r.tokens_per_s_per_user, r.throughput), fontsize=6)
+    ax.set_xlabel("tokens / simulated s / user")
+    ax.set_ylabel("throughput Θ (tokens / simulated s)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title("Throughput vs per-user speed (cf. paper Fig. 7)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(os.fspath(path), format="png", dpi=100)
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, Mapping):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple, np.ndarray)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, (bool, np.bool_)):
+        return bool(obj)
+    if isinstance(obj, (int, np.integer)):
+        return int(obj)
+    if isinstance(obj, (float, np.floating)):
+        return float(obj) if math.isfinite(obj) else None
+    if isinstance(obj, (str, type(None))):
+        return obj
+    return str(obj)
+
+
+def write_results(out_dir: PathLike, results: Sequence[SimResult], config: Mapping[str, Any] | None = None) -> Path:
+    """Write results.json (config + summaries), results.md, rounds.jsonl (every round of
+    every run, with policy and concurrency), figure8.png and frontier.png; returns the folder."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    data = {"config": dict(config or {}), "results": [r.summary() for r in results]}
+    with (out / "results.json").open("w", encoding="utf-8") as f:
+        json.dump(_jsonable(data), f, indent=2, ensure_ascii=False, allow_nan=False)
+        f.write("\n")
+    (out / "results.md").write_text("# Serving simulation\n\n" + results_markdown(results), encoding="utf-8")
+    with (out / "rounds.jsonl").open("w", encoding="utf-8") as f:
+        for r in results:
+            for row in r.rounds:
+                line = {"policy": r.policy, "concurrency": r.concurrency, **row}
+                f.write(json.dumps(_jsonable(line), ensure_ascii=False) + "\n")
+    plot_figure8(results, out / "figure8.png")
+    plot_frontier(results, out / "frontier.png")
+    return out
