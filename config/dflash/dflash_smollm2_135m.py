@@ -42,12 +42,12 @@ config = Config(
         grad_clip=1.0,
         global_batch_size=8,
         micro_batch_size=4,
-        epochs=4,
+        epochs=1.25,
         mixed_precision="no",  # fp32 on CPU
         compile=False,
         save_every=200,
-        eval_every=50,
-        log_every=5,
+        eval_every=8,
+        log_every=2,
     ),
     eval=EvalConfig(temperature=1.0, max_new_tokens=128, num_samples=2, data_dir="../shared/eval_datasets"),
 )
