@@ -572,32 +572,34 @@ class Trainer:
         last_ckpt = None
         if self.step == 0 and self.eval_data is not None and len(self.eval_data) and tc.eval_every:
             self._log({"step": 0, "wall_min": 0.0, **self.evaluate()})
+        stopped_on_time = False
         while self.step < end:
             rec = self.train_step()
             window_anchors += rec["anchors"]
             window_tokens += rec["tokens"]
             wall = self.wall_offset + time.perf_counter() - self._t0
             rec["wall_min"] = round(wall / 60, 4)
-            if self.step % tc.log_every == 0 or self.step == end:
+            out_of_time = bool(tc.max_wall_minutes) and wall / 60 >= tc.max_wall_minutes
+            if self.step % tc.log_every == 0 or self.step == end or out_of_time:
                 dt = max(1e-9, time.perf_counter() - window_t)
                 rec["anchors_per_s"] = round(window_anchors / dt, 2)
                 rec["anchor_positions_per_s"] = round(window_anchors * self.drafter.config.block_size / dt, 2)
                 rec["tokens_per_s"] = round(window_tokens / dt, 2)
                 window_t, window_anchors, window_tokens = time.perf_counter(), 0.0, 0.0
-                if tc.eval_every and (self.step % tc.eval_every == 0 or self.step == total):
+                if tc.eval_every and (self.step % tc.eval_every == 0 or self.step == total or out_of_time):
                     rec.update(self.evaluate())
                 self._log(rec)
             bar.set_postfix(loss=f"{rec['loss']:.3f}", tau=f"{rec['tau_prob']:.2f}", lr=f"{rec['lr']:.1e}")
             bar.update(1)
-            out_of_time = tc.max_wall_minutes and wall / 60 >= tc.max_wall_minutes
             if self.step % tc.save_every == 0 or self.step == total or out_of_time:
                 last_ckpt = self.save_checkpoint()
             if out_of_time:
+                stopped_on_time = True
                 if self.rank == 0:
                     log.info("stopping at step %d: train.max_wall_minutes=%s reached", self.step, tc.max_wall_minutes)
                 break
         bar.close()
-        if self.step >= total:
+        if self.step >= total or stopped_on_time:  # the drafter a run ends with (not a simulated kill)
             drafter_state = self.drafter_state_dict() if self.fsdp else None
             if self.rank == 0:
                 save_drafter(self.drafter, self.out_dir / "drafter", state_dict=drafter_state)

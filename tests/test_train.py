@@ -147,3 +147,11 @@ def test_fused_and_generic_loss_paths_give_the_same_step(tiny_qwen3, tmp_path):
     assert grads[0][0] == pytest.approx(grads[1][0], rel=1e-5)
     for k in grads[0][1]:
         torch.testing.assert_close(grads[0][1][k], grads[1][1][k], rtol=1e-4, atol=1e-7)
+
+
+def test_a_run_stopped_by_its_time_budget_keeps_its_drafter(tiny_qwen3, tmp_path):
+    t = tiny_trainer(tiny_qwen3, str(tmp_path / "cap"), max_wall_minutes=1e-9, save_every=100)
+    t.fit()
+    assert t.step == 1  # stopped after the first step
+    assert (tmp_path / "cap" / "drafter" / "model.safetensors").is_file()
+    assert latest_checkpoint(tmp_path / "cap").name == "step-0000001"
