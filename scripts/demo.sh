@@ -2,7 +2,7 @@
 # The main job on the embedded default target, SmolLM2-135M-Instruct, end to end on CPU:
 # regenerate answers -> render + fp8 feature cache -> train DSpark and DFlash with the same
 # budget -> evaluate both on the nine benchmarks (T=1.0 and greedy) -> Table-1-style report.
-#   bash scripts/demo.sh          about 35 minutes on 2 CPU cores
+#   bash scripts/demo.sh          35-60 minutes on 2 CPU cores
 #   bash scripts/demo.sh --long   four times the training budget and more evaluation prompts
 source "$(dirname "$0")/setup_env.sh"
 
