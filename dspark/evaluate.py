@@ -71,6 +71,7 @@ from dspark.metrics import (
     summarize_rounds,
 )
 from dspark.scheduler import SPSTable
+from dspark.jsonutil import to_jsonable
 from dspark.serving import Job, SimResult, make_policy, run_requests
 
 PathLike = Union[str, os.PathLike]
@@ -867,27 +868,12 @@ def report_markdown(report: Mapping[str, Any]) -> str:
 # ---------------------------------------------------------------------------
 
 
-def _jsonable(obj: Any) -> Any:
-    """NaN/inf -> null, numpy scalars -> Python, tuples -> lists: strict JSON."""
-    if isinstance(obj, Mapping):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple, np.ndarray)):
-        return [_jsonable(v) for v in obj]
-    if isinstance(obj, (bool, np.bool_)):
-        return bool(obj)
-    if isinstance(obj, (int, np.integer)):
-        return int(obj)
-    if isinstance(obj, (float, np.floating)):
-        return float(obj) if math.isfinite(obj) else None
-    if isinstance(obj, Path):
-        return str(obj)
-    return obj
 
 
 def _write_jsonl(path: Path, rows: Sequence[Mapping[str, Any]]) -> None:
     with path.open("w", encoding="utf-8") as f:
         for row in rows:
-            f.write(json.dumps(_jsonable(row), ensure_ascii=False) + "\n")
+            f.write(json.dumps(to_jsonable(row), ensure_ascii=False) + "\n")
 
 
 def write_outputs(
@@ -903,7 +889,7 @@ def write_outputs(
     _write_jsonl(out / "rounds.jsonl", rounds)
     _write_jsonl(out / "requests.jsonl", records)
     with (out / "report.json").open("w", encoding="utf-8") as f:
-        json.dump(_jsonable(report), f, indent=2, ensure_ascii=False, allow_nan=False)
+        json.dump(to_jsonable(report), f, indent=2, ensure_ascii=False, allow_nan=False)
         f.write("\n")
     (out / "report.md").write_text(report_markdown(report), encoding="utf-8")
     plot_acceptance(report, out / "acceptance.png")

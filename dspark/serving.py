@@ -71,6 +71,7 @@ import numpy as np
 import torch
 
 from dspark.calibration import apply_temperatures
+from dspark.jsonutil import to_jsonable
 from dspark.decoding import SpeculativeRequest
 from dspark.scheduler import (
     AsyncPrefixScheduler,
@@ -645,20 +646,6 @@ def plot_frontier(results: Sequence[SimResult], path: PathLike) -> None:
     fig.savefig(os.fspath(path), format="png", dpi=100)
 
 
-def _jsonable(obj: Any) -> Any:
-    if isinstance(obj, Mapping):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple, np.ndarray)):
-        return [_jsonable(v) for v in obj]
-    if isinstance(obj, (bool, np.bool_)):
-        return bool(obj)
-    if isinstance(obj, (int, np.integer)):
-        return int(obj)
-    if isinstance(obj, (float, np.floating)):
-        return float(obj) if math.isfinite(obj) else None
-    if isinstance(obj, (str, type(None))):
-        return obj
-    return str(obj)
 
 
 def write_results(out_dir: PathLike, results: Sequence[SimResult], config: Mapping[str, Any] | None = None) -> Path:
@@ -668,14 +655,14 @@ def write_results(out_dir: PathLike, results: Sequence[SimResult], config: Mappi
     out.mkdir(parents=True, exist_ok=True)
     data = {"config": dict(config or {}), "results": [r.summary() for r in results]}
     with (out / "results.json").open("w", encoding="utf-8") as f:
-        json.dump(_jsonable(data), f, indent=2, ensure_ascii=False, allow_nan=False)
+        json.dump(to_jsonable(data), f, indent=2, ensure_ascii=False, allow_nan=False)
         f.write("\n")
     (out / "results.md").write_text("# Serving simulation\n\n" + results_markdown(results), encoding="utf-8")
     with (out / "rounds.jsonl").open("w", encoding="utf-8") as f:
         for r in results:
             for row in r.rounds:
                 line = {"policy": r.policy, "concurrency": r.concurrency, **row}
-                f.write(json.dumps(_jsonable(line), ensure_ascii=False) + "\n")
+                f.write(json.dumps(to_jsonable(line), ensure_ascii=False) + "\n")
     plot_figure8(results, out / "figure8.png")
     plot_frontier(results, out / "frontier.png")
     return out

@@ -281,7 +281,7 @@ class Drafter(nn.Module):
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         B = ctx.batch_size
         device = ctx.lengths.device
-        L, gamma = self.config.block_len, self.config.block_size
+        L = self.config.block_len
         S = int(ctx.lengths.max())
         ctx_kv = [(k[:, :, :S], v[:, :, :S]) for k, v in zip(ctx.keys, ctx.values)]
         mask = None
