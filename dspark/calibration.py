@@ -215,18 +215,21 @@ def confidence_metrics(
     for k in range(gamma):
         p = a[valid[:, k], k]
         y = label[valid[:, k], k]
-        out.append(
-            {
-                "position": k + 1,
-                "count": int(p.size),
-                "ece": ece(p, y, n_bins),
-                "auroc": roc_auc(p, y),
-                "brier": brier(p, y),
-                "mean_pred": float(p.mean()) if p.size else float("nan"),
-                "mean_label": float(y.mean()) if y.size else float("nan"),
-            }
-        )
+        out.append(_position_metrics(k + 1, p, y, n_bins))
     return out
+
+
+def _position_metrics(position: int, p: np.ndarray, y: np.ndarray, n_bins: int) -> dict[str, float]:
+    """ECE / ROC-AUC / Brier and the means of predictions p against labels y at one position."""
+    return {
+        "position": position,
+        "count": int(p.size),
+        "ece": ece(p, y, n_bins),
+        "auroc": roc_auc(p, y),
+        "brier": brier(p, y),
+        "mean_pred": float(p.mean()) if p.size else float("nan"),
+        "mean_label": float(y.mean()) if y.size else float("nan"),
+    }
 
 
 # ----------------------------------------------------------------------------
@@ -508,15 +511,7 @@ def conditional_metrics(conf: Any, accepted: Any, proposed: Any, n_bins: int = 2
     for k in range(1, gamma + 1):
         rows = (ell >= k) & (m >= k - 1)
         p, y = c[rows, k - 1], m[rows] >= k
-        out.append({
-            "position": k,
-            "count": int(p.size),
-            "ece": ece(p, y, n_bins),
-            "auroc": roc_auc(p, y),
-            "brier": brier(p, y),
-            "mean_pred": float(p.mean()) if p.size else float("nan"),
-            "mean_label": float(y.mean()) if y.size else float("nan"),
-        })
+        out.append(_position_metrics(k, p, y, n_bins))
     return out
 
 
