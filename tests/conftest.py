@@ -129,6 +129,16 @@ def make_tiny_target(
 
 
 @pytest.fixture
+def one_thread():
+    """torch on one thread for the test: tiny models are dispatch-bound, and on a shared
+    2-core CPU two threads spin against other processes (20x slower seen here)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
 def make_target() -> Callable[..., TargetModel]:
     """The :func:`make_tiny_target` factory, for tests that need a variant."""
     return make_tiny_target

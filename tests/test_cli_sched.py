@@ -13,7 +13,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from conftest import make_tiny_target
 from dspark.calibration import roc_auc, split_rounds_by_request
@@ -30,12 +29,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SPS = SPSTable(list(range(1, 33)), [100.0 / b**0.6 for b in range(1, 33)], 32)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 # --------------------------------------------------------------------------- calibrate

@@ -25,13 +25,7 @@ PROMPTS = ([3, 17, 42, 5, 99], [7], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21,
 SMOLLM2_CONFIG = Path(__file__).resolve().parents[1] / "config" / "dspark" / "dspark_smollm2_135m.py"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models are dispatch-bound: one thread avoids spin contention on the shared 2-core CPU."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 # --------------------------------------------------------------------------- drafters

@@ -30,13 +30,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 DECAYING = SPSTable(list(range(1, 65)), [100.0 / b**0.6 for b in range(1, 65)], 64)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models are dispatch-bound: one thread avoids spin contention on the shared 2-core CPU."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 class ScriptedDrafter:

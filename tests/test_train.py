@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import make_tiny_target
-from train_helpers import synthetic_samples, tiny_trainer
+from train_helpers import run_torchrun, synthetic_samples, tiny_trainer
 
 from dspark.train import latest_checkpoint, lr_lambda, tau_probabilistic
 
@@ -120,10 +120,7 @@ def test_torchrun_two_ranks_equal_one_process(tmp_path):
     one = tmp_path / "one"
     two = tmp_path / "two"
     subprocess.run([sys.executable, str(worker), str(one), "2"], check=True, env=env, timeout=300)
-    subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(worker), str(two), "1"],
-        check=True, env=env, timeout=300,
-    )
+    run_torchrun(worker, [two, 1])
     a = torch.load(one / "params.pt", weights_only=True)
     b = torch.load(two / "params.pt", weights_only=True)
     start = tiny_trainer(make_tiny_target("qwen3"), str(tmp_path / "start"))

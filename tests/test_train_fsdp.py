@@ -3,15 +3,12 @@ exact resume, plain drafter checkpoints. One torchrun launch (tests/fsdp_worker.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import make_tiny_target
-from train_helpers import synthetic_samples, tiny_trainer
+from train_helpers import run_torchrun, synthetic_samples, tiny_trainer
 
 from dspark.data.dataset import RenderedSource
 from dspark.modeling import load_drafter
@@ -22,10 +19,7 @@ def runs(tmp_path_factory) -> Path:
     """Output root of the 2-rank FSDP worker (see its docstring for what is inside)."""
     root = tmp_path_factory.mktemp("fsdp")
     worker = Path(__file__).with_name("fsdp_worker.py")
-    subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(worker), str(root)],
-        check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300,
-    )
+    run_torchrun(worker, [root])
     return root
 
 

@@ -46,3 +46,29 @@ def tiny_trainer(target, out_dir: str, samples=None, **train_overrides):
     drafter = build_drafter(config, target)
     data = RenderedSource(samples if samples is not None else synthetic_samples(target.vocab_size))
     return Trainer(config, target, drafter, data, progress=False)
+
+
+def run_torchrun(worker, args, timeout: float = 150.0, attempts: int = 2) -> None:
+    """Run `worker args` on 2 local ranks (gloo). A launch that hangs (seen once on a loaded
+    sandbox: one rank orphaned while the other waited) is killed as a process group and
+    retried once; a worker that fails is an error at once."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(worker), *map(str, args)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for attempt in range(attempts):
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            if attempt + 1 == attempts:
+                raise
+            continue
+        if code != 0:
+            raise subprocess.CalledProcessError(code, cmd)
+        return
