@@ -8,7 +8,8 @@ of the pieces they use, and prints the medians, their ratio and the breakdown
 of a round:
 
     draft backbone   Drafter.propose minus its sequential stage
-    sequential loop  Drafter.sample_block (Eq. 4 left-to-right sampling + confidences)
+    sequential loop  Drafter.sample_block (Eq. 4 left-to-right sampling + confidences;
+                     for DFlash (--config config/dflash/...) only the per-position sampling)
     verification     the target forward over x_0..x_γ (with the LM head on all 8 rows)
     acceptance       target probabilities + rejection sampling (mean per round)
     bookkeeping      target cache crop + drafter context extend
@@ -16,7 +17,13 @@ of a round:
 A random-init drafter is enough: only the cost matters, so every round verifies
 all γ drafts (τ ≈ 1 and the rounds do not end early).
 
-    .venv/bin/python bench/decode_round.py [--rounds 30] [--temperature 1.0]
+Both dtypes are measured by default, each against its own target-only steps:
+float32 (the library default) and bfloat16 (what `--dtype auto` decodes in on a
+CPU with native bf16, and on GPUs). bfloat16 is skipped with a note on a CPU
+without native bf16, where oneDNN emulates it.
+
+    .venv/bin/python bench/decode_round.py [--rounds 30] [--threads 2] [--dtypes float32 bfloat16]
+                                           [--temperature 1.0] [key=value config overrides ...]
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from dspark.build import build_drafter, load_target
+from dspark.build import build_drafter, cpu_has_native_bf16, load_target
 from dspark.config import load_config
 from dspark.decoding import speculative_generate, target_generate
 
@@ -74,18 +81,8 @@ def ms(seconds: float) -> str:
     return f"{1e3 * seconds:8.2f} ms"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=30, help="rounds (and target-only steps) to measure")
-    parser.add_argument("--chunk", type=int, default=5, help="rounds / steps per alternating chunk")
-    parser.add_argument("--warmup", type=int, default=1, help="chunks run before measuring")
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: leave torch's)")
-    args = parser.parse_args()
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-
-    config = load_config(CONFIG)
+def measure(config, args) -> dict[str, float]:
+    """Time target-only steps and speculative rounds with the target and drafter of `config`."""
     target = load_target(config)
     drafter = build_drafter(config, target)
     gamma = drafter.config.block_size
@@ -94,23 +91,23 @@ def main() -> None:
     )["input_ids"]
     generator = torch.Generator().manual_seed(0)
     print(
-        f"torch {torch.__version__}, threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f} "
-        f"on {os.cpu_count()} CPUs, target SmolLM2-135M fp32, drafter {config.drafter.num_draft_layers} layers "
-        f"γ={gamma}, prompt {len(prompt)} tokens, T={args.temperature}"
+        f"\n== target SmolLM2-135M {config.target.dtype}, {config.drafter.variant} drafter "
+        f"{config.drafter.num_draft_layers} layers "
+        f"{config.drafter.dtype}, γ={gamma}, prompt {len(prompt)} tokens, T={args.temperature}"
     )
-    if os.getloadavg()[0] > os.cpu_count():
-        print("warning: other processes share these CPUs; multi-threaded matmuls then stall and timings are unreliable")
 
     # Target-only steps and speculative rounds are measured in alternating chunks, so that
-    # both see the same load on a shared machine. Every forward of target_generate after
-    # its prefill is one step; a round runs from one propose() call to the next.
+    # both see the same load on a shared machine. Both are measured start to start: a step
+    # runs from one decoding forward of target_generate to the next (forward, sampling,
+    # loop), a round from one propose() call to the next.
     steps, rounds = [], []
     parts: dict[str, list[float]] = {name: [] for name in PARTS}
     chunks = -(-args.rounds // args.chunk)
     for chunk in range(args.warmup + chunks):
         timed = TimedTarget(target)
-        target_generate(timed, prompt, max_new_tokens=args.chunk + 1, temperature=args.temperature, generator=generator)
-        timed_steps = timed.forward.seconds[1:]
+        target_generate(timed, prompt, max_new_tokens=args.chunk + 2, temperature=args.temperature, generator=generator)
+        starts = timed.forward.starts[1:]  # decoding forwards (after the prefill)
+        timed_steps = [b - a for a, b in zip(starts, starts[1:])]  # forward + sampling + loop, like a round
 
         timed = TimedTarget(target)
         propose = CallTimes(drafter.propose)
@@ -146,6 +143,46 @@ def main() -> None:
         print(f"  {name:16s} {ms(seconds)}  {100 * seconds / round_time:5.1f} %")
     rest = round_time - sum(medians.values())
     print(f"  {'rest':16s} {ms(rest)}  {100 * rest / round_time:5.1f} %  (python, hooks, rounding of medians)")
+    verify = medians["verification"]
+    return {"step": step, "round": round_time, "verify": verify, "draft": medians["draft backbone"] + medians["sequential loop"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=30, help="rounds (and target-only steps) to measure")
+    parser.add_argument("--chunk", type=int, default=5, help="rounds / steps per alternating chunk")
+    parser.add_argument("--warmup", type=int, default=1, help="chunks run before measuring")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: leave torch's)")
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"],
+                        help="target and drafter dtypes to measure, one run each")
+    parser.add_argument("--config", default=str(CONFIG), help="drafter config (default: the DSpark SmolLM2 one)")
+    parser.add_argument("overrides", nargs="*", help="config overrides, e.g. drafter.num_draft_layers=1")
+    args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    print(
+        f"torch {torch.__version__}, threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f} "
+        f"on {os.cpu_count()} CPUs, native bf16: {cpu_has_native_bf16()}"
+    )
+    if os.getloadavg()[0] > os.cpu_count():
+        print("warning: other processes share these CPUs; multi-threaded matmuls then stall and timings are unreliable")
+
+    results = {}
+    for dtype in args.dtypes:
+        if dtype == "bfloat16" and not cpu_has_native_bf16():
+            print("\n== bfloat16 skipped: this CPU has no native bf16 (AVX512-BF16 / AMX), oneDNN would emulate it")
+            continue
+        config = load_config(args.config, [*args.overrides, f"target.dtype={dtype}", f"drafter.dtype={dtype}"])
+        results[dtype] = measure(config, args)
+
+    print("\n== summary (ratios are what matter; the machine is shared)")
+    print(f"{'dtype':10s} {'step ms':>9s} {'round ms':>9s} {'verify/step':>12s} {'draft/step':>11s} {'round/step':>11s}")
+    for dtype, r in results.items():
+        print(
+            f"{dtype:10s} {1e3 * r['step']:9.2f} {1e3 * r['round']:9.2f} {r['verify'] / r['step']:12.2f} "
+            f"{r['draft'] / r['step']:11.2f} {r['round'] / r['step']:11.2f}"
+        )
 
 
 if __name__ == "__main__":

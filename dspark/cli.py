@@ -9,6 +9,9 @@ import sys
 
 # dspark.serving.POLICY_HELP, repeated so that `dspark --help` does not import torch.
 POLICY_HELP = "algorithm1, async[:K0], static1, static[:ℓ], threshold:<a>"
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+DTYPE_HELP = ("dtype of the target and the drafter (default auto: bfloat16 on a GPU or on a CPU with native bf16, "
+              "else float32)")
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -141,7 +144,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     import torch
 
-    from dspark.build import DTYPES
+    from dspark.build import resolve_dtype
     from dspark.evaluate import evaluate
     from dspark.modeling import load_drafter
     from dspark.modeling.checkpoint import read_config
@@ -150,11 +153,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     rank, world, device = setup_distributed()
     dcfg = read_config(args.draft)
-    target = TargetModel.from_pretrained(args.target, dcfg.target_layer_ids, dtype=DTYPES[args.dtype], device=device,
+    dtype = resolve_dtype(args.dtype, device)
+    target = TargetModel.from_pretrained(args.target, dcfg.target_layer_ids, dtype=dtype, device=device,
                                          trust_remote_code=args.trust_remote_code)
     overrides = {"block_size": args.block_size} if args.block_size else {}
-    drafter = load_drafter(args.draft, target, dtype=torch.float32 if args.dtype == "float32" else DTYPES[args.dtype],
-                           device=device, **overrides)
+    drafter = load_drafter(args.draft, target, dtype=dtype, device=device, **overrides)
     drafter.eval()
     if args.builtin_eval:
         from dspark.data.prompts import builtin_eval_sets
@@ -199,25 +202,25 @@ def _load_target_and_drafter(args: argparse.Namespace):
     """The target and the drafter of --draft DIR (trained) or --config FILE (freshly initialised)."""
     import torch
 
-    from dspark.build import DTYPES, build_drafter
+    from dspark.build import build_drafter, dtype_name, resolve_dtype
     from dspark.config import apply_overrides, load_config
     from dspark.modeling import load_drafter
     from dspark.modeling.checkpoint import read_config
     from dspark.target import TargetModel
 
     device = _device(args.device)
-    dtype = DTYPES[args.dtype]
+    dtype = resolve_dtype(args.dtype, device)
     if args.draft:
         dcfg = read_config(args.draft)
         target = TargetModel.from_pretrained(args.target, dcfg.target_layer_ids, dtype=dtype, device=device,
                                              trust_remote_code=args.trust_remote_code)
         overrides = {"block_size": args.block_size} if args.block_size else {}
-        drafter = load_drafter(args.draft, target, dtype=torch.float32 if args.dtype == "float32" else dtype,
-                               device=device, **overrides)
+        drafter = load_drafter(args.draft, target, dtype=dtype, device=device, **overrides)
         origin = f"loaded from {args.draft}"
     elif args.config:
         config = load_config(args.config, [f"target.name_or_path={args.target}", f"target.device={device}",
-                                           f"target.dtype={args.dtype}"])
+                                           f"target.dtype={dtype_name(dtype)}",
+                                           f"drafter.dtype={'float32' if dtype == torch.float16 else dtype_name(dtype)}"])
         if args.block_size:
             config = apply_overrides(config, [f"drafter.block_size={args.block_size}"])
         target = TargetModel.from_pretrained(args.target, config.drafter.target_layer_ids, dtype=dtype, device=device,
@@ -234,7 +237,7 @@ def cmd_profile_sps(args: argparse.Namespace) -> int:
 
     import torch
 
-    from dspark.build import DTYPES
+    from dspark.build import dtype_name, resolve_dtype
     from dspark.sps import DEFAULT_BATCH_TOKENS, profile_sps_runs, write_profile
     from dspark.target import TargetModel
 
@@ -246,11 +249,12 @@ def cmd_profile_sps(args: argparse.Namespace) -> int:
 
         layer_ids = list(read_config(args.draft).target_layer_ids)
     device = _device(args.device)
-    target = TargetModel.from_pretrained(args.target, layer_ids, dtype=DTYPES[args.dtype], device=device,
+    dtype = resolve_dtype(args.dtype, device)
+    target = TargetModel.from_pretrained(args.target, layer_ids, dtype=dtype, device=device,
                                          trust_remote_code=args.trust_remote_code)
     sizes = _split_list(args.batch_tokens, int, "--batch-tokens") if args.batch_tokens else list(DEFAULT_BATCH_TOKENS)
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
-    print(f"profiling {args.target} on {device} ({args.dtype}, {torch.get_num_threads()} threads, "
+    print(f"profiling {args.target} on {device} ({dtype_name(dtype)}, {torch.get_num_threads()} threads, "
           f"load average {'/'.join(f'{x:.2f}' for x in load) if load else 'n/a'}), context {args.context_len}, "
           f"B = {sizes}", flush=True)
 
@@ -451,7 +455,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     p.add_argument("--block-size", type=int, default=0, help="override the drafter's γ")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="float32", choices=sorted(["float32", "bfloat16", "float16"]))
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--no-baseline", action="store_true", help="skip target-only decoding (no speedup figures)")
     p.add_argument("--label", default="", help="row label in the report tables")
@@ -476,7 +480,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=5, help="timed forwards per B (the median is kept)")
     p.add_argument("--draft", default="", help="a drafter folder, to capture its target layers as verification does")
     p.add_argument("--device", default="", help="default: cuda if available, else cpu")
-    p.add_argument("--dtype", default="float32", choices=sorted(["float32", "bfloat16", "float16"]))
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--trust-remote-code", action="store_true")
     p.set_defaults(func=cmd_profile_sps)
@@ -505,7 +509,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=0, help="override the drafter's γ")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="", help="default: cuda if available, else cpu")
-    p.add_argument("--dtype", default="float32", choices=sorted(["float32", "bfloat16", "float16"]))
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--out", required=True, help="output folder")

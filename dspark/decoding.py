@@ -52,6 +52,8 @@ def logits_to_probs(logits: Tensor, temperature: float) -> Tensor:
             f"temperature must be a finite number > 0, got {temperature!r}; "
             "for temperature 0 (greedy) take the argmax of the logits and verify with greedy_verify"
         )
+    if value == 1.0:  # no scaled copy of a [.., V] tensor at the default temperature
+        return torch.softmax(logits, dim=-1, dtype=torch.float32)
     return torch.softmax(logits.float() / value, dim=-1)
 
 

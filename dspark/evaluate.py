@@ -384,6 +384,7 @@ def evaluate(
     gamma = _gamma_of(drafter) or _infer_gamma(rounds)
     config = {
         "target": _target_name(target),
+        "dtype": str(getattr(target, "dtype", "unknown")).removeprefix("torch."),
         "drafter": _drafter_summary(drafter),
         "benchmarks": {n: str(p) if isinstance(p, Path) else f"<{len(p)} prompts in memory>"
                        for n, p in files.items()},
@@ -800,7 +801,7 @@ def report_markdown(report: Mapping[str, Any]) -> str:
     lines = [
         f"# Evaluation: {report['label']}",
         "",
-        f"target `{cfg.get('target')}`, γ = {gamma}, T = {cfg.get('temperature')}, "
+        f"target `{cfg.get('target')}` ({cfg.get('dtype', 'dtype not recorded')}), γ = {gamma}, T = {cfg.get('temperature')}, "
         f"max_new_tokens = {cfg.get('max_new_tokens')}, seed = {cfg.get('seed')}, "
         f"scheduler = {cfg.get('scheduler') or 'off (ℓ = γ)'}, ranks = {cfg.get('world_size', 1)}.",
     ]

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from dspark import hub
+from dspark.ops import vocab_logits
 
 logger = logging.getLogger(__name__)
 
@@ -231,7 +232,13 @@ class TargetModel(nn.Module):
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """[..., d] final-normed hidden -> [..., V] logits, with final_logit_softcapping if the family has it."""
-        logits = self._parts.lm_head(hidden)
+        head = self._parts.lm_head
+        bias = getattr(head, "bias", None)
+        plain = type(head) is nn.Linear and bias is None and not head._forward_hooks and not head._forward_pre_hooks
+        if plain and not hasattr(head, "_hf_hook"):  # no offloading hooks: use the CPU-friendly kernel choice
+            logits = vocab_logits(hidden, head.weight)
+        else:
+            logits = head(hidden)
         cap = self.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

@@ -130,7 +130,11 @@ def load_drafter(
     if target is not None:
         drafter.attach_target(target)
     elif all(k in state for k in SHARED_PARAMS):
-        drafter.attach_shared(state["embed_tokens.weight"].to(device, dtype), state["lm_head.weight"].to(device, dtype))
+        # Copies into freshly allocated memory: the file's tensors are views of the memory-mapped
+        # file at arbitrary offsets, which would keep the file mapped and, misaligned, steer CPU
+        # kernels to other (numerically different) code paths than a freshly built drafter takes.
+        shared = [state[name].to(device, dtype, copy=True) for name in SHARED_PARAMS]
+        drafter.attach_shared(*shared)
     else:
         log.warning("%s holds no embedding / LM head and no target was given: call attach_target() before use", folder)
     return drafter
