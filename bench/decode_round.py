@@ -86,8 +86,11 @@ def measure(config, args) -> dict[str, float]:
     target = load_target(config)
     drafter = build_drafter(config, target)
     gamma = drafter.config.block_size
+    text = PROMPT
+    while len(target.tokenizer(text)["input_ids"]) < args.prompt_tokens:  # a longer context, same question
+        text = f"{text} {PROMPT}"
     prompt = target.tokenizer.apply_chat_template(
-        [{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=True
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
     )["input_ids"]
     generator = torch.Generator().manual_seed(0)
     print(
@@ -156,6 +159,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: leave torch's)")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"],
                         help="target and drafter dtypes to measure, one run each")
+    parser.add_argument("--prompt-tokens", type=int, default=0,
+                        help="repeat the prompt to at least this many tokens (default: one copy, ~50 tokens)")
     parser.add_argument("--config", default=str(CONFIG), help="drafter config (default: the DSpark SmolLM2 one)")
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. drafter.num_draft_layers=1")
     args = parser.parse_args()

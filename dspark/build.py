@@ -23,8 +23,8 @@ def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:
 
     "auto" picks what the hardware runs fastest without losing range: bfloat16 on
     a GPU that supports it (float16 on older ones), bfloat16 on a CPU with native
-    bf16 (a speculative round there costs 1.58 target steps against 1.70 in fp32,
-    and a target step is 1.6x faster: `bench/decode_round.py`), float32 otherwise.
+    bf16 (there a target step is 1.5x faster than in fp32 and a speculative round
+    costs about 1.5 steps against 1.74: `bench/decode_round.py`), float32 otherwise.
     Speculative decoding is lossless with respect to the target run in that dtype.
     """
     if name != "auto":

@@ -361,3 +361,30 @@ def test_smollm2_greedy_chat_continuation_is_text(smollm2_target):
     text = tok.decode(generated, skip_special_tokens=True)
     print(f"\nSmolLM2 greedy: {text!r}")
     assert re.search(r"[A-Za-z]{3}", text)
+
+
+def test_loaded_cpu_weights_are_aligned_and_stay_tied(tmp_path, tiny_qwen3):
+    """from_pretrained copies weights that are views into the mapped safetensors file (8-byte
+    aligned) into aligned memory: same values, tied embedding/LM head still one tensor."""
+    tiny_qwen3.model.save_pretrained(tmp_path / "tiny")
+    loaded = TargetModel.from_pretrained(str(tmp_path / "tiny"), [0, 2, 3])
+    assert all(p.data_ptr() % 64 == 0 for p in loaded.model.parameters())
+    assert loaded.tie_word_embeddings
+    for (name, p), (_, q) in zip(tiny_qwen3.model.named_parameters(), loaded.model.named_parameters()):
+        assert torch.equal(p, q), name
+    ids = _ids(tiny_qwen3, 2, 6)
+    torch.testing.assert_close(loaded(ids).logits, tiny_qwen3(ids).logits, rtol=0, atol=0)
+
+
+def test_own_cpu_memory_moves_only_misaligned_tensors():
+    from dspark.target import _own_cpu_memory
+
+    layer = torch.nn.Linear(6, 4)
+    buffer = torch.zeros(30)
+    view = buffer[1:25].view(4, 6)  # 4 bytes past an aligned start
+    view.copy_(layer.weight.detach())
+    layer.weight.data = view
+    bias_ptr = layer.bias.data_ptr()
+    assert _own_cpu_memory(layer) == 1
+    assert layer.weight.data_ptr() % 64 == 0 and torch.equal(layer.weight, buffer[1:25].view(4, 6))
+    assert layer.bias.data_ptr() == bias_ptr  # already aligned: left where it was
