@@ -142,8 +142,6 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    import torch
-
     from dspark.build import resolve_dtype
     from dspark.evaluate import evaluate
     from dspark.modeling import load_drafter

@@ -17,6 +17,7 @@ from typing import Any
 
 from dspark.config import Config
 from dspark.data.dataset import CachedSource, RenderedSource, load_rendered, save_rendered
+from dspark.fsutil import atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -106,9 +107,8 @@ def prepare(config: Config, target: Any, *, build_cache: bool | None = None, pro
         samples, rstats = render_dataset(target.tokenizer, convs, config.data.max_length, min_loss_tokens=config.data.min_loss_tokens, progress=progress)
         save_rendered(samples, rendered)
         train_idx, hold_idx = split_indices(len(samples), config.data.holdout_fraction, config.seed)
-        tmp = split.with_name(split.name + ".tmp")
-        tmp.write_text(json.dumps({"train": train_idx, "holdout": hold_idx, "render": asdict(rstats) if hasattr(rstats, "__dataclass_fields__") else dict(rstats.__dict__)}))
-        os.replace(tmp, split)
+        render_stats = asdict(rstats) if hasattr(rstats, "__dataclass_fields__") else dict(rstats.__dict__)
+        atomic_write_text(split, json.dumps({"train": train_idx, "holdout": hold_idx, "render": render_stats}))
     stats["split"] = {k: len(v) if isinstance(v, list) else v for k, v in json.loads(split.read_text()).items()}
 
     cache_path = None

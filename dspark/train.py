@@ -45,6 +45,7 @@ from torch import Tensor, nn
 from dspark.config import Config
 from dspark.data.anchors import block_labels, sample_anchors, target_positions
 from dspark.data.dataset import SampleSource, collate
+from dspark.fsutil import atomic_write_text, replace_dir
 from dspark.loss import LossWeights, dspark_loss, fused_dspark_loss
 from dspark.modeling import Drafter, load_drafter, save_drafter
 
@@ -201,10 +202,6 @@ def lr_lambda(total_steps: int, warmup_ratio: float, min_ratio: float) -> Callab
 
 
 # ------------------------------------------------------------- checkpoints
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def latest_checkpoint(out_dir: str | os.PathLike) -> Path | None:
@@ -494,13 +491,11 @@ class Trainer:
                     "config": self.config.to_dict(),
                 }
                 torch.save(state, tmp / "trainer_state.pt")
-                if final.exists():
-                    shutil.rmtree(final)
-                os.replace(tmp, final)
+                replace_dir(tmp, final)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
-            _atomic_write_text(ckpt_root / LATEST, name)
+            atomic_write_text(ckpt_root / LATEST, name)
             self._prune(ckpt_root)
         if self.distributed:
             dist.barrier()

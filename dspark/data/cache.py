@@ -89,6 +89,8 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from dspark.fsutil import atomic_write_bytes, fsync_dir
+
 __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
@@ -385,15 +387,6 @@ class Manifest:
 
 
 # --------------------------------------------------------------- file writing
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 class _ShardWriter:
     """Streams records into ``shard-k.bin.tmp``, hashing as it goes; ``finish`` moves it into place."""
 
@@ -422,8 +415,9 @@ class _ShardWriter:
         os.fsync(self.file.fileno())
         self.file.close()
         os.replace(self.tmp, self.path)
+        fsync_dir(self.folder)
         index = np.asarray(self.rows, dtype="<i8").reshape(-1, 3).tobytes()
-        _write_atomic(self.folder / _index_name(self.k), index)
+        atomic_write_bytes(self.folder / _index_name(self.k), index)
         return ShardInfo(
             file=self.path.name,
             bytes=self.offset,
@@ -676,7 +670,7 @@ def build_cache(
                 manifest.samples_sha256 = digest.hexdigest()
                 manifest.complete = last
                 manifest.created["updated"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-                _write_atomic(folder / MANIFEST, manifest.to_json().encode())
+                atomic_write_bytes(folder / MANIFEST, manifest.to_json().encode())
             if last:
                 break
     finally:
@@ -686,7 +680,7 @@ def build_cache(
     if not manifest.complete:  # no samples at all, or a resume whose last shard was already final
         manifest.complete = True
         manifest.samples_sha256 = digest.hexdigest()
-        _write_atomic(folder / MANIFEST, manifest.to_json().encode())
+        atomic_write_bytes(folder / MANIFEST, manifest.to_json().encode())
     return manifest
 
 

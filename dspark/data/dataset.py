@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from dspark.data.render import RenderedSample
+from dspark.fsutil import atomic_file
 
 
 class SampleSource(Protocol):
@@ -66,13 +67,9 @@ def save_rendered(samples: Sequence[RenderedSample], path: str | os.PathLike) ->
     """Write rendered samples as jsonl atomically ({"input_ids": [...], "loss_mask": [...]} per line)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
+    with atomic_file(path, "w") as f:
         for s in samples:
             f.write(json.dumps({"input_ids": list(s.input_ids), "loss_mask": list(s.loss_mask)}) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def load_rendered(path: str | os.PathLike) -> list[RenderedSample]:

@@ -20,6 +20,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from dspark.fsutil import replace_dir
 from dspark.modeling.config import DrafterConfig
 from dspark.modeling.drafter import SHARED_PARAMS, Drafter
 
@@ -28,18 +29,6 @@ WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 
 log = logging.getLogger(__name__)
-
-
-def atomic_replace_dir(tmp: Path, final: Path) -> None:
-    """Move a fully written folder into place; an existing folder is swapped out, then removed."""
-    final = Path(final)
-    old = None
-    if final.exists():
-        old = final.with_name(f".{final.name}.old-{os.getpid()}")
-        os.replace(final, old)
-    os.replace(tmp, final)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def save_drafter(
@@ -67,7 +56,7 @@ def save_drafter(
         with open(tmp / CONFIG_NAME, "w") as f:
             json.dump(drafter.config.to_hf_dict(), f, indent=2, sort_keys=True)
         save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt", **(metadata or {})})
-        atomic_replace_dir(tmp, folder)
+        replace_dir(tmp, folder)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
