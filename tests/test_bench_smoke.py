@@ -1,7 +1,7 @@
 """The benchmarks in bench/ still run against the current library and print their ratio lines.
 
 Each script runs once with --quick (tiny sizes, few repeats) in a subprocess;
-the two run concurrently. Timings are not checked (the machine is shared),
+they run concurrently. Timings are not checked (the machine is shared),
 only that each script exits 0 and prints, for every size, a finite positive
 value in every ratio column.
 """
@@ -19,12 +19,12 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 120  # each run takes ~5 s of CPU; the margin is for a loaded machine
-SCRIPTS = ("draft_latency.py", "train_step.py")
+SCRIPTS = ("draft_latency.py", "train_step.py", "gpu_check.py")
 
 
 @pytest.fixture(scope="module")
 def runs() -> Iterator[dict[str, subprocess.Popen]]:
-    """Start both scripts at once (each is single-threaded, mostly import time); tests wait on theirs."""
+    """Start the scripts at once (each is single-threaded, mostly import time); tests wait on theirs."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     procs = {
         script: subprocess.Popen(
@@ -83,3 +83,11 @@ def test_train_step_quick_prints_time_and_memory_ratios(runs):
     assert len(row) == len(header), (header, row)
     for column in ("time f/n", "time c/n", "mem f/n", "mem c/n", "fused pos/s", "chunked pos/s", "naive pos/s"):
         assert _positive_finite(row[header.index(column)]), (column, row)
+
+
+def test_gpu_check_quick_passes_every_section_on_cpu(runs):
+    """The prepared GPU run (bench/gpu_check.py) at tiny sizes on CPU: every section PASSes."""
+    lines = _output(runs, "gpu_check.py")
+    summary = lines[lines.index("== summary") + 1 :]
+    statuses = {line.split()[0]: line.split()[1] for line in summary if line.startswith("  ")}
+    assert statuses == dict.fromkeys(["train", "decode", "lossless", "sps", "nccl"], "PASS"), "\n".join(lines)
