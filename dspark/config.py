@@ -105,7 +105,7 @@ class TrainConfig:
     micro_batch_size: int = 1  # sequences per forward on one rank
     epochs: float = 10.0
     max_steps: int = 0  # 0 = from epochs
-    mixed_precision: str = "bf16"  # "bf16" (GPU) | "no"
+    mixed_precision: str = "bf16"  # "bf16" (autocast; on CPU only worth it with native bf16) | "no" (fp32)
     compile: bool = False
     distributed: str = "ddp"  # "ddp" | "fsdp"
     save_every: int = 500

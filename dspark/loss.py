@@ -484,11 +484,14 @@ class _FusedCeTv(torch.autograd.Function):
                 ce_coef, tv_coef, softcap, chunk_rows, grad_enabled):
         # Inside forward grad mode is off and needs_input_grad ignores it: hence grad_enabled.
         want = tuple(bool(grad_enabled and flag) for flag in ctx.needs_input_grad[:3])
-        ce_terms, tv_terms, grad_h, grad_lat, grad_w2 = _fused_ce_tv(
-            hidden, latent, w2, lm_head_weight, target_hidden, labels, valid,
-            ce_coef, tv_coef, softcap, chunk_rows, want,
-        )
-        objective = (ce_terms * ce_coef).sum() + (tv_terms * tv_coef).sum()
+        # The precision is explicit inside (vocabulary matmuls in the LM head's dtype, softmaxes
+        # and accumulators in the compute dtype): an enclosing autocast must not re-type them.
+        with torch.autocast(hidden.device.type, enabled=False):
+            ce_terms, tv_terms, grad_h, grad_lat, grad_w2 = _fused_ce_tv(
+                hidden, latent, w2, lm_head_weight, target_hidden, labels, valid,
+                ce_coef, tv_coef, softcap, chunk_rows, want,
+            )
+            objective = (ce_terms * ce_coef).sum() + (tv_terms * tv_coef).sum()
         ctx.save_for_backward(grad_h, grad_lat, grad_w2)
         ctx.input_dtypes = tuple(None if t is None else t.dtype for t in (hidden, latent, w2))
         ctx.mark_non_differentiable(ce_terms, tv_terms)

@@ -321,8 +321,10 @@ class Trainer:
 
     # ------------------------------------------------------------ utilities
     def _autocast(self):
-        if self.config.train.mixed_precision == "bf16" and self.device.type == "cuda":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
+        """bf16 autocast over fp32 master weights: on a GPU, and on a CPU when asked (fast on
+        CPUs with native bf16: 1.4x a SmolLM2-sized step here, with a bf16 target)."""
+        if self.config.train.mixed_precision == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return nullcontext()
 
     def _all_reduce(self, t: Tensor) -> Tensor:

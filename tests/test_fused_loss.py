@@ -369,3 +369,16 @@ def test_argument_errors_name_the_argument():
         fused_dspark_loss(*args, softcap=0.0)
     with pytest.raises(ValueError, match="chunk_rows"):
         fused_dspark_loss(*args, chunk_rows=0)
+
+
+@pytest.mark.parametrize("setup", SETUPS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_enclosing_autocast_changes_nothing(setup, dtype):
+    """Training runs the loss under bf16 autocast (GPU recipe, CPUs with native bf16). The fused
+    loss sets its own precision, so autocast must not re-type its matmuls: same bits with and
+    without it (before this was enforced, autocast made an fp32 gradient buffer receive bf16)."""
+    case = _case(dtype, seed=11)
+    plain = _run(case, fused=True, chunk_rows=2, **SETUPS[setup])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under = _run(case, fused=True, chunk_rows=2, **SETUPS[setup])
+    _assert_same(under, plain, tol=0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -152,3 +153,19 @@ def test_a_run_stopped_by_its_time_budget_keeps_its_drafter(tiny_qwen3, tmp_path
     assert t.step == 1  # stopped after the first step
     assert (tmp_path / "cap" / "drafter" / "model.safetensors").is_file()
     assert latest_checkpoint(tmp_path / "cap").name == "step-0000001"
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma4"])
+def test_bf16_autocast_step_matches_the_fp32_step(tmp_path, family):
+    """mixed_precision="bf16" (the GPU recipe) runs the whole step under bf16 autocast; on CPU
+    this exercises the same path: drafter, fused loss (softcap for Gemma4) and confidence loss."""
+    target = make_tiny_target(family)
+    runs = {}
+    for precision in ("no", "bf16"):
+        t = tiny_trainer(target, str(tmp_path / precision), max_steps=1, grad_clip=1e9, mixed_precision=precision)
+        rec = t.train_step()
+        runs[precision] = (rec["loss"], torch.cat([p.grad.flatten() for p in t.drafter.trainable_parameters()]))
+    (loss32, grad32), (loss16, grad16) = runs["no"], runs["bf16"]
+    assert math.isfinite(loss16) and loss16 == pytest.approx(loss32, rel=2e-2)
+    assert float(torch.nn.functional.cosine_similarity(grad16.float(), grad32, dim=0)) > 0.99
+    assert all(p.dtype == torch.float32 for p in t.drafter.trainable_parameters())  # fp32 master weights
