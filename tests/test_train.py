@@ -155,14 +155,16 @@ def test_a_run_stopped_by_its_time_budget_keeps_its_drafter(tiny_qwen3, tmp_path
     assert latest_checkpoint(tmp_path / "cap").name == "step-0000001"
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-loss", "chunked-loss"])
 @pytest.mark.parametrize("family", ["qwen3", "gemma4"])
-def test_bf16_autocast_step_matches_the_fp32_step(tmp_path, family):
+def test_bf16_autocast_step_matches_the_fp32_step(tmp_path, family, fused):
     """mixed_precision="bf16" (the GPU recipe) runs the whole step under bf16 autocast; on CPU
-    this exercises the same path: drafter, fused loss (softcap for Gemma4) and confidence loss."""
+    this exercises the same path: drafter, loss (softcap for Gemma4) and confidence loss."""
     target = make_tiny_target(family)
     runs = {}
     for precision in ("no", "bf16"):
         t = tiny_trainer(target, str(tmp_path / precision), max_steps=1, grad_clip=1e9, mixed_precision=precision)
+        t.module.fused = fused
         rec = t.train_step()
         runs[precision] = (rec["loss"], torch.cat([p.grad.flatten() for p in t.drafter.trainable_parameters()]))
     (loss32, grad32), (loss16, grad16) = runs["no"], runs["bf16"]
