@@ -171,3 +171,21 @@ def test_bf16_autocast_step_matches_the_fp32_step(tmp_path, family, fused):
     assert math.isfinite(loss16) and loss16 == pytest.approx(loss32, rel=2e-2)
     assert float(torch.nn.functional.cosine_similarity(grad16.float(), grad32, dim=0)) > 0.99
     assert all(p.dtype == torch.float32 for p in t.drafter.trainable_parameters())  # fp32 master weights
+
+
+def test_compiled_step_equals_the_eager_step(tiny_qwen3, tmp_path, monkeypatch):
+    """train.compile=True (the GPU recipes) wraps the loss module in torch.compile. The test
+    compiles with the aot_eager backend: Dynamo and AOTAutograd trace the drafter and the fused
+    loss's autograd Function as on a GPU, without needing a C++ compiler on the CI machine."""
+    import functools
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    runs = {}
+    for compiled in (False, True):
+        t = tiny_trainer(tiny_qwen3, str(tmp_path / str(compiled)), max_steps=2, grad_clip=1e9, compile=compiled)
+        losses = [t.train_step()["loss"] for _ in range(2)]
+        runs[compiled] = (losses, {n: p.detach().clone() for n, p in t.drafter.named_parameters()})
+        assert (t.model is not t.module) == compiled
+    assert runs[True][0] == pytest.approx(runs[False][0], rel=1e-5)
+    for name, value in runs[False][1].items():
+        torch.testing.assert_close(runs[True][1][name], value, rtol=1e-4, atol=1e-6, msg=name)
