@@ -13,6 +13,7 @@ import contextlib
 import ctypes
 import errno
 import os
+import re
 import shutil
 import sys
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ from typing import IO, Any
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
 _UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV, errno.EPERM}
+_LEFTOVER = re.compile(r"^\..+\.tmp-\d+$")
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -46,13 +48,23 @@ def fsync_tree(root: str | os.PathLike) -> None:
         fsync_dir(here)
 
 
+def temp_name(path: Path) -> Path:
+    """Where atomic_file writes ``path`` before the rename: ``.<name>.tmp-<pid>`` beside it."""
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def is_leftover(name: str) -> bool:
+    """True for a temp_name left behind by a killed writer (safe to delete once no writer runs)."""
+    return bool(_LEFTOVER.match(name))
+
+
 @contextlib.contextmanager
 def atomic_file(path: str | os.PathLike, mode: str = "w", **open_kwargs: Any) -> Iterator[IO]:
     """``with atomic_file(p) as f: f.write(...)``: ``p`` appears complete on success, untouched on error."""
     if mode not in ("w", "wb"):
         raise ValueError(f"atomic_file mode={mode!r}; use 'w' or 'wb'")
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = temp_name(path)
     try:
         with open(tmp, mode, **open_kwargs) as f:
             yield f

@@ -265,6 +265,7 @@ def test_resume_after_a_kill_gives_the_same_cache_as_one_build(qwen3, samples, t
     # what a kill between a shard's os.replace and its manifest could leave behind
     (resumed / "shard-00001.bin").write_bytes(b"torn")
     (resumed / "shard-00002.bin.tmp").write_bytes(b"torn")
+    (resumed / ".manifest.json.tmp-4242").write_bytes(b"torn")  # a killed atomic write of the manifest
 
     build(qwen3, samples, resumed, precision="fp8")
     names = sorted(p.name for p in whole.iterdir())

@@ -64,3 +64,9 @@ def test_exchange_swaps_two_folders_where_supported(tmp_path):
     if not fsutil._exchange(a, b):
         pytest.skip("this platform or file system has no renameat2(RENAME_EXCHANGE)")
     assert (a / "f").read_text() == "B" and (b / "f").read_text() == "A"
+
+
+def test_a_killed_writers_file_is_recognised_as_a_leftover(tmp_path):
+    path = tmp_path / "manifest.json"
+    assert fsutil.is_leftover(fsutil.temp_name(path).name)
+    assert not fsutil.is_leftover("manifest.json") and not fsutil.is_leftover("shard-00001.bin.tmp")

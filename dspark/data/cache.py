@@ -63,7 +63,7 @@ Files (a cache is a folder)
     sample and token counts, each shard and index file with its size and
     sha256, a digest of the input samples, creation info, and ``complete``.
 
-Every file is written under a ``.tmp`` name and ``os.replace``d into place; the
+Every file is written under a temporary name and ``os.replace``d into place; the
 manifest is rewritten (atomically) after each finished shard, so a killed
 build resumes from its last complete shard. Size figures of this module
 (:func:`estimate_cache_size`, ``Manifest.data_bytes``) count shards and
@@ -89,7 +89,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from dspark.fsutil import atomic_write_bytes, fsync_dir
+from dspark.fsutil import atomic_write_bytes, fsync_dir, is_leftover
 
 __all__ = [
     "FORMAT_NAME",
@@ -438,7 +438,8 @@ def _remove_cache_files(folder: Path, keep_shards: int) -> None:
     """Delete temp files and shard/index files numbered >= keep_shards (left by a killed build)."""
     for p in folder.iterdir():
         m = _SHARD_RE.match(p.name)
-        if p.name == MANIFEST + ".tmp" or (m and (m.group(3) or int(m.group(2)) >= keep_shards)):
+        leftover = is_leftover(p.name) or p.name == MANIFEST + ".tmp"  # the latter: older versions
+        if leftover or (m and (m.group(3) or int(m.group(2)) >= keep_shards)):
             p.unlink()
 
 
