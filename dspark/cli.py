@@ -135,9 +135,10 @@ def cmd_train(args: argparse.Namespace) -> int:
               f"{trainer.schedule.total_steps} steps of {config.train.global_batch_size} sequences on {world} rank(s)")
     result = trainer.fit(resume=args.resume)
     if rank == 0:
-        last = next((r for r in reversed(result.history) if "eval_tau_prob" in r), result.history[-1] if result.history else {})
-        print(f"done at step {result.steps}; drafter in {result.out_dir / 'drafter'}; "
-              f"held-out tau_prob {last.get('eval_tau_prob', float('nan')):.3f}")
+        last = next((r for r in reversed(result.history) if "eval_tau_prob" in r), None)
+        held_out = (f"held-out tau_prob {last['eval_tau_prob']:.3f} (step {last['step']})" if last else
+                    "not evaluated on held-out data (train.eval_every=0 or no held-out samples)")
+        print(f"done at step {result.steps}; drafter in {result.out_dir / 'drafter'}; {held_out}")
     return 0
 
 
