@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import sys
 
 # dspark.serving.POLICY_HELP, repeated so that `dspark --help` does not import torch.
@@ -385,14 +386,15 @@ def cmd_compare(args: argparse.Namespace) -> int:
         reports[rep.get("label") or str(path)] = rep
     table = compare_reports(reports)
     print(table)
-    speed = []
-    for label, rep in reports.items():
-        macro = rep.get("macro", {})
-        sp = macro.get("speedup", {}) if isinstance(macro, dict) else {}
-        if isinstance(sp, dict) and sp.get("avg") is not None:
-            speed.append(f"{label}: {sp['avg']:.2f}x")
-    if speed:
-        print("wall-clock speedup vs target-only decoding (avg): " + ", ".join(speed))
+    for key, what in (("speedup", "wall-clock speedup"), ("decode_speedup", "decode-only speedup (no prefill)")):
+        speed = []
+        for label, rep in reports.items():
+            macro = rep.get("macro", {})
+            sp = macro.get(key, {}) if isinstance(macro, dict) else {}
+            if isinstance(sp, dict) and sp.get("avg") is not None and math.isfinite(sp["avg"]):
+                speed.append(f"{label}: {sp['avg']:.2f}x")
+        if speed:
+            print(f"{what} vs target-only decoding (avg): " + ", ".join(speed))
     if args.out:
         from pathlib import Path
 

@@ -689,7 +689,7 @@ def build_report(
 
     macro = {
         key: macro_average({n: b[key] for n, b in benchmarks.items() if b.get(key) is not None})
-        for key in ("tau", "tau_per_request", "speedup")
+        for key in ("tau", "tau_per_request", "speedup", "decode_speedup")
     }
     timings = {
         "spec_s": float(sum(r["wall_s"] for r in records)),
@@ -732,7 +732,24 @@ def _speed(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         out["baseline_tokens_per_s"] = base_tokens / base_wall if base_wall > 0 else math.nan
         ratio = out["tokens_per_s"] / out["baseline_tokens_per_s"] if out["baseline_tokens_per_s"] else math.nan
         out["speedup"] = ratio
+        out.update(_decode_speed(records))
     return out
+
+
+def _decode_speed(records: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """The same throughput ratio without the prefills: tokens after the first (which both
+    decodes take from their prefill) per second of decoding. What the round/step cost of
+    `bench/decode_round.py` predicts; the wall-clock speedup tends to it for long outputs.
+    Empty when a record lacks its prefill time."""
+    if not all("prefill" in r.get("timings", {}) and "prefill" in r.get("baseline_timings", {}) for r in records):
+        return {}
+    spec_tokens = sum(max(0, int(r["tokens"]) - 1) for r in records)
+    spec_s = sum(float(r["wall_s"]) - float(r["timings"]["prefill"]) for r in records)
+    base_tokens = sum(max(0, int(r["baseline_tokens"]) - 1) for r in records)
+    base_s = sum(float(r["baseline_wall_s"]) - float(r["baseline_timings"]["prefill"]) for r in records)
+    if min(spec_tokens, spec_s, base_tokens, base_s) <= 0:
+        return {}
+    return {"decode_speedup": (spec_tokens / spec_s) / (base_tokens / base_s)}
 
 
 def _sum_phases(timings: Any) -> dict[str, float]:
@@ -820,14 +837,14 @@ def report_markdown(report: Mapping[str, Any]) -> str:
     header = ["benchmark", "requests", "rounds", "tokens", "τ pooled", "τ per request",
               "verify rate", "accept rate", "tok/s"]
     if has_base:
-        header += ["baseline tok/s", "speedup"]
+        header += ["baseline tok/s", "speedup", "decode speedup"]
     rows = []
     for name, b in list(report["benchmarks"].items()) + [("all", report["all"])]:
         row = [DISPLAY_NAMES.get(name, name), _fmt(b["num_requests"]), _fmt(b["num_rounds"]), _fmt(b["tokens"]),
                _fmt(b["tau"]), _fmt(b["tau_per_request"]), _fmt(b["verify_rate"]), _fmt(b["acceptance_rate"]),
                _fmt(b["tokens_per_s"], 1)]
         if has_base:
-            row += [_fmt(b.get("baseline_tokens_per_s"), 1), _fmt(b.get("speedup"))]
+            row += [_fmt(b.get("baseline_tokens_per_s"), 1), _fmt(b.get("speedup")), _fmt(b.get("decode_speedup"))]
         rows.append(row)
     lines += _table(header, rows)
 

@@ -88,12 +88,12 @@ def scripted_decoders(clock, calls=None):
         accepted = SCRIPT[prompt_text(prompt_ids)]
         rounds = [RoundRecord(GAMMA, m, [0.9, 0.6, 0.3] if m % 2 == 0 else None) for m in accepted]
         tokens = [5] * sum(m + 1 for m in accepted)
-        return DecodeResult(len(prompt_ids), tokens, rounds, False, {"draft": 0.25, "total": 1.0})
+        return DecodeResult(len(prompt_ids), tokens, rounds, False, {"prefill": 0.5, "draft": 0.25, "total": 1.0})
 
     def baseline(target, prompt_ids, *, max_new_tokens, temperature, eos_token_ids, generator):
         clock.now += 2.0
         n = sum(m + 1 for m in SCRIPT[prompt_text(prompt_ids)])
-        return DecodeResult(len(prompt_ids), [5] * n, [], False, {"decode": 1.5, "total": 2.0})
+        return DecodeResult(len(prompt_ids), [5] * n, [], False, {"prefill": 0.5, "decode": 1.5, "total": 2.0})
 
     return decode, baseline
 
@@ -148,6 +148,11 @@ def test_speedup_is_the_throughput_ratio_against_the_target_alone(tmp_path, cloc
     assert gsm8k["baseline_tokens"] == 7 and gsm8k["baseline_wall_s"] == pytest.approx(4.0)
     assert gsm8k["speedup"] == pytest.approx(2.0)
     assert report["macro"]["speedup"]["avg"] == pytest.approx(2.0)
+    # Without the prefills (0.5 s each; the first token of each request is theirs): 5 tokens
+    # in 2 x 0.5 s against 5 tokens in 2 x 1.5 s.
+    assert gsm8k["decode_speedup"] == pytest.approx((5 / 1.0) / (5 / 3.0))
+    # mbpp: one request of 6 tokens, 5 after the prefill, in 0.5 s against 1.5 s.
+    assert report["benchmarks"]["mbpp"]["decode_speedup"] == pytest.approx(3.0)
     assert report["timings"]["spec_phases_s"]["draft"] == pytest.approx(0.25 * 4)
 
 
