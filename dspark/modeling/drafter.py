@@ -292,7 +292,7 @@ class Drafter(nn.Module):
         x = self.embed(self._block_inputs(anchor_tokens.to(device))).to(self.fc.weight.dtype)  # [B, L, d]
         positions = ctx.lengths.unsqueeze(1) + torch.arange(L, device=device)
         hidden = self._predictions(self._run_layers(x, positions, ctx_kv, mask))  # [B, γ, d]
-        base = self.compute_logits(hidden).float()  # U_1..U_γ, one LM-head matmul
+        base = self.compute_logits(hidden)  # U_1..U_γ, one LM-head matmul (sample_block makes it fp32)
         return self.sample_block(hidden, base, anchor_tokens.to(device), temperature=temperature, generator=generator)
 
     def sample_block(
@@ -306,13 +306,15 @@ class Drafter(nn.Module):
     ) -> Proposal:
         """The sequential stage (Eq. 4): left-to-right sampling with the head's carried state.
 
-        hidden [B, γ, d], base_logits [B, γ, V] fp32, anchor_tokens [B].
+        hidden [B, γ, d], base_logits [B, γ, V] (any float dtype; used in fp32), anchor_tokens [B].
         """
         B, gamma, _ = hidden.shape
         head = self.markov_head
         state = head.init_state(B, hidden.device, hidden.dtype) if head is not None else None
         # Outputs are written in place, row by row: no per-step [B, V] copies to stack at the end.
-        logits = base_logits.float().clone() if head is not None else base_logits.float()  # [B, γ, V]
+        logits = base_logits.float()  # [B, γ, V]; a new tensor unless base_logits is fp32 already
+        if head is not None and logits is base_logits:
+            logits = logits.clone()  # the biases are added in place: never into the caller's tensor
         probs = torch.empty_like(logits)
         prev_block = torch.empty(B, gamma, dtype=torch.long, device=hidden.device)  # x_{k-1} of slot k
         tokens = torch.empty_like(prev_block)
