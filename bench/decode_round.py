@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from dspark.build import build_drafter, cpu_has_native_bf16, load_target
+from dspark.runtime import build_drafter, cpu_has_native_bf16, load_target
 from dspark.config import load_config
 from dspark.decoding import speculative_generate, target_generate
 

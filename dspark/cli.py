@@ -24,11 +24,11 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 def cmd_propose(args: argparse.Namespace) -> int:
     import torch
 
-    from dspark.build import build_drafter, load_target
+    from dspark.runtime import build_drafter, load_target
     from dspark.config import load_config
     from dspark.data.render import render_prompt
     from dspark.modeling import load_drafter
-    from dspark.showcase import greedy_continuation, proposals_along
+    from dspark.proposals import greedy_continuation, proposals_along
 
     config = load_config(args.config, args.overrides)
     torch.manual_seed(config.seed)
@@ -72,8 +72,8 @@ def _load(args: argparse.Namespace):
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from dspark.build import load_target
-    from dspark.pipeline import prepare
+    from dspark.runtime import load_target
+    from dspark.data.prepare import prepare
 
     config = _load(args)
     target = load_target(config)
@@ -84,10 +84,10 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_cache(args: argparse.Namespace) -> int:
-    from dspark.build import load_target
+    from dspark.runtime import load_target
     from dspark.data.cache import CacheDims, bytes_per_token, estimate_cache_size
     from dspark.data.dataset import load_rendered
-    from dspark.pipeline import cache_dir, data_dir, prepare
+    from dspark.data.prepare import cache_dir, data_dir, prepare
 
     config = _load(args)
     if args.estimate:
@@ -117,9 +117,9 @@ def cmd_cache(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     import torch
 
-    from dspark.build import build_drafter, load_target
+    from dspark.runtime import build_drafter, load_target
     from dspark.config import apply_overrides
-    from dspark.pipeline import training_sources
+    from dspark.data.prepare import training_sources
     from dspark.train import Trainer, setup_distributed
 
     config = _load(args)
@@ -144,7 +144,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from dspark.build import resolve_dtype
+    from dspark.runtime import resolve_dtype
     from dspark.evaluate import evaluate
     from dspark.modeling import load_drafter
     from dspark.modeling.checkpoint import read_config
@@ -202,7 +202,7 @@ def _load_target_and_drafter(args: argparse.Namespace):
     """The target and the drafter of --draft DIR (trained) or --config FILE (freshly initialised)."""
     import torch
 
-    from dspark.build import build_drafter, dtype_name, resolve_dtype
+    from dspark.runtime import build_drafter, dtype_name, resolve_dtype
     from dspark.config import apply_overrides, load_config
     from dspark.modeling import load_drafter
     from dspark.modeling.checkpoint import read_config
@@ -237,7 +237,7 @@ def cmd_profile_sps(args: argparse.Namespace) -> int:
 
     import torch
 
-    from dspark.build import dtype_name, resolve_dtype
+    from dspark.runtime import dtype_name, resolve_dtype
     from dspark.sps import DEFAULT_BATCH_TOKENS, profile_sps_runs, write_profile
     from dspark.target import TargetModel
 

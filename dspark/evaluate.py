@@ -77,7 +77,7 @@ from dspark.serving import Job, SimResult, make_policy, run_requests
 PathLike = Union[str, os.PathLike]
 DecodeFn = Callable[..., Any]
 
-BUILD_HINT = "python eval_datasets/build.py --out {dir}"
+BUILD_HINT = "python eval_datasets/make_benchmarks.py --out {dir}"
 WARMUP_TOKENS = 8
 _VARIANT_LABELS = {"dspark": "DSpark", "dflash": "DFlash", "eagle3": "Eagle3"}
 

@@ -8,7 +8,7 @@ import pickle
 import pytest
 import torch
 
-from conftest import make_tiny_target
+from helpers.targets import make_tiny_target
 from dspark.data.anchors import anchor_candidates
 from dspark.data.cache import (
     MANIFEST,

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import dspark.modeling.checkpoint as checkpoint
-from conftest import make_tiny_target
+from helpers.targets import make_tiny_target
 from dspark.modeling import DrafterConfig, Drafter, load_drafter, save_drafter
 from dspark.modeling.checkpoint import read_weights
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import make_tiny_target
+from helpers.targets import make_tiny_target
 from dspark.calibration import roc_auc, split_rounds_by_request
 from dspark.cli import main
 from dspark.evaluate import evaluate
@@ -157,7 +157,7 @@ def reuse_smollm2(monkeypatch, smollm2_target):
 @pytest.mark.slow
 @pytest.mark.skipif(not SHARED.is_dir(), reason="needs ../shared/eval_datasets")
 def test_eval_and_simulate_commands_run_end_to_end_on_smollm2(reuse_smollm2, tmp_path, capsys):
-    from dspark.build import build_drafter
+    from dspark.runtime import build_drafter
     from dspark.config import load_config
     from dspark.modeling import save_drafter
 

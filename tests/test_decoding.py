@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import make_tiny_target
+from helpers.targets import make_tiny_target
 from dspark.decoding import DecodeResult, logits_to_probs, speculative_generate, target_generate
 from dspark.modeling import Drafter, DrafterConfig, Proposal
 
@@ -212,7 +212,7 @@ def test_an_accepted_eos_ends_the_round_without_a_bonus():
 
 @pytest.mark.slow
 def test_greedy_speculative_decoding_reproduces_smollm2(smollm2_target):
-    from dspark.build import build_drafter
+    from dspark.runtime import build_drafter
     from dspark.config import load_config
 
     target = smollm2_target

@@ -14,9 +14,9 @@ import math
 import pytest
 import torch
 
-from conftest import make_tiny_target
+from helpers.targets import make_tiny_target
 from dspark.modeling import DrafterConfig, Drafter, MarkovHead, RNNHead
-from reference_drafter import ReferenceDrafter
+from helpers.reference_drafter import ReferenceDrafter
 
 FAMILIES = ("llama", "qwen3", "gemma4")
 GAMMA = 4

@@ -236,7 +236,7 @@ def test_a_data_folder_evaluates_the_files_it_has_and_warns_about_the_rest(tmp_p
     write_benchmarks(tmp_path / "data", {"gsm8k": ["g0"]})
     target, drafter = fake_models()
     decode, baseline = scripted_decoders(clock)
-    with pytest.warns(UserWarning, match=r"skipping benchmark\(s\) \['math500', .*'arena-hard-v2'\]: no file .*math500.jsonl.*build.py"):
+    with pytest.warns(UserWarning, match=r"skipping benchmark\(s\) \['math500', .*'arena-hard-v2'\]: no file .*math500.jsonl.*make_benchmarks.py"):
         report = evaluate(target, drafter, tmp_path / "data", progress=False, max_new_tokens=8,
                           decode_fn=decode, baseline_fn=baseline)
     assert list(report["benchmarks"]) == ["gsm8k"]
@@ -245,7 +245,7 @@ def test_a_data_folder_evaluates_the_files_it_has_and_warns_about_the_rest(tmp_p
 
 def test_a_folder_without_benchmark_files_names_itself_and_the_build_script(tmp_path):
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ValueError, match=r"empty.*eval_datasets/build.py --out .*empty"):
+    with pytest.raises(ValueError, match=r"empty.*eval_datasets/make_benchmarks.py --out .*empty"):
         resolve_benchmarks(tmp_path / "empty")
 
 
@@ -333,7 +333,7 @@ def test_compare_reports_puts_one_row_per_drafter_in_table_1_order(tmp_path, clo
 
 @pytest.mark.skipif(not SHARED.is_dir(), reason="needs ../shared/eval_datasets")
 def test_smollm2_with_a_fresh_drafter_runs_all_nine_benchmarks(smollm2_target, tmp_path):
-    from dspark.build import build_drafter
+    from dspark.runtime import build_drafter
     from dspark.config import load_config
 
     config = load_config(str(SMOLLM2_CONFIG))
@@ -364,13 +364,13 @@ def test_smollm2_with_a_fresh_drafter_runs_all_nine_benchmarks(smollm2_target, t
 
 
 def load_builder():
-    """eval_datasets/build.py is a script, not a package module: import it by path (once)."""
+    """eval_datasets/make_benchmarks.py is a script, not a package module: import it by path (once)."""
     import importlib.util
     import sys
 
     name = "eval_datasets_build"
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "eval_datasets" / "build.py")
+        spec = importlib.util.spec_from_file_location(name, ROOT / "eval_datasets" / "make_benchmarks.py")
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module  # dataclasses look their module up while the class is built
         spec.loader.exec_module(module)

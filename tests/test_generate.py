@@ -19,7 +19,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from conftest import build_tiny_model
+from helpers.targets import build_tiny_model
 from dspark.config import GenerationConfig
 from dspark.data.generate import (
     OpenAIBackend,

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import make_tiny_target
+from helpers.targets import make_tiny_target
 from dspark.calibration import apply_temperatures
 from dspark.decoding import SpeculativeRequest, speculative_generate, target_generate
 from dspark.modeling import Proposal

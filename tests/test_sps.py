@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from conftest import make_tiny_target
+from helpers.targets import make_tiny_target
 from dspark.scheduler import SPSTable
 from dspark.sps import profile_sps, profile_sps_runs, write_profile
 

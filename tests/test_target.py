@@ -13,7 +13,7 @@ import re
 import pytest
 import torch
 
-from conftest import ALL_TINY_FAMILIES, make_tiny_target, smollm2_available
+from helpers.targets import ALL_TINY_FAMILIES, make_tiny_target, smollm2_available
 from dspark import hub
 from dspark.target import TargetModel
 
@@ -124,7 +124,7 @@ def test_exposes_sizes_embedding_and_lm_head(tiny_llama, tiny_qwen3, tiny_gemma4
 def test_multimodal_gemma4_layout_matches_its_own_forward():
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration
 
-    from conftest import tiny_config
+    from helpers.targets import tiny_config
 
     config = Gemma4Config(text_config=tiny_config("gemma4").to_dict(), vision_config=None, audio_config=None)
     torch.manual_seed(0)

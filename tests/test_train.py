@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_tiny_target
-from train_helpers import run_torchrun, synthetic_samples, tiny_trainer
+from helpers.targets import make_tiny_target
+from helpers.training import run_torchrun, synthetic_samples, tiny_trainer
 
 from dspark.train import latest_checkpoint, lr_lambda, tau_probabilistic
 
@@ -116,7 +116,7 @@ def test_target_and_shared_weights_get_no_gradient(tiny_qwen3, tmp_path):
 
 
 def test_torchrun_two_ranks_equal_one_process(tmp_path):
-    worker = Path(__file__).with_name("ddp_worker.py")
+    worker = Path(__file__).parent / "helpers" / "ddp_worker.py"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     one = tmp_path / "one"
     two = tmp_path / "two"

@@ -1,5 +1,5 @@
 """The trainer under FSDP2 (train.distributed = "fsdp"): 2 ranks (torchrun, gloo) == one process,
-exact resume, plain drafter checkpoints. One torchrun launch (tests/fsdp_worker.py) serves all."""
+exact resume, plain drafter checkpoints. One torchrun launch (tests/helpers/fsdp_worker.py) serves all."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_tiny_target
-from train_helpers import run_torchrun, synthetic_samples, tiny_trainer
+from helpers.targets import make_tiny_target
+from helpers.training import run_torchrun, synthetic_samples, tiny_trainer
 
 from dspark.data.dataset import RenderedSource
 from dspark.modeling import load_drafter
@@ -18,7 +18,7 @@ from dspark.modeling import load_drafter
 def runs(tmp_path_factory) -> Path:
     """Output root of the 2-rank FSDP worker (see its docstring for what is inside)."""
     root = tmp_path_factory.mktemp("fsdp")
-    worker = Path(__file__).with_name("fsdp_worker.py")
+    worker = Path(__file__).parent / "helpers" / "fsdp_worker.py"
     run_torchrun(worker, [root])
     return root
 

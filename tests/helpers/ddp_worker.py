@@ -4,10 +4,10 @@ import sys
 
 import torch
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
+sys.path.insert(0, __file__.rsplit("/", 2)[0])  # tests/, where the helpers package lives
 
-from conftest import make_tiny_target  # noqa: E402
-from train_helpers import tiny_trainer  # noqa: E402
+from helpers.targets import make_tiny_target  # noqa: E402
+from helpers.training import tiny_trainer  # noqa: E402
 
 from dspark.train import setup_distributed  # noqa: E402
 

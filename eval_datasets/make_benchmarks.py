@@ -1,7 +1,7 @@
 """Build the nine benchmark files of SPEC 6 from their public sources on the Hugging Face hub.
 
-    python eval_datasets/build.py --out eval_datasets/
-    python eval_datasets/build.py --out eval_datasets/ --only gsm8k mbpp
+    python eval_datasets/make_benchmarks.py --out eval_datasets/
+    python eval_datasets/make_benchmarks.py --out eval_datasets/ --only gsm8k mbpp
 
 Each file is JSON lines, one ``{"turns": ["user message", ...]}`` per prompt,
 in the source's row order (written with ``json.dumps(..., ensure_ascii=False)``).
@@ -202,7 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         build(args.only or list(SOURCES), args.out)
     except ValueError as e:
-        print(f"build.py: error: {e}", file=sys.stderr)
+        print(f"make_benchmarks.py: error: {e}", file=sys.stderr)
         return 2
     return 0
 

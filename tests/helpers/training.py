@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from dspark.build import build_drafter
+from dspark.runtime import build_drafter
 from dspark.config import Config, DataConfig, DrafterSpec, LossConfig, TargetConfig, TrainConfig
 from dspark.data.dataset import RenderedSource
 from dspark.data.render import RenderedSample
