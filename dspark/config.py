@@ -1,18 +1,22 @@
-"""Typed experiment configs, the Python config-file loader and `key.path=value` overrides.
+"""Typed experiment configs, the config-file loader and `key.path=value` overrides.
 
-A config file is plain Python that builds one `Config` and binds it to the
-name `config` (nothing else in the file becomes configuration):
+Every command that runs a model reads one `Config`. Its defaults are the
+Qwen3-4B DSpark recipe of SPEC 4 (config/dspark/dspark_qwen3_4b.py spells
+every field out, to copy from); a config file is plain Python that binds one
+`Config` to the name `config` and states only what differs:
 
-    from dspark.config import Config, TargetConfig, DrafterSpec
+    from dspark.config import Config, DrafterSpec, TargetConfig
     config = Config(
-        name="dspark_qwen3_4b",
-        target=TargetConfig(name_or_path="Qwen/Qwen3-4B"),
-        drafter=DrafterSpec(target_layer_ids=[1, 9, 17, 25, 33], mask_token_id=151669),
+        name="dspark_qwen3_14b_block7",
+        target=TargetConfig(name_or_path="Qwen/Qwen3-14B"),
+        drafter=DrafterSpec(target_layer_ids=[1, 10, 19, 28, 37]),
     )
 
-`load_config(path, overrides=["train.lr=3e-4", "drafter.block_size=8"])`
-applies overrides with type checking against the dataclass fields; an
-unknown key or a value of the wrong type is a ValueError naming the key.
+`load_config(path, overrides=["train.lr=3e-4", "drafter.block_size=8"])` also
+reads the config.json a run writes next to its outputs (`Config.to_dict()`),
+so a run is reproduced from that file. Overrides are type-checked against the
+dataclass fields; an unknown key or a value of the wrong type is a ValueError
+naming the key.
 """
 
 from __future__ import annotations
@@ -20,49 +24,53 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
+import json
 import runpy
 import types
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
 
 @dataclass
 class TargetConfig:
-    name_or_path: str = "smollm2-135m"  # hub name, local folder, or the embedded default
-    dtype: str = "float32"  # "float32" | "bfloat16" | "float16"
-    device: str = "cpu"
+    name_or_path: str = "Qwen/Qwen3-4B"  # hub name, local folder, or "smollm2-135m" (the embedded default)
+    dtype: str = "auto"  # "auto" (bf16 on GPUs and on CPUs with native bf16, else fp32) | "float32" | "bfloat16" | "float16"
+    device: str = "auto"  # "auto" (this rank's GPU if there is one, else cpu) | "cpu" | "cuda" | "cuda:N"
     attn_implementation: str = "sdpa"
     trust_remote_code: bool = False
 
 
 @dataclass
 class DrafterSpec:
-    """The drafter's architecture (SPEC 3). Sizes not given here are the target's."""
+    """The drafter's architecture (SPEC 3). Sizes not given here are the target's.
 
-    target_layer_ids: list[int] = field(default_factory=lambda: [1, 9, 17, 25, 33])
-    mask_token_id: int = 0
+    A "dflash" drafter has no sequential or confidence head whatever the head
+    fields say (`dflash_of` writes them out as DeepSpec trains DFlash)."""
+
+    target_layer_ids: list[int] = field(default_factory=lambda: [1, 9, 17, 25, 33])  # i = output of decoder layer i
+    mask_token_id: int = 151669
     variant: str = "dspark"  # "dspark" | "dflash"
-    block_size: int = 7
+    block_size: int = 7  # γ
     num_draft_layers: int = 5
     block_layout: str = "anchor_first"  # "anchor_first" (DSpark) | "anchor_plus_masks" (original DFlash)
-    markov_rank: int = 256
-    markov_head_type: str = "vanilla"  # "vanilla" | "rnn"
-    enable_confidence_head: bool = True
+    markov_rank: int = 256  # Eq. 5, r
+    markov_head_type: str = "vanilla"  # "vanilla" (Eq. 5) | "rnn" (Eq. 6)
+    enable_confidence_head: bool = True  # Eq. 7
     confidence_head_with_markov: bool = True
     intermediate_size: int | None = None  # None: the target's
-    attn_implementation: str = "sdpa"  # "sdpa" | "eager" | "flex" (GPU)
+    attn_implementation: str = "auto"  # "auto" (flex on GPU, sdpa on CPU) | "sdpa" | "eager" | "flex"
     dtype: str = "float32"  # parameter dtype of the drafter (master weights stay fp32 when training)
 
 
 @dataclass
 class DataConfig:
-    train_prompts: str = "builtin"  # "builtin", a .jsonl path, or "hub:<dataset name>"
-    eval_prompts: str = ""  # held-out prompts for validation τ ("" = split from train)
+    train_prompts: str = "hub:mlabonne/open-perfectblend"  # "builtin", a .jsonl path, or "hub:<dataset name>"
     holdout_fraction: float = 0.05
     max_samples: int = 0  # 0 = all
     max_length: int = 4096
-    min_loss_tokens: int = 8
+    min_loss_tokens: int = 14
     num_anchors: int = 512
     data_dir: str = ""  # where regenerated answers and the cache live ("" = <out_dir>/data)
     feature_mode: str = "cache"  # "cache" (dspark cache) | "online" (target runs in the step)
@@ -76,9 +84,9 @@ class GenerationConfig:
     temperature: float = 0.7
     top_p: float = 0.8
     top_k: int = 20
-    max_new_tokens: int = 1024
+    max_new_tokens: int = 4096
     batch_size: int = 32
-    backend: str = "transformers"  # "transformers" | "openai" (vLLM / SGLang server)
+    backend: str = "openai"  # "transformers" (in-process) | "openai" (a vLLM / SGLang server at server_url)
     server_url: str = ""
     request_timeout_s: float = 300.0
     max_retries: int = 3
@@ -86,10 +94,10 @@ class GenerationConfig:
 
 @dataclass
 class LossConfig:
-    ce_weight: float = 0.1
+    ce_weight: float = 0.1  # Eq. 12
     tv_weight: float = 0.9
     conf_weight: float = 1.0
-    loss_decay_gamma: float = 4.0
+    loss_decay_gamma: float = 4.0  # Eq. 8
     chunk_rows: int = 64
     fused: bool = True  # LM-head gradients in the forward pass (no recomputation); False: generic chunked loss
 
@@ -98,40 +106,105 @@ class LossConfig:
 class TrainConfig:
     lr: float = 6e-4
     weight_decay: float = 0.0
-    warmup_ratio: float = 0.04
+    warmup_ratio: float = 0.04  # then cosine to min_lr_ratio · lr
     min_lr_ratio: float = 0.0
     grad_clip: float = 1.0
     global_batch_size: int = 512  # sequences per optimizer step, over all ranks
     micro_batch_size: int = 1  # sequences per forward on one rank
     epochs: float = 10.0
     max_steps: int = 0  # 0 = from epochs
-    mixed_precision: str = "bf16"  # "bf16" (autocast; on CPU only worth it with native bf16) | "no" (fp32)
-    compile: bool = False
+    mixed_precision: str = "bf16"  # "bf16" (autocast over fp32 master weights; on CPU only worth it with native bf16) | "no"
+    compile: bool = True  # torch.compile the drafter (GPU recipes; CPU runs set False)
     distributed: str = "ddp"  # "ddp" | "fsdp"
-    save_every: int = 500
+    save_every: int = 3000
     eval_every: int = 100
     log_every: int = 10
     max_wall_minutes: float = 0.0  # 0 = no limit
     tensorboard: bool = False
+    resume: bool = False  # continue from the latest checkpoint in out_dir
 
 
 @dataclass
 class EvalConfig:
+    """`dspark eval` (SPEC 6); `propose` and `simulate` take their drafter and prompts from here too."""
+
+    draft: str = ""  # a trained drafter folder (ours or DeepSpec's); "" = a fresh one from `drafter` (untrained)
+    out: str = ""  # "" = <out_dir>/eval
+    data_dir: str = "eval_datasets"  # folder with the nine <benchmark>.jsonl files
+    builtin_prompts: bool = False  # the built-in evaluation prompts (held out of training) instead of files
     benchmarks: list[str] = field(
         default_factory=lambda: ["gsm8k", "math500", "aime25", "humaneval", "mbpp", "livecodebench", "mt-bench", "alpaca", "arena-hard-v2"]
     )
-    data_dir: str = "eval_datasets"
-    num_samples: int = 0  # 0 = SPEC 6 defaults per benchmark
+    num_samples: int = 0  # prompts per benchmark; 0 = SPEC 6 defaults
     max_new_tokens: int = 2048
-    temperature: float = 1.0
+    temperature: float = 1.0  # 0 = greedy
     seed: int = 0
+    block_size: int = 0  # 0 = the drafter's γ
+    baseline: bool = True  # also decode with the target alone (speedups)
+    label: str = ""  # row label in the report tables ("" = from the drafter's variant)
+
+
+@dataclass
+class ServeConfig:
+    """Verification scheduling (SPEC 7): `dspark eval` with a policy, and `dspark simulate`."""
+
+    policy: str = ""  # eval: "" = verify all γ drafts; else algorithm1, async[:K0], static1, static[:ℓ], threshold:<a>
+    concurrency: int = 1  # eval with a policy: requests decoded in lockstep
+    sts: str = ""  # STS JSON (dspark calibrate); "" = raw confidences
+    sps: str = ""  # SPS table JSON (dspark profile-sps), for algorithm1 / async and the simulated clock
+    policies: list[str] = field(default_factory=lambda: ["algorithm1", "async", "static1", "static", "threshold:0.5"])
+    concurrencies: list[int] = field(default_factory=lambda: [1, 4, 16, 64])  # simulate: R values
+    num_prompts: int = 8  # simulate: prompts per benchmark (seeded subset)
+    num_requests: int = 0  # simulate: stop after this many finished requests (0 = max(prompts, R))
+    cycle: bool = True  # simulate: cycle the prompts so every slot stays busy
+    max_new_tokens: int = 128  # simulate
+    draft_overhead: float = 0.0  # simulate: drafter time as a fraction of a verification step
+    out: str = ""  # simulate: "" = <out_dir>/simulate
+
+
+@dataclass
+class ProfileConfig:
+    """`dspark profile-sps`: the target's verification steps/s at B batch tokens (SPEC 7.4)."""
+
+    out: str = ""  # the table JSON ("" = <out_dir>/sps.json); .profile.json and .png go next to it
+    batch_tokens: list[int] = field(default_factory=list)  # [] = 1..512, powers of 2
+    context_len: int = 512  # tokens already in the KV cache
+    tokens_per_request: int = 0  # > 0: B/q rows of q tokens with their own caches
+    warmup: int = 2
+    repeats: int = 5  # timed forwards per B (the median is kept)
+
+
+@dataclass
+class CalibrateConfig:
+    """`dspark calibrate`: Sequential Temperature Scaling fitted on round logs (SPEC 7.1)."""
+
+    rounds: list[str] = field(default_factory=list)  # rounds.jsonl files of dspark eval / simulate
+    out: str = ""  # the STS JSON ("" = <out_dir>/sts.json); <stem>_reliability.png goes next to it
+    fit_fraction: float = 0.5  # share of requests to fit on (the rest is the test part)
+    seed: int = 0  # seed of the request split
+    bins: int = 20  # ECE bins
+
+
+@dataclass
+class ProposeConfig:
+    """`dspark propose`: a drafter's blocks along the target's greedy continuation of one prompt."""
+
+    prompt: str = "Natalie has 3 boxes with 12 pencils each. She gives away 9 pencils. How many are left?"
+    max_new_tokens: int = 48
+    num_blocks: int = 3
+    temperature: float = 0.0
 
 
 @dataclass
 class Config:
-    name: str = "dspark"
-    out_dir: str = "runs"
+    """One experiment. The defaults are the Qwen3-4B DSpark recipe of SPEC 4
+    (config/dspark/dspark_qwen3_4b.py spells every field out); other config
+    files state only what differs."""
+
+    name: str = "dspark_qwen3_4b_block7"
+    out_dir: str = ""  # "" = runs/<name>
     seed: int = 42
+    threads: int = 0  # torch CPU threads (0 = torch's choice)
     target: TargetConfig = field(default_factory=TargetConfig)
     drafter: DrafterSpec = field(default_factory=DrafterSpec)
     data: DataConfig = field(default_factory=DataConfig)
@@ -139,18 +212,42 @@ class Config:
     loss: LossConfig = field(default_factory=LossConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    calibrate: CalibrateConfig = field(default_factory=CalibrateConfig)
+    propose: ProposeConfig = field(default_factory=ProposeConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    @property
+    def run_dir(self) -> Path:
+        """Where this run writes: `out_dir`, or runs/<name> when it is empty."""
+        return Path(self.out_dir or f"runs/{self.name}")
+
+    def path(self, value: str, default: str) -> Path:
+        """`value`, or `<run_dir>/<default>` when it is empty (the outputs of a run live together)."""
+        return Path(value) if value else self.run_dir / default
+
+
+def dflash_of(config: Config) -> Config:
+    """The DFlash baseline of a DSpark config, as DeepSpec trains it: the same backbone,
+    target, data and optimiser; no sequential or confidence head; CE only (SPEC 4)."""
+    drafter = dataclasses.replace(config.drafter, variant="dflash", markov_rank=0,
+                                  enable_confidence_head=False, confidence_head_with_markov=False)
+    loss = dataclasses.replace(config.loss, ce_weight=1.0, tv_weight=0.0, conf_weight=0.0)
+    name = config.name.replace("dspark", "dflash") if "dspark" in config.name else f"dflash_{config.name}"
+    return dataclasses.replace(config, name=name, out_dir=config.out_dir.replace("dspark", "dflash"),
+                               drafter=drafter, loss=loss)
+
 
 # ----------------------------------------------------------------- validation
 _CHOICES = {
-    "target.dtype": ("float32", "bfloat16", "float16"),
+    "target.dtype": ("auto", "float32", "bfloat16", "float16"),
     "drafter.variant": ("dspark", "dflash"),
     "drafter.block_layout": ("anchor_first", "anchor_plus_masks"),
     "drafter.markov_head_type": ("vanilla", "rnn"),
-    "drafter.attn_implementation": ("sdpa", "eager", "flex"),
+    "drafter.attn_implementation": ("auto", "sdpa", "eager", "flex"),
     "drafter.dtype": ("float32", "bfloat16"),
     "data.feature_mode": ("cache", "online"),
     "data.cache_precision": ("fp8", "bf16", "fp32"),
@@ -161,7 +258,14 @@ _CHOICES = {
 _POSITIVE = (
     "drafter.block_size", "drafter.num_draft_layers", "data.max_length", "data.num_anchors",
     "train.global_batch_size", "train.micro_batch_size", "generation.batch_size",
-    "generation.max_new_tokens", "eval.max_new_tokens", "loss.chunk_rows",
+    "generation.max_new_tokens", "eval.max_new_tokens", "loss.chunk_rows", "serve.concurrency",
+    "serve.max_new_tokens", "profile.context_len", "profile.repeats", "calibrate.bins", "propose.max_new_tokens",
+    "propose.num_blocks",
+)
+_NON_NEGATIVE = (
+    "threads", "eval.num_samples", "eval.block_size", "serve.num_prompts", "serve.num_requests",
+    "serve.draft_overhead", "profile.tokens_per_request", "profile.warmup", "eval.temperature",
+    "propose.temperature",
 )
 
 
@@ -174,6 +278,15 @@ def validate(config: Config) -> None:
         value = get_key(config, key)
         if value <= 0:
             raise ValueError(f"{key} must be > 0, got {value}")
+    for key in _NON_NEGATIVE:
+        value = get_key(config, key)
+        if value < 0:
+            raise ValueError(f"{key} must be >= 0, got {value}")
+    for key in ("serve.concurrencies", "profile.batch_tokens"):
+        if any(v < 1 for v in get_key(config, key)):
+            raise ValueError(f"{key} must hold integers >= 1, got {get_key(config, key)}")
+    if not config.target.device.startswith(("auto", "cpu", "cuda")):
+        raise ValueError(f"target.device={config.target.device!r}; use auto, cpu, cuda or cuda:N")
     ids = config.drafter.target_layer_ids
     if not ids or any(b <= a for a, b in zip(ids, ids[1:])) or ids[0] < -1:
         raise ValueError(
@@ -185,10 +298,9 @@ def validate(config: Config) -> None:
             f"train.global_batch_size={config.train.global_batch_size} must be a multiple of "
             f"train.micro_batch_size={config.train.micro_batch_size}"
         )
-    if not 0 <= config.data.holdout_fraction < 1:
-        raise ValueError(f"data.holdout_fraction must be in [0, 1), got {config.data.holdout_fraction}")
-    if config.eval.temperature < 0:
-        raise ValueError(f"eval.temperature must be >= 0, got {config.eval.temperature}")
+    for key in ("data.holdout_fraction", "calibrate.fit_fraction"):
+        if not 0 <= get_key(config, key) < 1:
+            raise ValueError(f"{key} must be in [0, 1), got {get_key(config, key)}")
 
 
 # ------------------------------------------------------------------ overrides
@@ -260,6 +372,17 @@ def _coerce(key: str, raw: Any, annotation: Any) -> Any:
     raise ValueError(f"{key}: unsupported field type {annotation}")
 
 
+def _from_text(raw: Any, annotation: Any) -> Any:
+    """An override text (or a list of them) as a Python value: a literal, except that a
+    string field takes an unquoted text as it is."""
+    if isinstance(raw, list):
+        (item,) = get_args(annotation) or (Any,)
+        return [_from_text(v, item) for v in raw]
+    if not isinstance(raw, str) or (annotation is str and raw[:1] not in ("'", '"')):
+        return raw
+    return _parse_literal(raw)
+
+
 def _parse_literal(text: str) -> Any:
     try:
         return ast.literal_eval(text)
@@ -273,20 +396,33 @@ def _parse_literal(text: str) -> Any:
 
 
 def apply_overrides(config: Config, overrides: list[str]) -> Config:
-    """Apply `key.path=value` strings; returns a new validated Config."""
-    valid = _keys(config)
+    """Apply `key.path=value` strings; returns a new validated Config.
+
+    The value is a Python literal (`[1, 2]`, `3e-4`, `true`, `None`); a string field
+    takes the text as it is unless it is quoted."""
+    values = {}
     for item in overrides:
         if "=" not in item:
             raise ValueError(f"override {item!r} must look like key.path=value")
         key, text = (s.strip() for s in item.split("=", 1))
+        values[key] = text
+    return set_values(config, values, parse=True)
+
+
+def set_values(config: Config, values: Mapping[str, Any], *, parse: bool = False) -> Config:
+    """A new validated Config with `{key.path: value}` set, each type-checked against its field
+    (with `parse`, values are override texts: see `apply_overrides`)."""
+    valid = _keys(config)
+    for key, raw in values.items():
         if key not in valid:
             close = difflib.get_close_matches(key, valid, n=3)
             hint = f"; did you mean {', '.join(close)}?" if close else f"; valid keys: {', '.join(valid)}"
             raise ValueError(f"unknown config key {key!r}{hint}")
         *path, leaf = key.split(".")
-        owner = get_key(config, ".".join(path)) if path else config
-        value = _coerce(key, _parse_literal(text), _field_types(owner)[leaf])
-        config = _replace_path(config, key.split("."), value)
+        annotation = _field_types(get_key(config, ".".join(path)) if path else config)[leaf]
+        if parse:
+            raw = _from_text(raw, annotation)
+        config = _replace_path(config, key.split("."), _coerce(key, raw, annotation))
     validate(config)
     return config
 
@@ -309,18 +445,59 @@ def check_types(config: Config) -> None:
         _coerce(key, getattr(obj, leaf), _field_types(obj)[leaf])
 
 
-def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    """The Config of a Python config file (its `config` object) or of a config.json that a
+    run wrote (`Config.to_dict()`), with `key.path=value` overrides; None: the defaults."""
+    if path is None:
+        config = Config()
+    else:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"config file {path} not found")
+        config = config_from_dict(_read_json(path), str(path)) if path.suffix == ".json" else _run_config_file(path)
+    check_types(config)
+    return apply_overrides(config, list(overrides or []))
+
+
+def _run_config_file(path: Path) -> Config:
     """Run a Python config file in its own namespace and take its `config` object."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"config file {path} not found")
-    namespace = runpy.run_path(str(path))
-    config = namespace.get("config")
+    config = runpy.run_path(str(path)).get("config")
     if not isinstance(config, Config):
         raise ValueError(
             f"{path} must bind a dspark.config.Config to the name `config` "
             f"(found {type(config).__name__})"
         )
-    check_types(config)
-    return apply_overrides(config, list(overrides or []))
+    return config
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not a JSON config ({e}); write it with Config.to_dict()") from None
+
+
+def config_from_dict(data: Any, where: str = "config") -> Config:
+    """The inverse of `Config.to_dict()`: every key must be a field (errors name it)."""
+    return _build(Config, data, where, "")
+
+
+def _build(cls: type, data: Any, where: str, prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: {prefix.rstrip('.') or 'the config'} must be a JSON object, got {data!r}")
+    types_ = get_type_hints(cls, globalns=globals())
+    unknown = sorted(set(data) - set(types_))
+    if unknown:
+        raise ValueError(f"{where}: unknown config key(s) {', '.join(prefix + k for k in unknown)}")
+    kwargs = {}
+    for name, value in data.items():
+        hint = types_[name]
+        if dataclasses.is_dataclass(hint):
+            kwargs[name] = _build(hint, value, where, f"{prefix}{name}.")
+        else:
+            try:
+                kwargs[name] = _coerce(f"{prefix}{name}", value, hint)
+            except ValueError as e:
+                raise ValueError(f"{where}: {e}") from None
+    return cls(**kwargs)
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
+
 import torch
 
 from dspark.config import Config, DrafterSpec
@@ -43,14 +46,32 @@ def dtype_name(dtype: torch.dtype) -> str:
     return next(name for name, value in DTYPES.items() if value == dtype)
 
 
-def load_target(config: Config) -> TargetModel:
-    """The frozen target of `config.target`, capturing `config.drafter.target_layer_ids`."""
+def resolve_device(name: str) -> torch.device:
+    """The device of a config's `target.device`: "auto" (and a bare "cuda") is this rank's GPU
+    (LOCAL_RANK under torchrun) when there is one, else the CPU."""
+    if name in ("auto", "cuda") and torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu" if name == "auto" else name)
+
+
+def resolve_attention(name: str, device: torch.device) -> str:
+    """The drafter's attention kernel: "auto" is flex attention on a GPU and sdpa elsewhere
+    (flex attention has no CPU backward)."""
+    if name != "auto":
+        return name
+    return "flex" if device.type == "cuda" else "sdpa"
+
+
+def load_target(config: Config, target_layer_ids: list[int] | None = None) -> TargetModel:
+    """The frozen target of `config.target`, capturing `target_layer_ids` (default
+    `config.drafter.target_layer_ids`), on the resolved device in the resolved dtype."""
     t = config.target
+    device = resolve_device(t.device)
     return TargetModel.from_pretrained(
         t.name_or_path,
-        config.drafter.target_layer_ids,
-        dtype=DTYPES[t.dtype],
-        device=t.device,
+        list(config.drafter.target_layer_ids if target_layer_ids is None else target_layer_ids),
+        dtype=resolve_dtype(t.dtype, device),
+        device=device,
         attn_implementation=t.attn_implementation,
         trust_remote_code=t.trust_remote_code,
     )
@@ -71,13 +92,35 @@ def drafter_config(spec: DrafterSpec, target: TargetModel, num_anchors: int = 51
         enable_confidence_head=spec.enable_confidence_head and spec.variant == "dspark",
         confidence_head_with_markov=spec.confidence_head_with_markov and spec.variant == "dspark",
         intermediate_size=spec.intermediate_size,
-        attn_implementation=spec.attn_implementation,
+        attn_implementation=resolve_attention(spec.attn_implementation, torch.device(target.device)),
     )
 
 
 def build_drafter(config: Config, target: TargetModel, seed: int | None = None) -> Drafter:
-    """A freshly initialised drafter attached to `target` (seeded by config.seed)."""
+    """A freshly initialised drafter attached to `target` (seeded by config.seed), in
+    `config.drafter.dtype` (the training master weights)."""
     torch.manual_seed(config.seed if seed is None else seed)
     drafter = Drafter(drafter_config(config.drafter, target, config.data.num_anchors))
     drafter.to(device=target.device, dtype=DTYPES[config.drafter.dtype])
     return drafter.attach_target(target)
+
+
+def load_models(config: Config) -> tuple[TargetModel, Drafter, str]:
+    """The target and the drafter that `propose`, `eval` and `simulate` decode with, and where
+    the drafter comes from: the trained folder `eval.draft`, or else a fresh drafter built from
+    `config.drafter` (untrained). Both run in the target's dtype (fp32 for an fp16 target's
+    fresh drafter), in eval mode; `eval.block_size` overrides the drafter's γ."""
+    from dspark.modeling import load_drafter
+    from dspark.modeling.checkpoint import read_config
+
+    draft, gamma = config.eval.draft, config.eval.block_size
+    if draft:
+        target = load_target(config, read_config(draft).target_layer_ids)
+        drafter = load_drafter(draft, target, dtype=target.dtype, device=target.device,
+                               **({"block_size": gamma} if gamma else {}))
+        return target, drafter.eval(), f"loaded from {draft}"
+    target = load_target(config)
+    dtype = torch.float32 if target.dtype == torch.float16 else target.dtype
+    spec = dataclasses.replace(config.drafter, dtype=dtype_name(dtype), **({"block_size": gamma} if gamma else {}))
+    drafter = build_drafter(dataclasses.replace(config, drafter=spec), target)
+    return target, drafter.eval(), "freshly initialised from the config's drafter section (untrained: expect τ near 1)"

@@ -279,7 +279,7 @@ class Trainer:
         self.drafter = drafter
         self.train_data = train_data
         self.eval_data = eval_data
-        self.out_dir = Path(out_dir or config.out_dir)
+        self.out_dir = Path(out_dir) if out_dir else config.run_dir
         self.progress = progress
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0

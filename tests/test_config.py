@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
-from dspark.config import Config, apply_overrides, load_config
+from dspark.config import Config, apply_overrides, config_from_dict, dflash_of, load_config, set_values
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC4_LAYERS = {
@@ -81,3 +82,75 @@ def test_config_file_must_bind_a_config(tmp_path):
     wrong.write_text("from dspark.config import Config, TrainConfig\nconfig = Config(train=TrainConfig(lr='x'))\n")
     with pytest.raises(ValueError, match="train.lr expects a number"):
         load_config(wrong)
+
+
+def test_the_defaults_are_the_qwen3_4b_recipe_file():
+    """config/dspark/dspark_qwen3_4b.py spells the defaults out: nothing in it differs but the out_dir it names."""
+    spelled = load_config(ROOT / "config" / "dspark" / "dspark_qwen3_4b.py")
+    assert spelled.run_dir == Config().run_dir == Path("runs/dspark_qwen3_4b_block7")
+    assert spelled.to_dict() == {**Config().to_dict(), "out_dir": "runs/dspark_qwen3_4b_block7"}
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "config").glob("*/*.py")), ids=lambda p: p.stem)
+def test_model_config_files_state_only_what_differs(path):
+    if path.stem == "dspark_qwen3_4b":  # the one full file to copy from
+        return
+    assert len(path.read_text().splitlines()) <= 30
+
+
+def test_dflash_of_drops_the_heads_and_trains_on_ce_only():
+    base = load_config(ROOT / "config" / "dspark" / "dspark_smollm2_135m.py")
+    d = dflash_of(base)
+    assert (d.name, d.drafter.variant, d.drafter.markov_rank) == ("dflash_smollm2_135m", "dflash", 0)
+    assert not d.drafter.enable_confidence_head and not d.drafter.confidence_head_with_markov
+    assert (d.loss.ce_weight, d.loss.tv_weight, d.loss.conf_weight, d.loss.chunk_rows) == (1.0, 0.0, 0.0, 32)
+    same = {k: v for k, v in base.to_dict().items() if k not in ("name", "drafter", "loss")}
+    assert {k: v for k, v in d.to_dict().items() if k not in ("name", "drafter", "loss")} == same
+    assert d.run_dir == Path("runs/dflash_smollm2_135m")
+
+
+def test_a_written_config_json_loads_back_to_the_same_config(tmp_path):
+    c = apply_overrides(load_config(ROOT / "config" / "dspark" / "dspark_smollm2_135m.py"),
+                        ["eval.benchmarks=['gsm8k']", "serve.concurrencies=[1, 2]", "eval.draft=runs/x/drafter"])
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(c.to_dict()))
+    assert load_config(path) == c
+    assert load_config(path, ["train.lr=0.5"]).train.lr == 0.5
+
+
+@pytest.mark.parametrize(
+    "data, words",
+    [
+        ({"trian": {}}, ["unknown config key", "trian"]),
+        ({"train": {"lrr": 1}}, ["train.lrr"]),
+        ({"train": {"lr": "fast"}}, ["train.lr", "number"]),
+        ({"eval": [1]}, ["eval", "JSON object"]),
+    ],
+)
+def test_a_bad_config_json_names_the_key(tmp_path, data, words):
+    with pytest.raises(ValueError) as e:
+        config_from_dict(data, "run/config.json")
+    for w in ["run/config.json", *words]:
+        assert w in str(e.value)
+
+
+def test_a_string_field_takes_the_text_as_it_is():
+    c = apply_overrides(Config(), ["eval.label=123", "eval.draft=runs/1e3/drafter", "name='quoted'"])
+    assert (c.eval.label, c.eval.draft, c.name) == ("123", "runs/1e3/drafter", "quoted")
+    assert set_values(Config(), {"serve.concurrencies": ["1", "4"]}, parse=True).serve.concurrencies == [1, 4]
+
+
+@pytest.mark.parametrize(
+    "values, words",
+    [
+        ({"serve.concurrencies": [0]}, ["serve.concurrencies", ">= 1"]),
+        ({"target.device": "tpu"}, ["target.device", "auto"]),
+        ({"calibrate.fit_fraction": 1.0}, ["calibrate.fit_fraction", "[0, 1)"]),
+        ({"eval.num_samples": -1}, ["eval.num_samples", ">= 0"]),
+    ],
+)
+def test_bad_values_of_the_run_sections_name_the_key(values, words):
+    with pytest.raises(ValueError) as e:
+        set_values(Config(), values)
+    for w in words:
+        assert w in str(e.value)

@@ -1,49 +1,11 @@
-"""DFlash as DeepSpec trains it (same backbone, no sequential or confidence head, CE only) drafter for Qwen/Qwen3-14B: the SPEC 4 reference recipe.
+"""DFlash as DeepSpec trains it, for Qwen/Qwen3-14B: the DSpark config's backbone, target, data and
+optimiser, without the sequential and confidence heads, trained on CE only (`dflash_of`).
 
 Run: dspark train --config config/dflash/dflash_qwen3_14b.py [--set key.path=value ...]
 """
 
-from dspark.config import Config, DataConfig, DrafterSpec, EvalConfig, GenerationConfig, LossConfig, TargetConfig, TrainConfig
+from pathlib import Path
 
-config = Config(
-    name="dflash_qwen3_14b_block7",
-    out_dir="runs/dflash_qwen3_14b_block7",
-    seed=42,
-    target=TargetConfig(name_or_path="Qwen/Qwen3-14B", dtype="bfloat16", device="cuda"),
-    drafter=DrafterSpec(
-        variant="dflash",
-        target_layer_ids=[1, 10, 19, 28, 37],  # SPEC 2 convention: i = output of decoder layer i
-        mask_token_id=151669,
-        block_size=7,  # γ
-        num_draft_layers=5,
-        markov_rank=0,  # no sequential head
-        enable_confidence_head=False,
-        confidence_head_with_markov=False,
-        attn_implementation="flex",
-    ),
-    data=DataConfig(
-        train_prompts="hub:mlabonne/open-perfectblend",
-        holdout_fraction=0.05,
-        max_length=4096,
-        min_loss_tokens=14,
-        num_anchors=512,
-        feature_mode="cache",
-        cache_precision="fp8",
-    ),
-    generation=GenerationConfig(temperature=0.7, top_p=0.8, top_k=20, max_new_tokens=4096, backend="openai"),
-    loss=LossConfig(ce_weight=1.0, tv_weight=0.0, conf_weight=0.0, loss_decay_gamma=4.0),  # CE only
-    train=TrainConfig(
-        lr=6e-4,
-        weight_decay=0.0,
-        warmup_ratio=0.04,  # then cosine to 0
-        grad_clip=1.0,
-        global_batch_size=512,
-        micro_batch_size=1,
-        epochs=10,
-        mixed_precision="bf16",  # fp32 master weights
-        compile=True,
-        save_every=3000,
-        log_every=10,
-    ),
-    eval=EvalConfig(temperature=1.0, max_new_tokens=2048),
-)
+from dspark.config import dflash_of, load_config
+
+config = dflash_of(load_config(Path(__file__).parents[1] / "dspark" / "dspark_qwen3_14b.py"))

@@ -1,50 +1,13 @@
-"""DSpark (Markov head + confidence head) drafter for google/gemma-4-12B-it: the SPEC 4 reference recipe.
+"""DSpark drafter for google/gemma-4-12B-it: the SPEC 4 recipe; every field not set here is the Qwen3-4B recipe
+(the defaults, spelled out in config/dspark/dspark_qwen3_4b.py).
 
 Run: dspark train --config config/dspark/dspark_gemma4_12b.py [--set key.path=value ...]
 """
 
-from dspark.config import Config, DataConfig, DrafterSpec, EvalConfig, GenerationConfig, LossConfig, TargetConfig, TrainConfig
+from dspark.config import Config, DrafterSpec, TargetConfig
 
 config = Config(
     name="dspark_gemma4_12b_block7",
-    out_dir="runs/dspark_gemma4_12b_block7",
-    seed=42,
-    target=TargetConfig(name_or_path="google/gemma-4-12B-it", dtype="bfloat16", device="cuda"),
-    drafter=DrafterSpec(
-        variant="dspark",
-        target_layer_ids=[5, 17, 29, 41, 46],  # SPEC 2 convention: i = output of decoder layer i
-        mask_token_id=4,
-        block_size=7,  # γ
-        num_draft_layers=5,
-        markov_rank=256,  # Eq. 5, r
-        markov_head_type="vanilla",  # "vanilla" (Markov) | "rnn" (Eq. 6)
-        enable_confidence_head=True,  # Eq. 7
-        confidence_head_with_markov=True,
-        attn_implementation="flex",
-    ),
-    data=DataConfig(
-        train_prompts="hub:mlabonne/open-perfectblend",
-        holdout_fraction=0.05,
-        max_length=4096,
-        min_loss_tokens=14,
-        num_anchors=512,
-        feature_mode="cache",
-        cache_precision="fp8",
-    ),
-    generation=GenerationConfig(temperature=0.7, top_p=0.8, top_k=20, max_new_tokens=4096, backend="openai"),
-    loss=LossConfig(ce_weight=0.1, tv_weight=0.9, conf_weight=1.0, loss_decay_gamma=4.0),
-    train=TrainConfig(
-        lr=6e-4,
-        weight_decay=0.0,
-        warmup_ratio=0.04,  # then cosine to 0
-        grad_clip=1.0,
-        global_batch_size=512,
-        micro_batch_size=1,
-        epochs=10,
-        mixed_precision="bf16",  # fp32 master weights
-        compile=True,
-        save_every=3000,
-        log_every=10,
-    ),
-    eval=EvalConfig(temperature=1.0, max_new_tokens=2048),
+    target=TargetConfig(name_or_path="google/gemma-4-12B-it"),
+    drafter=DrafterSpec(target_layer_ids=[5, 17, 29, 41, 46], mask_token_id=4),  # SPEC 2 layer ids, Gemma's mask token
 )

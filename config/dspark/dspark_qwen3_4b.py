@@ -1,5 +1,7 @@
 """DSpark (Markov head + confidence head) drafter for Qwen/Qwen3-4B: the SPEC 4 reference recipe.
 
+These values are also the defaults of dspark.config, so the other config files state only what
+differs from this one. Copy this file to start an experiment of your own.
 Run: dspark train --config config/dspark/dspark_qwen3_4b.py [--set key.path=value ...]
 """
 
@@ -9,7 +11,7 @@ config = Config(
     name="dspark_qwen3_4b_block7",
     out_dir="runs/dspark_qwen3_4b_block7",
     seed=42,
-    target=TargetConfig(name_or_path="Qwen/Qwen3-4B", dtype="bfloat16", device="cuda"),
+    target=TargetConfig(name_or_path="Qwen/Qwen3-4B", dtype="auto", device="auto"),  # bfloat16 on a GPU
     drafter=DrafterSpec(
         variant="dspark",
         target_layer_ids=[1, 9, 17, 25, 33],  # SPEC 2 convention: i = output of decoder layer i
@@ -20,7 +22,7 @@ config = Config(
         markov_head_type="vanilla",  # "vanilla" (Markov) | "rnn" (Eq. 6)
         enable_confidence_head=True,  # Eq. 7
         confidence_head_with_markov=True,
-        attn_implementation="flex",
+        attn_implementation="auto",  # flex attention on a GPU
     ),
     data=DataConfig(
         train_prompts="hub:mlabonne/open-perfectblend",

@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 
 def data_dir(config: Config) -> Path:
-    return Path(config.data.data_dir) if config.data.data_dir else Path(config.out_dir) / "data"
+    return config.path(config.data.data_dir, "data")
 
 
 def cache_dir(config: Config) -> Path:
@@ -136,3 +136,25 @@ def training_sources(config: Config, target: Any, cache_path: str | os.PathLike 
         return CachedSource(cache, parts["train"]), CachedSource(cache, parts["holdout"])
     samples = load_rendered(rendered)
     return RenderedSource([samples[i] for i in parts["train"]]), RenderedSource([samples[i] for i in parts["holdout"]])
+
+
+def estimate_cache(config: Config) -> str:
+    """What the feature cache of `config` will take on disk (a sentence), before writing it:
+    exact for the rendered samples when `dspark prepare` has rendered them, else per token."""
+    from transformers import AutoConfig
+
+    from dspark.data.cache import CacheDims, bytes_per_token, estimate_cache_size
+    from dspark.hub import resolve_target_path
+
+    hf = AutoConfig.from_pretrained(resolve_target_path(config.target.name_or_path),
+                                    trust_remote_code=config.target.trust_remote_code)
+    dims = CacheDims.of(hf, config.drafter.target_layer_ids)
+    rendered = data_dir(config) / "rendered.jsonl"
+    prec = config.data.cache_precision
+    if not rendered.is_file():
+        return (f"{rendered} not found (run `dspark prepare --no-cache` first); per token at {prec}: "
+                f"{bytes_per_token(dims.hidden_size, dims.num_captured, prec, 1.0):.0f} B worst case")
+    samples = load_rendered(rendered)
+    size = estimate_cache_size(dims, samples, prec)
+    n_tok = sum(len(s.input_ids) for s in samples)
+    return f"{len(samples)} samples, {n_tok} tokens: {size / 2**20:.1f} MiB at {prec} ({size / max(1, n_tok):.0f} B/token)"

@@ -1,0 +1,148 @@
+"""The command-line flags of `dspark`: each a shorthand for a config field, declared once.
+
+Every command that runs a model reads one `dspark.config.Config`: `--config FILE`
+(a Python config file, or the config.json a run wrote) plus `--set key.path=value`.
+The flags below only set fields of that config; `COMMAND_FLAGS` says, per
+command, which field each flag sets (`--out` is `eval.out` for `eval` and
+`serve.out` for `simulate`). Kept free of torch so that `dspark --help` is fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any
+
+POLICY_HELP = "algorithm1, async[:K0], static1, static[:ℓ], threshold:<a>"
+
+
+@dataclass(frozen=True)
+class Flag:
+    help: str
+    kind: str = "value"  # "value": one text | "list": items, comma- or space-separated | "true" / "false": a switch
+    metavar: str | None = None
+
+
+FLAGS: dict[str, Flag] = {
+    "--target": Flag("the target: hub name, local folder, or smollm2-135m (the embedded default)"),
+    "--draft": Flag("a trained drafter folder (ours or DeepSpec's layout); default: a fresh drafter from the config"),
+    "--device": Flag("auto (a GPU if there is one, else cpu), cpu, cuda or cuda:N"),
+    "--dtype": Flag("auto (bfloat16 on a GPU or on a CPU with native bf16, else float32), float32, bfloat16, float16"),
+    "--threads": Flag("torch CPU threads (0: torch's choice)"),
+    "--trust-remote-code": Flag("allow the target's own modeling code from the hub", kind="true"),
+    "--data-dir": Flag("folder with the benchmark <name>.jsonl files"),
+    "--benchmarks": Flag("benchmark names (default: all nine)", kind="list"),
+    "--builtin-eval": Flag("use the built-in evaluation prompts instead of benchmark files", kind="true"),
+    "--num-samples": Flag("prompts per benchmark (0: SPEC 6 counts)"),
+    "--num-prompts": Flag("prompts per benchmark (seeded subset)"),
+    "--max-new-tokens": Flag("the most tokens generated per request"),
+    "--temperature": Flag("sampling temperature (0 = greedy)"),
+    "--block-size": Flag("override the drafter's γ (0: the drafter's own)"),
+    "--seed": Flag("seed of the prompt subset and of every random draw"),
+    "--no-baseline": Flag("skip target-only decoding (no speedup figures)", kind="false"),
+    "--label": Flag("row label in the report tables"),
+    "--scheduler": Flag("decode through the serving loop under a verification-length policy: " + POLICY_HELP,
+                        metavar="POLICY"),
+    "--policy": Flag("policies, comma-separated: " + POLICY_HELP, kind="list"),
+    "--sts": Flag("STS JSON (dspark calibrate): calibrated confidences for the scheduler and the report"),
+    "--sps": Flag("SPS table JSON (dspark profile-sps), for algorithm1 / async and the simulated clock"),
+    "--concurrency": Flag("requests decoded in lockstep (eval: one R; simulate: R values, e.g. 1,4,16,64)"),
+    "--num-requests": Flag("stop after this many finished requests (0: max(prompts, R)); prompts are cycled"),
+    "--no-cycle": Flag("serve every prompt once; the slots drain at the end", kind="false"),
+    "--draft-overhead": Flag("drafter time as a fraction of the verification step (0: ignored)"),
+    "--batch-tokens": Flag("B values, e.g. 1,2,4,8 (default 1..512, powers of 2)", kind="list"),
+    "--context-len": Flag("tokens already in the KV cache"),
+    "--tokens-per-request": Flag("time B/q rows of q tokens with their own caches (0: one sequence of B tokens)"),
+    "--warmup": Flag("untimed forwards per B"),
+    "--repeats": Flag("timed forwards per B (the median is kept)"),
+    "--rounds": Flag("rounds.jsonl file(s) from dspark eval / simulate", kind="list"),
+    "--fit-fraction": Flag("share of requests to fit on (the rest is the test part)"),
+    "--bins": Flag("ECE bins"),
+    "--prompt": Flag("the user message"),
+    "--num-blocks": Flag("blocks proposed along the continuation"),
+    "--resume": Flag("continue from the latest checkpoint in out_dir", kind="true"),
+    "--no-cache": Flag("stop after rendering (online feature mode: the target runs in the training step)",
+                       kind="const:online"),
+    "--out": Flag("where to write the outputs"),
+}
+
+_MODEL = {"--target": "target.name_or_path", "--device": "target.device", "--dtype": "target.dtype",
+          "--threads": "threads", "--trust-remote-code": "target.trust_remote_code"}
+_PROMPTS = {"--data-dir": "eval.data_dir", "--benchmarks": "eval.benchmarks", "--builtin-eval": "eval.builtin_prompts",
+            "--temperature": "eval.temperature", "--seed": "eval.seed", "--block-size": "eval.block_size",
+            "--draft": "eval.draft", "--sts": "serve.sts", "--sps": "serve.sps"}
+
+# command -> (help, {flag: config key})
+COMMANDS: dict[str, tuple[str, dict[str, str]]] = {
+    "propose": ("show a drafter's proposals along the target's own continuation of a prompt",
+                {**_MODEL, "--draft": "eval.draft", "--prompt": "propose.prompt",
+                 "--max-new-tokens": "propose.max_new_tokens", "--num-blocks": "propose.num_blocks",
+                 "--temperature": "propose.temperature"}),
+    "prepare": ("regenerate answers with the target, render them, build the feature cache",
+                {**_MODEL, "--no-cache": "data.feature_mode"}),
+    "cache": ("build the target feature cache (or --estimate its size)", dict(_MODEL)),
+    "train": ("train a drafter (torchrun for several processes)", {**_MODEL, "--resume": "train.resume"}),
+    "eval": ("accepted length τ on the nine benchmarks (torchrun shards prompts)",
+             {**_MODEL, **_PROMPTS, "--num-samples": "eval.num_samples", "--max-new-tokens": "eval.max_new_tokens",
+              "--no-baseline": "eval.baseline", "--label": "eval.label", "--scheduler": "serve.policy",
+              "--concurrency": "serve.concurrency", "--out": "eval.out"}),
+    "profile-sps": ("time the target's verification forward: the SPS(B) table of SPEC 7.4",
+                    {**_MODEL, "--draft": "eval.draft", "--batch-tokens": "profile.batch_tokens",
+                     "--context-len": "profile.context_len", "--tokens-per-request": "profile.tokens_per_request",
+                     "--warmup": "profile.warmup", "--repeats": "profile.repeats", "--out": "profile.out"}),
+    "simulate": ("serving simulation: throughput and verification budget vs concurrency per policy (paper Fig. 8)",
+                 {**_MODEL, **_PROMPTS, "--num-prompts": "serve.num_prompts", "--concurrency": "serve.concurrencies",
+                  "--policy": "serve.policies", "--num-requests": "serve.num_requests", "--no-cycle": "serve.cycle",
+                  "--max-new-tokens": "serve.max_new_tokens", "--draft-overhead": "serve.draft_overhead",
+                  "--out": "serve.out"}),
+    "calibrate": ("fit STS on eval round logs (split by request) and report calibration",
+                  {"--rounds": "calibrate.rounds", "--fit-fraction": "calibrate.fit_fraction",
+                   "--seed": "calibrate.seed", "--bins": "calibrate.bins", "--out": "calibrate.out"}),
+}
+LIST_KEYS = {"serve.concurrencies"}  # a "value" flag whose field is a list (simulate's --concurrency)
+
+
+def add_config_flags(p: argparse.ArgumentParser, command: str) -> None:
+    """`--config`, `--set` and the command's shorthand flags (all default to "not given")."""
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="a config file (config/*/*.py) or the config.json a run wrote; default: the defaults "
+                        "(the Qwen3-4B DSpark recipe)")
+    p.add_argument("--set", dest="overrides", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="override config fields, e.g. --set train.lr=3e-4 drafter.block_size=8")
+    for name, key in COMMANDS[command][1].items():
+        flag = FLAGS[name]
+        text = f"{flag.help} [{key}]"
+        if flag.kind in ("true", "false") or flag.kind.startswith("const:"):
+            p.add_argument(name, dest=_dest(name), action="store_true", default=None, help=text)
+        elif flag.kind == "list" or key in LIST_KEYS:
+            p.add_argument(name, dest=_dest(name), nargs="+", default=None, metavar="V", help=text)
+        else:
+            p.add_argument(name, dest=_dest(name), default=None, metavar=flag.metavar, help=text)
+
+
+def flag_values(args: argparse.Namespace, command: str) -> dict[str, Any]:
+    """{config key: value} of the shorthand flags given on the command line.
+
+    Values are override texts (see `dspark.config.set_values(parse=True)`); a list
+    flag gives a list of texts, "1,4 16" and "1 4,16" alike."""
+    values: dict[str, Any] = {}
+    for name, key in COMMANDS[command][1].items():
+        given = getattr(args, _dest(name))
+        if given is None:
+            continue
+        kind = FLAGS[name].kind
+        if kind == "true":
+            values[key] = True
+        elif kind == "false":
+            values[key] = False
+        elif kind.startswith("const:"):
+            values[key] = kind.split(":", 1)[1]
+        elif isinstance(given, list):
+            values[key] = [item.strip() for text in given for item in text.split(",") if item.strip()]
+        else:
+            values[key] = given
+    return values
+
+
+def _dest(flag: str) -> str:
+    return "flag_" + flag.lstrip("-").replace("-", "_")
