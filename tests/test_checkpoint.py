@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import dspark.modeling.checkpoint as checkpoint
-from helpers.targets import make_tiny_target
+from helpers.targets import make_tiny_target, tiny_drafter_config
 from dspark.modeling import DrafterConfig, Drafter, load_drafter, save_drafter
 from dspark.modeling.checkpoint import read_weights
 
@@ -44,15 +44,8 @@ def _target(family: str, overrides: tuple = ()):
 def _drafter(family: str, seed: int = 0, target_overrides: tuple = (), **fields) -> Drafter:
     """A drafter of the tiny target with every parameter and buffer random (none at its init value)."""
     target = _target(family, target_overrides)
-    text = target.model.config
-    defaults = dict(
-        target_layer_ids=list(target.target_layer_ids),
-        mask_token_id=text.vocab_size - 1,
-        num_draft_layers=2,
-        block_size=GAMMA,
-        markov_rank=RANK,
-    )
-    drafter = Drafter(DrafterConfig.from_target_config(text, **{**defaults, **fields})).attach_target(target)
+    config = tiny_drafter_config(target, **{"block_size": GAMMA, "markov_rank": RANK, **fields})
+    drafter = Drafter(config).attach_target(target)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for _, t in [*drafter.named_parameters(), *drafter.named_buffers()]:

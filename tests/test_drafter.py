@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from helpers.targets import make_tiny_target
+from helpers.targets import make_tiny_target, tiny_drafter_config
 from dspark.modeling import DrafterConfig, Drafter, MarkovHead, RNNHead
 from helpers.reference_drafter import ReferenceDrafter
 
@@ -57,15 +57,7 @@ def _randomize(drafter: Drafter, seed: int = 0) -> Drafter:
 def _drafter(family: str, *, seed: int = 0, randomize: bool = True, target_overrides: dict | None = None, **fields):
     """(target, drafter) for a tiny target; `fields` go to DrafterConfig.from_target_config."""
     target = _target(family, **(target_overrides or {}))
-    text = target.model.config
-    defaults = dict(
-        target_layer_ids=list(target.target_layer_ids),
-        mask_token_id=text.vocab_size - 1,
-        num_draft_layers=2,
-        block_size=GAMMA,
-        markov_rank=RANK,
-    )
-    config = DrafterConfig.from_target_config(text, **{**defaults, **fields})
+    config = tiny_drafter_config(target, **{"block_size": GAMMA, "markov_rank": RANK, **fields})
     torch.manual_seed(seed)
     drafter = Drafter(config).attach_target(target)
     if randomize:

@@ -16,10 +16,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from helpers.targets import build_tiny_model
+from helpers.tokenizers import train_bpe
 from dspark.config import GenerationConfig
 from dspark.data.generate import (
     OpenAIBackend,
@@ -64,16 +64,7 @@ def one_torch_thread():
 
 @pytest.fixture(scope="module")
 def tokenizer() -> PreTrainedTokenizerFast:
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    bpe.train_from_iterator(CORPUS, trainer)
+    bpe = train_bpe(CORPUS, 300, SPECIAL_TOKENS)
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>")
     tok.chat_template = CHATML_TEMPLATE
     assert tok.pad_token_id is None  # the backend must pick a pad token itself

@@ -12,6 +12,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, train
 from transformers import PreTrainedTokenizerFast
 
 from dspark.data.prompts import prompt_only
+from helpers.tokenizers import train_bpe
 from dspark.data.render import (
     RenderedSample,
     render_conversation,
@@ -112,16 +113,7 @@ CORPUS = [
 
 @pytest.fixture(scope="module")
 def tokenizer_json() -> str:
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=500,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(CORPUS, trainer)
+    tokenizer = train_bpe(CORPUS, 500, SPECIAL_TOKENS)
     return tokenizer.to_str()
 
 

