@@ -11,7 +11,6 @@ import torch
 from helpers.targets import make_tiny_target
 from dspark.data.anchors import anchor_candidates
 from dspark.data.cache import (
-    MANIFEST,
     PRECISIONS,
     Manifest,
     TargetCache,
@@ -21,6 +20,9 @@ from dspark.data.cache import (
     encode_rows,
     estimate_cache_size,
 )
+from dspark.data.cache.format import MANIFEST
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 LENGTHS = (6, 9, 5, 12, 7, 4, 10)
 
@@ -38,15 +40,6 @@ def make_samples(vocab_size: int, lengths=LENGTHS, seed: int = 0) -> list[dict]:
     return samples
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny forwards are ~100x slower with 2 threads on a shared, busy CPU."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def qwen3():
     return make_tiny_target("qwen3")
@@ -60,6 +53,12 @@ def samples(qwen3):
 def build(target, samples, path, **kwargs):
     kwargs = {"precision": "fp32", "shard_tokens": 16, "batch_size": 2, "progress": False, **kwargs}
     return build_cache(target, samples, path, **kwargs)
+
+
+@pytest.fixture
+def built(qwen3, samples, tmp_path) -> Manifest:
+    """An fp32 cache of ``samples`` in tmp_path, named "tiny-qwen3", in two shards."""
+    return build(qwen3, samples, tmp_path, target_name="tiny-qwen3")
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -174,8 +173,7 @@ def test_raw_read_decodes_to_the_same_sample(qwen3, samples, tmp_path):
     assert torch.equal(features, item["features"])
 
 
-def test_a_pickled_cache_reopens_its_shards(qwen3, samples, tmp_path):
-    build(qwen3, samples, tmp_path)
+def test_a_pickled_cache_reopens_its_shards(built, tmp_path):
     cache = TargetCache(tmp_path)
     first = cache[0]["features"]
     clone = pickle.loads(pickle.dumps(cache))  # what a DataLoader worker receives
@@ -183,16 +181,14 @@ def test_a_pickled_cache_reopens_its_shards(qwen3, samples, tmp_path):
 
 
 # ------------------------------------------------------------- validation
-def test_mismatched_layer_ids_are_rejected_with_the_fix(qwen3, samples, tmp_path):
-    build(qwen3, samples, tmp_path, target_name="tiny-qwen3")
+def test_mismatched_layer_ids_are_rejected_with_the_fix(built, tmp_path):
     with pytest.raises(ValueError, match=r"layer ids \[0, 2, 3\].*asks for layer ids \[0, 1, 3\].*dspark cache"):
         TargetCache(tmp_path, expected_layer_ids=[0, 1, 3])
     with pytest.raises(ValueError, match="target_layer_ids: cache"):
         TargetCache(tmp_path, expected_target=make_tiny_target("qwen3", target_layer_ids=[0, 1, 3]))
 
 
-def test_a_different_target_is_rejected(qwen3, samples, tmp_path):
-    build(qwen3, samples, tmp_path, target_name="tiny-qwen3")
+def test_a_different_target_is_rejected(built, tmp_path):
     TargetCache(tmp_path, expected_target="tiny-qwen3")
     with pytest.raises(ValueError, match="asks for target 'Qwen/Qwen3-4B'"):
         TargetCache(tmp_path, expected_target="Qwen/Qwen3-4B")
@@ -202,24 +198,21 @@ def test_a_different_target_is_rejected(qwen3, samples, tmp_path):
         TargetCache(tmp_path, expected_target=make_tiny_target("llama", target_layer_ids=[0, 2, 3]))
 
 
-def test_a_truncated_shard_is_rejected(qwen3, samples, tmp_path):
-    manifest = build(qwen3, samples, tmp_path)
-    shard = tmp_path / manifest.shards[1].file
+def test_a_truncated_shard_is_rejected(built, tmp_path):
+    shard = tmp_path / built.shards[1].file
     shard.write_bytes(shard.read_bytes()[:-8])
     with pytest.raises(ValueError, match=r"shard-00001\.bin has \d+ bytes, the manifest records"):
         TargetCache(tmp_path)
 
 
-def test_a_missing_shard_is_rejected(qwen3, samples, tmp_path):
-    manifest = build(qwen3, samples, tmp_path)
-    (tmp_path / manifest.shards[0].index_file).unlink()
+def test_a_missing_shard_is_rejected(built, tmp_path):
+    (tmp_path / built.shards[0].index_file).unlink()
     with pytest.raises(ValueError, match=r"index-00000\.bin is missing"):
         TargetCache(tmp_path)
 
 
-def test_a_corrupted_byte_is_caught_by_the_checksum(qwen3, samples, tmp_path):
-    manifest = build(qwen3, samples, tmp_path)
-    shard = tmp_path / manifest.shards[0].file
+def test_a_corrupted_byte_is_caught_by_the_checksum(built, tmp_path):
+    shard = tmp_path / built.shards[0].file
     data = bytearray(shard.read_bytes())
     data[100] ^= 0x01
     shard.write_bytes(bytes(data))
@@ -228,8 +221,7 @@ def test_a_corrupted_byte_is_caught_by_the_checksum(qwen3, samples, tmp_path):
         TargetCache(tmp_path, verify="checksum")
 
 
-def test_a_newer_format_version_is_rejected(qwen3, samples, tmp_path):
-    build(qwen3, samples, tmp_path)
+def test_a_newer_format_version_is_rejected(built, tmp_path):
     data = json.loads((tmp_path / MANIFEST).read_text())
     data["version"] = 99
     (tmp_path / MANIFEST).write_text(json.dumps(data))
@@ -252,12 +244,17 @@ def killed_after(samples, n):
     raise Killed
 
 
+def build_killed(target, samples, path, **kwargs):
+    """A build killed when it draws a sixth sample: the shard closes after batches {0,1},{2,3}
+    (32 tokens >= 16), so it holds 4 samples and batch {4,5} is still open."""
+    with pytest.raises(Killed):
+        build(target, killed_after(samples, 5), path, **kwargs)
+
+
 def test_resume_after_a_kill_gives_the_same_cache_as_one_build(qwen3, samples, tmp_path):
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     build(qwen3, samples, whole, precision="fp8")
-    # shards close after batches {0,1},{2,3} (27 tokens >= 16); the kill comes while batch {4,5} is open
-    with pytest.raises(Killed):
-        build(qwen3, killed_after(samples, 5), resumed, precision="fp8")
+    build_killed(qwen3, samples, resumed, precision="fp8")
     partial = Manifest.read(resumed)
     assert not partial.complete and partial.num_samples == 4 and len(partial.shards) == 1
     with pytest.raises(ValueError, match="incomplete .*rerun `dspark cache` to resume"):
@@ -279,30 +276,26 @@ def test_resume_after_a_kill_gives_the_same_cache_as_one_build(qwen3, samples, t
 
 
 def test_resume_refuses_other_samples(qwen3, samples, tmp_path):
-    with pytest.raises(Killed):
-        build(qwen3, killed_after(samples, 5), tmp_path)
+    build_killed(qwen3, samples, tmp_path)
     other = make_samples(qwen3.vocab_size, seed=1)
     with pytest.raises(ValueError, match="differ from the ones it was built from"):
         build(qwen3, other, tmp_path)
 
 
 def test_resume_refuses_another_precision(qwen3, samples, tmp_path):
-    with pytest.raises(Killed):
-        build(qwen3, killed_after(samples, 5), tmp_path, precision="fp8")
+    build_killed(qwen3, samples, tmp_path, precision="fp8")
     with pytest.raises(ValueError, match="precision 'fp8' vs 'bf16'.*resume=False"):
         build(qwen3, samples, tmp_path, precision="bf16")
     build(qwen3, samples, tmp_path, precision="bf16", resume=False)
     assert TargetCache(tmp_path).precision == "bf16"
 
 
-def test_building_a_complete_cache_again_runs_no_forward(qwen3, samples, tmp_path, monkeypatch):
-    first = build(qwen3, samples, tmp_path)
-
+def test_building_a_complete_cache_again_runs_no_forward(qwen3, samples, built, tmp_path, monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("the target ran")
 
     monkeypatch.setattr(type(qwen3), "forward", fail)
-    assert build(qwen3, samples, tmp_path) == first
+    assert build(qwen3, samples, tmp_path) == built
 
 
 # --------------------------------------------------------- real features
