@@ -4,10 +4,11 @@ One request (batch 1), a KV-cached target and an incrementally kept drafter
 context. ``SpeculativeRequest`` holds that state and steps it one round at a
 time: draft, verify, accept, update the caches (``dspark.serving`` steps many
 of them in lockstep under a scheduler); ``speculative_generate`` loops it to
-the end. Both loops draw every token through ``dspark.sampling`` and verify
-through ``dspark.verify``, so a wall-clock comparison between them measures
-speculation and nothing else. Phase timings come from a ``PhaseClock`` the
-caller hands in; without one the phases are not timed.
+the end. Both loops draw every token through ``dspark.sampling`` (the
+speculative one verifies through ``dspark.verify``), so a wall-clock
+comparison between them measures speculation and nothing else. Phase timings
+come from a ``PhaseClock``: the two generate functions always keep one, a
+``SpeculativeRequest`` only when its caller hands one in.
 """
 
 from __future__ import annotations
