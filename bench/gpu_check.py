@@ -42,11 +42,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dspark.data.anchors import sample_anchors  # noqa: E402
-from dspark.decoding import rejection_sample, speculative_generate, target_generate  # noqa: E402
+from dspark.decoding import speculative_generate, target_generate  # noqa: E402
 from dspark.loss import LossWeights  # noqa: E402
 from dspark.modeling import Drafter, DrafterConfig  # noqa: E402
 from dspark.target import TargetModel  # noqa: E402
 from dspark.train import DraftLossModule  # noqa: E402
+from dspark.verify import rejection_sample  # noqa: E402
 
 SIZES = {
     # name: target geometry, drafter layers, Markov rank, batch, sequence length, anchors

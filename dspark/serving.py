@@ -72,7 +72,7 @@ import torch
 
 from dspark.calibration import apply_temperatures
 from dspark.jsonutil import to_jsonable
-from dspark.decoding import SpeculativeRequest
+from dspark.decoding import PhaseClock, SpeculativeRequest
 from dspark.scheduler import (
     AsyncPrefixScheduler,
     SPSTable,
@@ -340,91 +340,136 @@ def run_requests(
     temps = None if sts_temperatures is None else np.asarray(sts_temperatures, dtype=np.float64).ravel()
     eos = [int(t) for t in eos_token_ids]
     device = torch.device(getattr(target, "device", "cpu"))
+
+    def start(job: Job) -> SpeculativeRequest:  # the prefill; every request has its own generator and clock
+        generator = torch.Generator(device=device).manual_seed(int(job.seed))
+        return SpeculativeRequest(target, drafter, job.prompt_ids, max_new_tokens=max_new_tokens,
+                                  temperature=temperature, eos_token_ids=eos, generator=generator,
+                                  clock=PhaseClock(device))
+
     result = SimResult(policy=policy.name, concurrency=concurrency)
     started = time.perf_counter()
-    pending: Iterator[Job] = iter(jobs)
-    exhausted = False
-    live: list[_Live] = []
-    admitted = finished = 0
-
-    def finish(entry: _Live) -> None:
-        nonlocal finished
-        finished += 1
-        out = entry.request.result()
-        info = result.requests[entry.index]
-        info.update(tokens=len(out.tokens), rounds=len(out.rounds), finished=True,
-                    finished_by_eos=out.finished_by_eos, timings=_phases(out.timings), result=out)
-
+    slots = _Slots(concurrency, iter(jobs), start, stop_after_finished, result)
     while True:
-        while len(live) < concurrency and not exhausted and not _stop(finished, stop_after_finished):
-            job = next(pending, None)
-            if job is None:
-                exhausted = True
-                break
-            generator = torch.Generator(device=device).manual_seed(int(job.seed))
-            request = SpeculativeRequest(target, drafter, job.prompt_ids, max_new_tokens=max_new_tokens,
-                                         temperature=temperature, eos_token_ids=eos, generator=generator)
-            entry = _Live(admitted, job, request)
-            admitted += 1
-            result.requests.append({"index": entry.index, "tag": job.tag, "prompt_tokens": len(job.prompt_ids),
-                                    "tokens": len(request.tokens), "rounds": 0, "finished": False})
-            if request.done:  # max_new_tokens <= 1, or x_0 is an EOS: no round at all
-                finish(entry)
-            else:
-                live.append(entry)
-        if not live or _stop(finished, stop_after_finished):
+        slots.admit()
+        if not slots.live or slots.stopped():
             break
-
-        for entry in live:
-            entry.request.draft()
-        raw = [entry.request.confidences for entry in live]
-        gamma = live[0].request.gamma
-        conf = _confidence_matrix(raw, gamma, temps, policy)  # [R, γ]
-        lengths = _checked_lengths(policy([e.index for e in live], conf), len(live), gamma, policy.name)
-        batch = int(len(live) + lengths.sum())
-        step_time = _step_time(sps, batch, draft_overhead)
-        a = np.cumprod(conf, axis=1)  # [R, γ], NaN without confidences
-
-        step_tokens = 0
-        for row, (entry, ell) in enumerate(zip(live, lengths.tolist())):
-            before = len(entry.request.tokens)
-            record = entry.request.verify(ell)
-            emitted = len(entry.request.tokens) - before
-            step_tokens += emitted
-            result.accepted += record.accepted
-            expected = float(a[row, :ell].sum()) if raw[row] is not None else None
-            result.rounds.append({
-                "step": result.steps, "request": entry.index, "tag": entry.job.tag,
-                "round": len(entry.request.rounds) - 1, "proposed": record.proposed, "accepted": record.accepted,
-                "emitted": emitted, "confidences": record.confidences, "expected_accepted": expected,
-                "batch_tokens": batch,
-            })
-            result.requests[entry.index].update(tokens=len(entry.request.tokens), rounds=len(entry.request.rounds))
-        result.step_log.append({"step": result.steps, "live": len(live), "batch_tokens": batch,
-                                "step_time_s": step_time, "tokens": step_tokens})
-        result.steps += 1
-        result.sim_time_s += step_time
-        result.live_time_s += step_time * len(live)
-        result.tokens += step_tokens
-        result.request_steps += len(live)
-        result.proposed += int(lengths.sum())
-        result.batch_tokens += batch
-        still = []
-        for entry in live:
-            if entry.request.done:
-                finish(entry)
-            else:
-                still.append(entry)
-        live = still
+        _step(slots.live, policy, temps, sps, draft_overhead, result)
+        slots.retire()
         if on_step is not None:
             on_step(result)
-
     result.wall_s = time.perf_counter() - started
     return result
 
 
-def _stop(finished: int, stop_after: int | None) -> bool:
-    return stop_after is not None and finished >= stop_after
+@dataclass
+class _Slots:
+    """The R slots of a run: admits jobs in order into free slots, retires finished requests.
+
+    Keeps ``result.requests`` (one dict per admitted request) up to date on admission and at the end."""
+
+    concurrency: int
+    jobs: Iterator[Job]
+    start: Callable[[Job], SpeculativeRequest]  # the prefill of a job
+    stop_after_finished: int | None
+    result: SimResult
+    live: list[_Live] = field(default_factory=list)
+    exhausted: bool = False
+    finished: int = 0
+
+    def stopped(self) -> bool:
+        """True once stop_after_finished requests have finished."""
+        return self.stop_after_finished is not None and self.finished >= self.stop_after_finished
+
+    def admit(self) -> None:
+        """Start the next jobs (prefill) until every slot is live, the jobs run out or the run stops."""
+        while len(self.live) < self.concurrency and not self.exhausted and not self.stopped():
+            job = next(self.jobs, None)
+            if job is None:
+                self.exhausted = True
+                break
+            request = self.start(job)
+            entry = _Live(len(self.result.requests), job, request)
+            self.result.requests.append({"index": entry.index, "tag": job.tag, "prompt_tokens": len(job.prompt_ids),
+                                         "tokens": len(request.tokens), "rounds": 0, "finished": False})
+            if request.done:  # max_new_tokens <= 1, or x_0 is an EOS: no round at all
+                self._finish(entry)
+            else:
+                self.live.append(entry)
+
+    def retire(self) -> None:
+        """Finished requests leave their slots."""
+        for entry in self.live:
+            if entry.request.done:
+                self._finish(entry)
+        self.live = [entry for entry in self.live if not entry.request.done]
+
+    def _finish(self, entry: _Live) -> None:
+        self.finished += 1
+        out = entry.request.result()
+        self.result.requests[entry.index].update(
+            tokens=len(out.tokens), rounds=len(out.rounds), finished=True,
+            finished_by_eos=out.finished_by_eos, timings=_phases(out.timings), result=out,
+        )
+
+
+def _step(
+    live: list[_Live],
+    policy: Policy,
+    temps: np.ndarray | None,
+    sps: SPSTable | None,
+    draft_overhead: float,
+    result: SimResult,
+) -> None:
+    """One lockstep step: every live request drafts, ``policy`` picks the lengths ℓ_r of all of
+    them at once, every request verifies its ℓ_r drafts; the step goes into ``result``."""
+    for entry in live:
+        entry.request.draft()
+    raw = [entry.request.confidences for entry in live]
+    gamma = live[0].request.gamma
+    conf = _confidence_matrix(raw, gamma, temps, policy)  # [R, γ]
+    lengths = _checked_lengths(policy([e.index for e in live], conf), len(live), gamma, policy.name)
+    batch = int(len(live) + lengths.sum())
+    step_time = _step_time(sps, batch, draft_overhead)
+    a = np.cumprod(conf, axis=1)  # [R, γ], NaN without confidences
+
+    step_tokens = 0
+    for row, (entry, ell) in enumerate(zip(live, lengths.tolist())):
+        expected = float(a[row, :ell].sum()) if raw[row] is not None else None
+        step_tokens += _verify(entry, ell, expected, batch, result)
+    _account_step(result, len(live), int(lengths.sum()), batch, step_time, step_tokens)
+
+
+def _verify(entry: _Live, ell: int, expected: float | None, batch: int, result: SimResult) -> int:
+    """Verify ℓ drafts of one live request and log the round; returns the number of tokens emitted.
+
+    ``expected``: Σ_{j≤ℓ} a_j of the confidences the policy saw (None without them)."""
+    request = entry.request
+    before = len(request.tokens)
+    record = request.verify(ell)
+    emitted = len(request.tokens) - before
+    result.accepted += record.accepted
+    result.rounds.append({
+        "step": result.steps, "request": entry.index, "tag": entry.job.tag,
+        "round": len(request.rounds) - 1, "proposed": record.proposed, "accepted": record.accepted,
+        "emitted": emitted, "confidences": record.confidences, "expected_accepted": expected,
+        "batch_tokens": batch,
+    })
+    result.requests[entry.index].update(tokens=len(request.tokens), rounds=len(request.rounds))
+    return emitted
+
+
+def _account_step(result: SimResult, live: int, proposed: int, batch: int, step_time: float, tokens: int) -> None:
+    """Add one step to the run's counters, its SPS clock and its step log."""
+    result.step_log.append({"step": result.steps, "live": live, "batch_tokens": batch,
+                            "step_time_s": step_time, "tokens": tokens})
+    result.steps += 1
+    result.sim_time_s += step_time
+    result.live_time_s += step_time * live
+    result.tokens += tokens
+    result.request_steps += live
+    result.proposed += proposed
+    result.batch_tokens += batch
 
 
 def _phases(timings: Mapping[str, float]) -> dict[str, float]:

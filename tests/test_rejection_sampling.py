@@ -16,7 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspark.decoding import greedy_verify, logits_to_probs, rejection_sample
+from dspark.sampling import logits_to_probs
+from dspark.verify import greedy_verify, rejection_sample
 
 V = 4
 MAX_ELL = 3

@@ -18,7 +18,7 @@ import torch
 
 from helpers.targets import make_tiny_target
 from dspark.calibration import apply_temperatures
-from dspark.decoding import SpeculativeRequest, speculative_generate, target_generate
+from dspark.decoding import PhaseClock, SpeculativeRequest, speculative_generate, target_generate
 from dspark.modeling import Proposal
 from dspark.scheduler import SPSTable, schedule_prefix
 from dspark.serving import Job, Policy, job_seed, make_policy, run_requests, simulate, write_results
@@ -87,6 +87,24 @@ def test_stepping_a_request_by_hand_is_speculative_generate(temperature):
         got = request.result()
         assert got.tokens == expected.tokens and got.rounds == expected.rounds
         assert got.finished_by_eos == expected.finished_by_eos
+
+
+def test_a_request_times_its_phases_only_with_a_clock_and_decodes_the_same_either_way():
+    target = make_tiny_target("llama")
+    drafter = random_drafter(target, gamma=4)
+
+    def run(clock):
+        request = SpeculativeRequest(target, drafter, PROMPTS[0], max_new_tokens=12,
+                                     generator=torch.Generator().manual_seed(3), clock=clock)
+        while not request.done:
+            request.draft()
+            request.verify(2)
+        return request.result()
+
+    untimed, timed = run(None), run(PhaseClock(target.device))
+    assert untimed.tokens == timed.tokens and untimed.rounds == timed.rounds
+    assert untimed.timings == {}
+    assert set(timed.timings) == {"prefill", "draft", "verify", "accept", "bookkeeping", "total"}
 
 
 def test_the_stepper_refuses_out_of_order_calls_and_bad_lengths():

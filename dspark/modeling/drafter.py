@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dspark.decoding import sample_categorical
+from dspark.sampling import sample_categorical
 from dspark.modeling.config import DrafterConfig
 from dspark.modeling.heads import ConfidenceHead, MarkovHead, build_sequential_head
 from dspark.modeling.layers import DraftLayer, Rotary, RMSNorm
