@@ -176,7 +176,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         scheduler=args.scheduler or None, sps=args.sps or None, concurrency=args.concurrency,
     )
     if rank == 0:
-        from dspark.evaluate import report_markdown
+        from dspark.report import report_markdown
 
         print(report_markdown(report))
         print(f"report: {args.out}/report.md, report.json, rounds.jsonl, plots")
@@ -238,7 +238,8 @@ def cmd_profile_sps(args: argparse.Namespace) -> int:
     import torch
 
     from dspark.runtime import dtype_name, resolve_dtype
-    from dspark.sps import DEFAULT_BATCH_TOKENS, profile_sps_runs, write_profile
+    from dspark.report import write_profile
+    from dspark.sps import DEFAULT_BATCH_TOKENS, profile_sps_runs
     from dspark.target import TargetModel
 
     if args.threads:
@@ -277,7 +278,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from dspark.data.render import render_prompt
     from dspark.evaluate import default_eos_ids, load_benchmark_prompts
     from dspark.scheduler import SPSTable
-    from dspark.serving import make_policy, results_markdown, simulate_grid, write_results
+    from dspark.report import results_markdown, write_results
+    from dspark.serving import make_policy, simulate_grid
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -338,7 +340,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from dspark.calibration import calibrate_rounds, write_sts_report
+    from dspark.calibration import calibrate_rounds
+    from dspark.report import calibration_markdown, write_sts_report
 
     rows = []
     for source, path in enumerate(args.rounds):
@@ -358,27 +361,13 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     print(f"STS fitted on {split['fit_requests']} requests ({split['fit_rounds']} rounds), "
           f"measured on the {report['evaluated_on']} part ({split['test_requests']} requests, "
           f"{split['test_rounds']} rounds)")
-    part = report["per_position"][report["evaluated_on"]]
-    header = ["k", "n", "T_k", "ECE a_k before", "after", "AUROC a_k before", "after", "AUROC c_k before", "after",
-              "Brier a_k before", "after"]
-    print("| " + " | ".join(header) + " |")
-    print("|" + "---|" * len(header))
-
-    def f(x: float, d: int = 4) -> str:
-        return "–" if x is None or x != x else f"{x:.{d}f}"
-
-    for k, t in enumerate(report["temperatures"]):
-        b, a = part["before"][k], part["after"][k]
-        cb, ca = part["conditional_before"][k], part["conditional_after"][k]
-        print(f"| {k + 1} | {b['count']} | {t:.3f} | {f(b['ece'])} | {f(a['ece'])} | {f(b['auroc'], 3)} | "
-              f"{f(a['auroc'], 3)} | {f(cb['auroc'], 3)} | {f(ca['auroc'], 3)} | {f(b['brier'])} | {f(a['brier'])} |")
-    print("AUROC of a_k = Π c_i is unchanged by STS at k = 1 only; that of each c_k at every k.")
+    print(calibration_markdown(report))
     print(f"STS: {paths['json']}; reliability diagrams: {paths['plot']}")
     return 0
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from dspark.evaluate import compare_reports, load_report
+    from dspark.report import compare_reports, load_report
 
     reports = {}
     for path in args.reports:
@@ -403,7 +392,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_curves(args: argparse.Namespace) -> int:
-    from dspark.curves import curves_table, plot_learning_curves
+    from dspark.curves import curves_table
+    from dspark.plots import plot_learning_curves
 
     runs = {}
     for item in args.runs:

@@ -21,7 +21,8 @@ import torch
 
 import dspark.evaluate as ev
 from dspark.decoding import DecodeResult, RoundRecord
-from dspark.evaluate import compare_reports, evaluate, resolve_benchmarks, samples_per_benchmark
+from dspark.evaluate import evaluate, resolve_benchmarks, samples_per_benchmark
+from dspark.report import compare_reports
 from dspark.metrics import BENCHMARKS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -205,7 +206,7 @@ def test_files_hold_rounds_requests_strict_json_markdown_and_plots(tmp_path, clo
 
 
 def test_reliability_plot_is_skipped_without_confidences(tmp_path, clock, monkeypatch):
-    monkeypatch.setattr(ev, "plot_reliability", lambda *a, **k: pytest.fail("no confidences to plot"))
+    monkeypatch.setattr("dspark.report.plot_reliability", lambda *a, **k: pytest.fail("no confidences to plot"))
     target, drafter = fake_models()
     decode, baseline = scripted_decoders(clock)
 
