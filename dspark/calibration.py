@@ -11,13 +11,13 @@ Where each piece of the paper lives:
                                     STS (paper Section 3.2.1, SPEC 7.1) and its
                                     SGLang JSON (``temperatures``,
                                     ``ece_before``, ``ece_after``).
-- ``reliability_diagram``, ``reliability_grid``
-                                    PNG reliability diagrams (matplotlib is
-                                    imported inside them only).
-- ``calibrate_rounds``, ``write_sts_report``
+- ``calibrate_rounds``, ``save_sts_report``
                                     the `dspark calibrate` recipe: STS fitted
                                     on part of a rounds.jsonl log (split by
-                                    request), measured on the rest.
+                                    request), measured on the rest, and its
+                                    JSON. ``dspark.report.write_sts_report``
+                                    writes it with its reliability diagrams
+                                    (``dspark.plots``).
 
 Shapes: N rounds, γ draft positions. ``conf`` [N, γ] holds the per-position
 conditional confidences c_k (not cumulative); ``accepted`` [N] the accepted
@@ -47,12 +47,11 @@ __all__ = [
     "fit_sts",
     "save_sts_json",
     "load_sts_json",
-    "reliability_diagram",
-    "reliability_grid",
     "conditional_metrics",
     "split_rounds_by_request",
     "calibrate_rounds",
-    "write_sts_report",
+    "round_arrays",
+    "save_sts_report",
 ]
 
 _CLIP = 1e-6
@@ -381,6 +380,17 @@ def save_sts_json(
         f.write("\n")
 
 
+def save_sts_report(path: PathLike, report: Mapping[str, Any]) -> None:
+    """Write a ``calibrate_rounds`` report as the STS JSON: its keys in order (the SGLang
+    fields ``temperatures``, ``ece_before``, ``ece_after`` first, then evaluated_on, split,
+    per_position). Non-finite numbers are written as null."""
+    data = dict(report)
+    _as_temperatures(data["temperatures"])
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(_json_clean(data), f, indent=2)
+        f.write("\n")
+
+
 def load_sts_json(path: PathLike, gamma: Optional[int] = None) -> np.ndarray:
     """Temperatures float64 [γ] from an STS JSON; checks they are finite, > 0
     and, when ``gamma`` is given, that there are γ of them."""
@@ -397,95 +407,6 @@ def load_sts_json(path: PathLike, gamma: Optional[int] = None) -> np.ndarray:
     if any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in values):
         raise ValueError(f"'temperatures' in {os.fspath(path)} must hold numbers, got {values}")
     return _as_temperatures(values, gamma)
-
-
-# ----------------------------------------------------------------------------
-# Reliability diagrams (PNG)
-# ----------------------------------------------------------------------------
-
-
-def _new_figure(figsize: tuple[float, float]):
-    # Figure + Agg canvas directly: no pyplot, no global backend switch, no display.
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=figsize)
-    FigureCanvasAgg(fig)
-    return fig
-
-
-def _draw_reliability(ax, pred, label, n_bins: int, name: str, color: str) -> float:
-    count, mean_pred, mean_label = reliability_bins(pred, label, n_bins)
-    e = ece(pred, label, n_bins)
-    nz = count > 0
-    ax.plot(mean_pred[nz], mean_label[nz], marker="o", ms=3, color=color, label=f"{name} ECE={e:.3f}")
-    return e
-
-
-def _style_axes(ax, title: str) -> None:
-    ax.plot([0, 1], [0, 1], ls="--", color="gray", lw=1)
-    ax.set_xlim(0, 1)
-    ax.set_ylim(0, 1)
-    ax.set_xlabel("predicted a_k")
-    ax.set_ylabel("empirical acceptance")
-    ax.set_title(title, fontsize=9)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=7, loc="upper left")
-
-
-def reliability_diagram(
-    pred: Any,
-    label: Any,
-    path: PathLike,
-    n_bins: int = 20,
-    title: str = "Reliability diagram",
-) -> float:
-    """Write a PNG reliability diagram (mean label vs mean prediction per bin,
-    bar heights = fraction of samples per bin) to ``path``; returns the ECE."""
-    count, mean_pred, mean_label = reliability_bins(pred, label, n_bins)
-    fig = _new_figure((4.5, 4.5))
-    ax = fig.add_subplot(1, 1, 1)
-    edges = np.linspace(0.0, 1.0, n_bins + 1)
-    total = max(count.sum(), 1.0)
-    ax.bar(edges[:-1], count / total, width=1.0 / n_bins, align="edge", color="lightgray", label="fraction")
-    e = _draw_reliability(ax, pred, label, n_bins, "model", "C0")
-    _style_axes(ax, title)
-    fig.tight_layout()
-    fig.savefig(os.fspath(path), format="png", dpi=100)
-    return e
-
-
-def reliability_grid(
-    conf_before: Any,
-    conf_after: Any,
-    accepted: Any,
-    proposed: Any,
-    path: PathLike,
-    n_bins: int = 20,
-    title: str = "Prefix survival calibration",
-) -> None:
-    """Write a PNG with one panel per position k: reliability curves of
-    a_k = Π_{i≤k} c_i before and after calibration, on rounds that verified k."""
-    cb = _as_conf(conf_before)
-    ca = _as_conf(conf_after)
-    if cb.shape != ca.shape:
-        raise ValueError(f"conf_before {cb.shape} and conf_after {ca.shape} differ in shape")
-    gamma = cb.shape[1]
-    label, valid = prefix_labels(accepted, proposed, gamma)
-    ab, aa = np.cumprod(cb, axis=1), np.cumprod(ca, axis=1)
-    cols = min(gamma, 4)
-    rows = -(-gamma // cols)
-    fig = _new_figure((3.2 * cols, 3.2 * rows))
-    for k in range(gamma):
-        ax = fig.add_subplot(rows, cols, k + 1)
-        v = valid[:, k]
-        if v.any():
-            _draw_reliability(ax, ab[v, k], label[v, k], n_bins, "before", "C3")
-            _draw_reliability(ax, aa[v, k], label[v, k], n_bins, "after", "C0")
-        _style_axes(ax, f"position {k + 1} (n={int(v.sum())})")
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(os.fspath(path), format="png", dpi=100)
 
 
 # ----------------------------------------------------------------------------
@@ -547,7 +468,8 @@ def split_rounds_by_request(
     return fit, test
 
 
-def _round_arrays(rounds: Sequence[Mapping[str, Any]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def round_arrays(rounds: Sequence[Mapping[str, Any]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(conf float64 [N, γ], accepted int64 [N], proposed int64 [N]) of rounds.jsonl rows with confidences."""
     conf = np.asarray([r["confidences"] for r in rounds], dtype=np.float64)  # [N, γ]
     accepted = np.asarray([r["accepted"] for r in rounds], dtype=np.int64)
     proposed = np.asarray([r["proposed"] for r in rounds], dtype=np.int64)
@@ -584,14 +506,14 @@ def calibrate_rounds(
             f"rounds have confidences of different lengths {sorted(widths)}; calibrate one drafter at a time"
         )
     fit, test = split_rounds_by_request(with_conf, fit_fraction, seed)
-    conf, accepted, proposed = _round_arrays(fit)
+    conf, accepted, proposed = round_arrays(fit)
     temps = fit_sts(conf, accepted, proposed, grid=grid, n_bins=n_bins)
 
     per_position: dict[str, Any] = {}
     for part, rows in (("fit", fit), ("test", test)):
         if not rows:
             continue
-        c, m, ell = _round_arrays(rows)
+        c, m, ell = round_arrays(rows)
         calibrated = apply_temperatures(c, temps)
         per_position[part] = {
             "before": confidence_metrics(c, m, ell, n_bins),
@@ -614,22 +536,3 @@ def calibrate_rounds(
                   "test_requests": requests(test), "fit_rounds": len(fit), "test_rounds": len(test)},
         "per_position": per_position,
     }, (test if test else fit)
-
-
-def write_sts_report(
-    path: PathLike, report: Mapping[str, Any], rows: Sequence[Mapping[str, Any]], n_bins: int = 20
-) -> dict[str, str]:
-    """Write a ``calibrate_rounds`` result: the STS JSON at ``path`` (SGLang fields first,
-    then evaluated_on, split, per_position) and ``<stem>_reliability.png`` next to it
-    (a_k before / after STS on ``rows``, the evaluated rows). Returns both paths."""
-    data = dict(report)
-    _as_temperatures(data["temperatures"])
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(_json_clean(data), f, indent=2)
-        f.write("\n")
-    png = os.path.join(os.path.dirname(os.fspath(path)), os.path.splitext(os.path.basename(os.fspath(path)))[0]
-                       + "_reliability.png")
-    c, m, ell = _round_arrays(rows)
-    reliability_grid(c, apply_temperatures(c, data["temperatures"]), m, ell, png, n_bins=n_bins,
-                     title=f"Prefix survival a_k before / after STS ({data['evaluated_on']} part, {len(rows)} rounds)")
-    return {"json": os.fspath(path), "plot": png}

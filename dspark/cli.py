@@ -120,6 +120,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     target, drafter, origin = load_models(config)
     if rank == 0:
         print(f"target {config.target.name_or_path} on {target.device}; drafter {origin}", flush=True)
+        if config.eval.builtin_prompts:
+            print("evaluating on the built-in evaluation prompts (held out of training)")
     report = evaluate_from_config(target, drafter, config)
     if rank == 0:
         print(report_markdown(report))
@@ -128,7 +130,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_profile_sps(args: argparse.Namespace) -> int:
-    from dspark.sps import profile_from_config
+    from dspark.recipes import profile_sps
 
     config = _config(args)
 
@@ -136,14 +138,14 @@ def cmd_profile_sps(args: argparse.Namespace) -> int:
         print(f"  B = {b:>5}: {seconds * 1e3:9.2f} ms  {1 / seconds:9.2f} steps/s  {b / seconds:10.1f} tokens/s",
               flush=True)
 
-    paths = profile_from_config(config, progress=show, announce=lambda text: print(text, flush=True))
+    paths = profile_sps(config, progress=show, announce=lambda text: print(text, flush=True))
     print(f"SPS table: {paths['table']} (SGLang format); timings: {paths['details']}; plot: {paths['plot']}")
     return 0
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     from dspark.report import results_markdown
-    from dspark.serving import simulate_from_config
+    from dspark.recipes import simulate
 
     config = _config(args)
 
@@ -151,7 +153,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         print(f"  {r.policy:>14} R = {r.concurrency:>3}: Θ = {r.throughput:9.1f} tok/s  τ = {r.tau:.2f}  "
               f"mean ℓ = {r.mean_ell:.2f}  ({r.steps} steps, {r.tokens} tokens, {r.wall_s:.0f} s wall)", flush=True)
 
-    results, out = simulate_from_config(config, progress=show, announce=lambda text: print(text, flush=True))
+    results, out = simulate(config, progress=show, announce=lambda text: print(text, flush=True))
     print()
     print(results_markdown(results))
     print(f"results: {out}/results.json, results.md, rounds.jsonl, config.json, figure8.png, frontier.png")
@@ -159,11 +161,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from dspark.calibration import calibrate_from_config
+    from dspark.recipes import calibrate
     from dspark.report import calibration_markdown
 
     config = _config(args)
-    report, paths = calibrate_from_config(config)
+    report, paths = calibrate(config)
     split = report["split"]
     print(f"STS fitted on {split['fit_requests']} requests ({split['fit_rounds']} rounds), "
           f"measured on the {report['evaluated_on']} part ({split['test_requests']} requests, "
@@ -175,7 +177,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from dspark.evaluate import compare_reports, load_report
+    from dspark.report import compare_reports, load_report
 
     reports = {}
     for path in args.reports:
@@ -200,7 +202,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_curves(args: argparse.Namespace) -> int:
-    from dspark.curves import curves_table, plot_learning_curves
+    from dspark.curves import curves_table
+    from dspark.plots import plot_learning_curves
 
     runs = {}
     for item in args.runs:

@@ -54,24 +54,23 @@ x_{r,k} itself, so decoding stays lossless (SPEC 7.2, 7.3).
 The budget reported per request-step is mean ℓ_r (draft tokens sent to the
 target) and mean (1 + ℓ_r) (target tokens per request, the quantity of the
 paper's Fig. 8 c-d, where MTP-1 sits at a static 2).
+
+The table and files of a run are written by ``dspark.report`` (``results_markdown``,
+``write_results``), its figures drawn by ``dspark.plots`` (``plot_figure8``, ``plot_frontier``).
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import time
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 import torch
 
 from dspark.calibration import apply_temperatures
-from dspark.jsonutil import to_jsonable
 from dspark.decoding import PhaseClock, SpeculativeRequest
 from dspark.scheduler import (
     AsyncPrefixScheduler,
@@ -89,12 +88,8 @@ __all__ = [
     "run_requests",
     "simulate",
     "simulate_grid",
-    "results_markdown",
-    "plot_figure8",
-    "write_results",
 ]
 
-PathLike = Union[str, os.PathLike]
 # (request ids of the R live requests, confidences [R, γ]) -> lengths int [R] in 0..γ
 LengthFn = Callable[[Sequence[Hashable], np.ndarray], Any]
 
@@ -603,111 +598,3 @@ def simulate_grid(
             if progress is not None:
                 progress(result)
     return results
-
-
-# ---------------------------------------------------------------------------
-# Tables, plots, files
-# ---------------------------------------------------------------------------
-
-
-def _fmt(x: Any, digits: int = 2) -> str:
-    if x is None or (isinstance(x, float) and not math.isfinite(x)):
-        return "–"
-    if isinstance(x, (int, np.integer)):
-        return str(int(x))
-    return f"{float(x):.{digits}f}"
-
-
-def results_markdown(results: Sequence[SimResult]) -> str:
-    """One row per (policy, concurrency): Θ, τ, mean ℓ, 1 + ℓ, per-user speed, mean B, counts."""
-    header = ["policy", "R", "Θ tok/s", "τ", "mean ℓ", "1+ℓ", "tok/s/user", "mean B", "steps", "tokens",
-              "finished"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for r in results:
-        row = [r.policy, str(r.concurrency), _fmt(r.throughput, 1), _fmt(r.tau), _fmt(r.mean_ell),
-               _fmt(r.budget_tokens), _fmt(r.tokens_per_s_per_user, 1), _fmt(r.mean_batch_tokens, 1),
-               str(r.steps), str(r.tokens), f"{r.requests_finished}/{len(r.requests)}"]
-        lines.append("| " + " | ".join(row) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def _new_figure(figsize: tuple[float, float]):
-    # A Figure with its own Agg canvas: no pyplot state, no display needed.
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=figsize)
-    FigureCanvasAgg(fig)
-    return fig
-
-
-def _by_policy(results: Sequence[SimResult]) -> dict[str, list[SimResult]]:
-    groups: dict[str, list[SimResult]] = {}
-    for r in results:
-        groups.setdefault(r.policy, []).append(r)
-    return {p: sorted(rs, key=lambda r: r.concurrency) for p, rs in groups.items()}
-
-
-def plot_figure8(results: Sequence[SimResult], path: PathLike, title: str = "") -> None:
-    """Paper Fig. 8 as a PNG: throughput Θ (top) and target tokens per request 1 + ℓ (bottom)
-    against concurrency, one line per policy."""
-    fig = _new_figure((6.0, 6.4))
-    top, bottom = fig.add_subplot(2, 1, 1), fig.add_subplot(2, 1, 2, sharex=None)
-    for index, (policy, rs) in enumerate(_by_policy(results).items()):
-        xs = [r.concurrency for r in rs]
-        style = dict(marker="o", color=f"C{index}", label=policy)
-        top.plot(xs, [r.throughput for r in rs], **style)
-        bottom.plot(xs, [r.budget_tokens for r in rs], **style)
-    ticks = sorted({r.concurrency for r in results})
-    for ax in (top, bottom):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(ticks, [str(t) for t in ticks])
-        ax.grid(alpha=0.3)
-        ax.set_xlabel("concurrent requests R")
-    top.set_ylabel("throughput Θ (tokens / simulated s)")
-    bottom.set_ylabel("budget 1 + ℓ (tokens/request/step)")
-    bottom.set_ylim(bottom=0)
-    top.legend(fontsize=8)
-    top.set_title(title or "Load-adaptive throughput and verification budget (cf. paper Fig. 8)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(os.fspath(path), format="png", dpi=100)
-
-
-def plot_frontier(results: Sequence[SimResult], path: PathLike) -> None:
-    """Paper Fig. 7 as a PNG: throughput against per-user speed, one line per policy (points = R)."""
-    fig = _new_figure((5.5, 4.0))
-    ax = fig.add_subplot(1, 1, 1)
-    for index, (policy, rs) in enumerate(_by_policy(results).items()):
-        ax.plot([r.tokens_per_s_per_user for r in rs], [r.throughput for r in rs], marker="o",
-                color=f"C{index}", label=policy)
-        for r in rs:
-            ax.annotate(f"R={r.concurrency}", (r.tokens_per_s_per_user, r.throughput), fontsize=6)
-    ax.set_xlabel("tokens / simulated s / user")
-    ax.set_ylabel("throughput Θ (tokens / simulated s)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    ax.set_title("Throughput vs per-user speed (cf. paper Fig. 7)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(os.fspath(path), format="png", dpi=100)
-
-
-
-
-def write_results(out_dir: PathLike, results: Sequence[SimResult], config: Mapping[str, Any] | None = None) -> Path:
-    """Write results.json (config + summaries), results.md, rounds.jsonl (every round of
-    every run, with policy and concurrency), figure8.png and frontier.png; returns the folder."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    data = {"config": dict(config or {}), "results": [r.summary() for r in results]}
-    with (out / "results.json").open("w", encoding="utf-8") as f:
-        json.dump(to_jsonable(data), f, indent=2, ensure_ascii=False, allow_nan=False)
-        f.write("\n")
-    (out / "results.md").write_text("# Serving simulation\n\n" + results_markdown(results), encoding="utf-8")
-    with (out / "rounds.jsonl").open("w", encoding="utf-8") as f:
-        for r in results:
-            for row in r.rounds:
-                line = {"policy": r.policy, "concurrency": r.concurrency, **row}
-                f.write(json.dumps(to_jsonable(line), ensure_ascii=False) + "\n")
-    plot_figure8(results, out / "figure8.png")
-    plot_frontier(results, out / "frontier.png")
-    return out

@@ -20,29 +20,25 @@ median seconds. Token ids are random (speed does not depend on them).
 
 ``profile_sps`` returns the ``SPSTable`` (SGLang's ``{sample_batch_tokens,
 sample_steps_per_sec, max_batch_tokens}``); ``profile_sps_runs`` also keeps
-every timing; ``write_profile`` writes the table JSON, a ``.profile.json``
-with the timings and settings next to it, and a PNG of steps/s and tokens/s
-against B.
+every timing; ``dspark.report.write_profile`` writes the table JSON, a
+``.profile.json`` with the timings and settings next to it, and a PNG of
+steps/s and tokens/s against B (``dspark.plots.plot_sps``).
 """
 
 from __future__ import annotations
 
-import json
-import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
-from pathlib import Path
-from typing import Any, Union
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from dspark.scheduler import SPSTable
 
-__all__ = ["DEFAULT_BATCH_TOKENS", "SPSProfile", "profile_sps", "profile_sps_runs", "plot_sps", "write_profile"]
+__all__ = ["DEFAULT_BATCH_TOKENS", "SPSProfile", "profile_sps", "profile_sps_runs"]
 
-PathLike = Union[str, os.PathLike]
 DEFAULT_BATCH_TOKENS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
@@ -170,43 +166,3 @@ def profile_sps(
         target, batch_tokens, context_len=context_len, warmup=warmup, repeats=repeats,
         tokens_per_request=tokens_per_request, seed=seed,
     ).table
-
-
-def plot_sps(profile: SPSProfile, path: PathLike, title: str = "") -> None:
-    """PNG: steps/s (left) and tokens/s = B · steps/s (right) against B (log scale)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(9.0, 3.6))
-    FigureCanvasAgg(fig)
-    xs = profile.batch_tokens
-    sps = profile.steps_per_sec
-    for index, (ys, label) in enumerate(((sps, "steps / s  (SPS)"), ([b * s for b, s in zip(xs, sps)], "tokens / s"))):
-        ax = fig.add_subplot(1, 2, index + 1)
-        ax.plot(xs, ys, marker="o")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("batch tokens B")
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
-    layout = "one sequence" if profile.tokens_per_request is None else f"{profile.tokens_per_request} tokens/request"
-    fig.suptitle(title or f"Target verification speed ({profile.device}, {profile.dtype}, {profile.threads} threads, "
-                 f"context {profile.context_len}, {layout})", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(os.fspath(path), format="png", dpi=100)
-
-
-def write_profile(profile: SPSProfile, path: PathLike, meta: dict[str, Any] | None = None) -> dict[str, Path]:
-    """Write the SGLang table JSON at ``path``, ``<stem>.profile.json`` (timings, settings,
-    ``meta``) and ``<stem>.png`` next to it; returns the three paths."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    profile.table.to_json(path)
-    details = path.with_name(path.stem + ".profile.json")
-    data = {**asdict(profile), "steps_per_sec": profile.steps_per_sec, **(meta or {})}
-    with details.open("w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2, default=str, allow_nan=False)
-        f.write("\n")
-    png = path.with_suffix(".png")
-    plot_sps(profile, png)
-    return {"table": path, "details": details, "plot": png}
-

@@ -16,14 +16,9 @@ from dspark.calibration import (
     fit_sts,
     load_sts_json,
     prefix_labels,
-    reliability_diagram,
-    reliability_grid,
     roc_auc,
     save_sts_json,
 )
-
-PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-
 
 def sigmoid(x):
     return 1.0 / (1.0 + np.exp(-x))
@@ -225,29 +220,6 @@ def test_malformed_sts_json_raises(tmp_path, data, match):
     path.write_text(json.dumps(data))
     with pytest.raises(ValueError, match=match):
         load_sts_json(path, gamma=3)
-
-
-# ----------------------------------------------------------------------------
-# Plots
-# ----------------------------------------------------------------------------
-
-
-def test_reliability_diagram_writes_png(tmp_path):
-    rng = np.random.default_rng(4)
-    pred = rng.random(500)
-    path = tmp_path / "rel.png"
-    reliability_diagram(pred, rng.random(500) < pred, path, title="test")
-    data = path.read_bytes()
-    assert data.startswith(PNG_MAGIC) and len(data) > 1000
-
-
-def test_reliability_grid_writes_png(tmp_path):
-    rng = np.random.default_rng(5)
-    conf, accepted, proposed = synthetic_rounds(2000, 2.0, rng)
-    path = tmp_path / "grid.png"
-    reliability_grid(conf, apply_temperatures(conf, [2.0, 2.0, 2.0]), accepted, proposed, path)
-    data = path.read_bytes()
-    assert data.startswith(PNG_MAGIC) and len(data) > 1000
 
 
 def test_importing_calibration_does_not_import_matplotlib():

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from dspark.curves import curve, curves_table, plot_learning_curves, read_log
+from dspark.curves import curve, curves_table, read_log
+from dspark.plots import plot_learning_curves
 
 
 def _log(tmp_path, name, records):

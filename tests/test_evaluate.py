@@ -21,7 +21,8 @@ import torch
 
 import dspark.evaluate as ev
 from dspark.decoding import DecodeResult, RoundRecord
-from dspark.evaluate import compare_reports, evaluate, resolve_benchmarks, samples_per_benchmark
+from dspark.evaluate import evaluate, resolve_benchmarks, samples_per_benchmark
+from dspark.report import compare_reports
 from dspark.metrics import BENCHMARKS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -205,7 +206,7 @@ def test_files_hold_rounds_requests_strict_json_markdown_and_plots(tmp_path, clo
 
 
 def test_reliability_plot_is_skipped_without_confidences(tmp_path, clock, monkeypatch):
-    monkeypatch.setattr(ev, "plot_reliability", lambda *a, **k: pytest.fail("no confidences to plot"))
+    monkeypatch.setattr("dspark.report.plot_reliability", lambda *a, **k: pytest.fail("no confidences to plot"))
     target, drafter = fake_models()
     decode, baseline = scripted_decoders(clock)
 
@@ -488,19 +489,30 @@ def test_gather_collects_records_through_all_gather_object(tmp_path):
     assert records == [{"request": 0}] and rounds == [{"round": 0}, {"round": 1}]
 
 
-def test_evaluate_from_config_reads_the_eval_section(tmp_path, clock):
-    from dspark.config import Config, EvalConfig
+def test_evaluate_from_config_reads_the_eval_section_and_writes_a_config_that_loads_back(tmp_path, clock):
+    from dspark.config import Config, EvalConfig, load_config
 
     write_benchmarks(tmp_path / "data")
-    config = Config(eval=EvalConfig(benchmarks=["mbpp", "alpaca"], data_dir=str(tmp_path / "data"), num_samples=0,
-                                    max_new_tokens=16, temperature=0.5, seed=3))
+    config = Config(out_dir=str(tmp_path / "run"),
+                    eval=EvalConfig(benchmarks=["mbpp", "alpaca"], data_dir=str(tmp_path / "data"), num_samples=0,
+                                    max_new_tokens=16, temperature=0.5, seed=3, label="mine"))
     target, drafter = fake_models()
     decode, baseline = scripted_decoders(clock)
     report = ev.evaluate_from_config(target, drafter, config, progress=False, decode_fn=decode, baseline_fn=baseline)
     assert list(report["benchmarks"]) == ["mbpp", "alpaca"]
     assert report["config"]["max_new_tokens"] == 16 and report["config"]["temperature"] == 0.5
     assert report["config"]["num_samples"] == {"mbpp": 256, "alpaca": 500}
-    assert report["config"]["run"]["eval"]["seed"] == 3
+    assert report["config"]["run"]["eval"]["seed"] == 3 and report["label"] == "mine"
+    assert (tmp_path / "run" / "eval" / "report.json").is_file()
+    assert load_config(tmp_path / "run" / "eval" / "config.json") == config
+
+
+def test_evaluate_from_config_wants_a_policy_for_sps_and_concurrency(tmp_path):
+    from dspark.config import Config, ServeConfig
+
+    target, drafter = fake_models()
+    with pytest.raises(ValueError, match="serve.sps and serve.concurrency need serve.policy"):
+        ev.evaluate_from_config(target, drafter, Config(serve=ServeConfig(concurrency=2)))
 
 
 def test_prompts_given_in_memory_draw_the_same_seeded_subset_as_their_file(tmp_path, clock):

@@ -21,7 +21,8 @@ from dspark.calibration import apply_temperatures
 from dspark.decoding import PhaseClock, SpeculativeRequest, speculative_generate, target_generate
 from dspark.modeling import Proposal
 from dspark.scheduler import SPSTable, schedule_prefix
-from dspark.serving import Job, Policy, job_seed, make_policy, run_requests, simulate, write_results
+from dspark.report import write_results
+from dspark.serving import Job, Policy, job_seed, make_policy, run_requests, simulate
 from test_decoding import chi_square_pvalue, exact_joint, random_drafter
 
 PROMPTS = ([3, 17, 42, 5, 99], [7], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22])

@@ -8,7 +8,8 @@ import pytest
 
 from helpers.targets import make_tiny_target
 from dspark.scheduler import SPSTable
-from dspark.sps import profile_sps, profile_sps_runs, write_profile
+from dspark.report import write_profile
+from dspark.sps import profile_sps, profile_sps_runs
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -1,0 +1,26 @@
+"""Markdown for every table the library prints or writes: one number format, one table layout."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+
+def fmt_number(x: Any, digits: int = 2) -> str:
+    """A table cell: "–" for a missing or non-finite value, integers as they are,
+    other numbers with ``digits`` decimals."""
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "–"
+    if isinstance(x, (int, np.integer)) and not isinstance(x, bool):
+        return str(int(x))
+    return f"{float(x):.{digits}f}"
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A markdown table (no trailing newline) of already formatted cells."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
