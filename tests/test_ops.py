@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dspark import build
+from dspark import runtime
 from dspark.ops import vocab_logits
 
 
@@ -43,25 +43,25 @@ def test_vocab_logits_gradient_matches_f_linear():
 
 
 def test_resolve_dtype_names_and_errors():
-    assert build.resolve_dtype("float32", "cpu") == torch.float32
-    assert build.resolve_dtype("bfloat16", "cpu") == torch.bfloat16
-    assert build.dtype_name(torch.float16) == "float16"
+    assert runtime.resolve_dtype("float32", "cpu") == torch.float32
+    assert runtime.resolve_dtype("bfloat16", "cpu") == torch.bfloat16
+    assert runtime.dtype_name(torch.float16) == "float16"
     with pytest.raises(ValueError, match="dtype='fp8'.*auto"):
-        build.resolve_dtype("fp8", "cpu")
+        runtime.resolve_dtype("fp8", "cpu")
 
 
 @pytest.mark.parametrize("native", [True, False])
 def test_resolve_dtype_auto_on_cpu_follows_native_bf16(monkeypatch, native):
-    monkeypatch.setattr(build, "cpu_has_native_bf16", lambda: native)
-    assert build.resolve_dtype("auto", "cpu") == (torch.bfloat16 if native else torch.float32)
+    monkeypatch.setattr(runtime, "cpu_has_native_bf16", lambda: native)
+    assert runtime.resolve_dtype("auto", "cpu") == (torch.bfloat16 if native else torch.float32)
 
 
 def test_cpu_has_native_bf16_reads_torch_cpu_flags(monkeypatch):
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False, raising=False)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
-    assert build.cpu_has_native_bf16() is False
+    assert runtime.cpu_has_native_bf16() is False
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
-    assert build.cpu_has_native_bf16() is True
+    assert runtime.cpu_has_native_bf16() is True
 
 
 def test_vocab_logits_bits_do_not_depend_on_the_weights_address():
@@ -82,3 +82,16 @@ def test_vocab_logits_bits_do_not_depend_on_the_weights_address():
     assert all(torch.equal(v, aligned[0]) for v in aligned)
     assert all(torch.equal(v, F.linear(hidden, weight)) for v in misaligned)
     torch.testing.assert_close(aligned[0], misaligned[0], rtol=1e-5, atol=1e-5)
+
+
+def test_auto_device_and_attention_follow_the_hardware(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert runtime.resolve_device("auto") == torch.device("cpu")
+    assert runtime.resolve_device("cpu") == torch.device("cpu")
+    assert runtime.resolve_attention("auto", torch.device("cpu")) == "sdpa"
+    assert runtime.resolve_attention("auto", torch.device("cuda", 0)) == "flex"
+    assert runtime.resolve_attention("eager", torch.device("cuda", 0)) == "eager"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert runtime.resolve_device("auto") == torch.device("cuda", 3)  # this torchrun rank's GPU
+    assert runtime.resolve_device("cuda:1") == torch.device("cuda", 1)
