@@ -33,9 +33,7 @@ import dataclasses
 import json
 import math
 import os
-import random
 import time
-import warnings
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -46,11 +44,11 @@ import torch
 from tqdm.auto import tqdm
 
 from dspark.calibration import load_sts_json
-from dspark.data.prompts import Conversation, load_eval_benchmark
+from dspark.data.benchmarks import load_prompts, resolve_benchmarks, samples_per_benchmark
+from dspark.data.prompts import Conversation
 from dspark.data.render import render_prompt
 from dspark.decoding import speculative_generate, target_generate
 from dspark.fsutil import atomic_write_text
-from dspark.metrics import BENCHMARKS, DEFAULT_NUM_SAMPLES
 from dspark.report import build_report, write_outputs
 from dspark.scheduler import SPSTable
 from dspark.serving import Job, SimResult, make_policy, run_requests
@@ -58,121 +56,13 @@ from dspark.serving import Job, SimResult, make_policy, run_requests
 PathLike = Union[str, os.PathLike]
 DecodeFn = Callable[..., Any]
 
-BUILD_HINT = "python eval_datasets/make_benchmarks.py --out {dir}"
 WARMUP_TOKENS = 8
 _VARIANT_LABELS = {"dspark": "DSpark", "dflash": "DFlash", "eagle3": "Eagle3"}
 
 
 # ---------------------------------------------------------------------------
-# Inputs
+# Inputs (the benchmark prompts: dspark.data.benchmarks)
 # ---------------------------------------------------------------------------
-
-
-def resolve_benchmarks(
-    benchmarks: Mapping[str, PathLike | Sequence[Conversation]] | PathLike, names: Sequence[str] | None = None
-) -> tuple[dict[str, Path | list[Conversation]], list[str]]:
-    """The benchmarks to evaluate (name -> file, or -> prompts given in memory) and the names skipped.
-
-    ``benchmarks`` is either ``{name: path or list of conversations}`` or a
-    folder holding ``<name>.jsonl`` files (``names`` picks which; default the
-    nine of SPEC 6). A missing file is skipped with a warning; if none
-    exists, ValueError says how to build them.
-    """
-    in_memory: dict[str, list[Conversation]] = {}
-    if isinstance(benchmarks, Mapping):
-        if names is not None:
-            unknown = [n for n in names if n not in benchmarks]
-            if unknown:
-                raise ValueError(f"names {unknown} are not keys of benchmarks ({sorted(benchmarks)})")
-            benchmarks = {n: benchmarks[n] for n in names}
-        in_memory = {str(n): list(v) for n, v in benchmarks.items() if isinstance(v, (list, tuple))}
-        wanted = {str(n): Path(p) for n, p in benchmarks.items() if str(n) not in in_memory}
-        where = "the given paths"
-        hint = f"build the files with `{BUILD_HINT.format(dir='<folder>')}`"
-    else:
-        folder = Path(benchmarks)
-        chosen = list(BENCHMARKS) if names is None else [str(n) for n in names]
-        wanted = {n: folder / f"{n}.jsonl" for n in chosen}
-        where = f"data folder {str(folder)!r}"
-        hint = (
-            f"build them with `{BUILD_HINT.format(dir=folder)}` (needs the hub), "
-            "or point the data folder at a copy such as ../shared/eval_datasets"
-        )
-    if not wanted and not in_memory:
-        raise ValueError("no benchmark given: pass {name: path} or a data folder with <name>.jsonl files")
-    present = {n: p for n, p in wanted.items() if p.is_file()}
-    missing = [n for n in wanted if n not in present]
-    order = list(benchmarks) if isinstance(benchmarks, Mapping) else list(wanted)
-    found = {str(n): in_memory[str(n)] if str(n) in in_memory else present[str(n)]
-             for n in order if str(n) in in_memory or str(n) in present}
-    if not found:
-        raise ValueError(
-            f"none of the benchmark files {[str(p) for p in wanted.values()]} exists ({where}); {hint}"
-        )
-    if missing:
-        warnings.warn(
-            f"skipping benchmark(s) {missing}: no file {[str(wanted[n]) for n in missing]}; {hint}",
-            UserWarning,
-            stacklevel=3,
-        )
-    return found, missing
-
-
-def samples_per_benchmark(
-    names: Sequence[str], num_samples: int | Mapping[str, int] | None
-) -> dict[str, int | None]:
-    """Requests to draw from each benchmark.
-
-    None or 0: the SPEC 6 protocol counts (all prompts for names outside the
-    nine); an int: that many from every benchmark; a mapping: per name, the
-    protocol count for names it omits. A count above a file's size takes the
-    whole file."""
-    def check(value: Any, where: str) -> int:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"num_samples{where} must be an int >= 0 (0 = SPEC 6 default), got {value!r}")
-        return value
-
-    out: dict[str, int | None] = {}
-    for name in names:
-        if isinstance(num_samples, Mapping):
-            value = check(num_samples[name], f"[{name!r}]") if name in num_samples else 0
-        else:
-            value = 0 if num_samples is None else check(num_samples, "")
-        out[name] = value if value > 0 else DEFAULT_NUM_SAMPLES.get(name)
-    return out
-
-
-def _load_prompts(source: Path | list[Conversation], num_samples: int | None, seed: int) -> list[Conversation]:
-    """First-user-turn prompts of a benchmark file or an in-memory list, as a seeded subset.
-
-    In-memory lists follow ``load_eval_benchmark``'s rule (a ``random.Random(seed)``
-    sample kept in list order), so a list and a file of the same prompts give
-    the same subset."""
-    if isinstance(source, Path):
-        return load_eval_benchmark(source, num_samples, seed)
-    prompts = []
-    for index, conversation in enumerate(source):
-        first = next((m for m in conversation if m.get("role") == "user"), None)
-        if first is None:
-            raise ValueError(f"in-memory prompt {index} has no user message: {conversation!r:.120}")
-        prompts.append([{"role": "user", "content": first["content"]}])
-    if num_samples is None or num_samples >= len(prompts):
-        return prompts
-    chosen = sorted(random.Random(seed).sample(range(len(prompts)), num_samples))
-    return [prompts[i] for i in chosen]
-
-
-def load_benchmark_prompts(
-    benchmarks: Mapping[str, PathLike | Sequence[Conversation]] | PathLike,
-    names: Sequence[str] | None = None,
-    num_samples: int | Mapping[str, int] | None = None,
-    seed: int = 0,
-) -> dict[str, list[Conversation]]:
-    """The first-user-turn prompts ``evaluate`` would decode: name -> seeded subset
-    (``resolve_benchmarks``, ``samples_per_benchmark``; missing files are skipped with a warning)."""
-    files, _ = resolve_benchmarks(benchmarks, names)
-    counts = samples_per_benchmark(list(files), num_samples)
-    return {name: _load_prompts(source, counts[name], seed) for name, source in files.items()}
 
 
 def default_eos_ids(target: Any, tokenizer: Any) -> list[int]:
@@ -389,7 +279,7 @@ def _decode_benchmarks(run: _Run) -> tuple[list[dict[str, Any]], list[dict[str, 
     rounds: list[dict[str, Any]] = []
     serving: dict[str, Any] = {}
     for name, source in run.files.items():
-        conversations = _load_prompts(source, run.counts[name], run.seed)
+        conversations = load_prompts(source, run.counts[name], run.seed)
         if run.scheduler is not None:
             bench_records, bench_rounds, serving[name] = _scheduled_benchmark(run, name, conversations)
         else:
@@ -642,7 +532,4 @@ __all__ = [
     "default_eos_ids",
     "evaluate",
     "evaluate_from_config",
-    "load_benchmark_prompts",
-    "resolve_benchmarks",
-    "samples_per_benchmark",
 ]

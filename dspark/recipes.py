@@ -78,7 +78,8 @@ def simulate(config: Config, *, progress: Callable[[Any], None] | None = None,
     <run_dir>/simulate). Returns the results and the folder."""
     from dspark.calibration import load_sts_json
     from dspark.data.render import render_prompt
-    from dspark.evaluate import default_eos_ids, load_benchmark_prompts
+    from dspark.data.benchmarks import load_benchmark_prompts
+    from dspark.evaluate import default_eos_ids
     from dspark.report import write_results
     from dspark.runtime import load_models
     from dspark.scheduler import SPSTable

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 import dspark.modeling.checkpoint as checkpoint
 from helpers.targets import make_tiny_target, tiny_drafter_config
-from dspark.modeling import DrafterConfig, Drafter, load_drafter, save_drafter
+from dspark.modeling import Drafter, load_drafter, save_drafter
 from dspark.modeling.checkpoint import read_weights
 
 GAMMA = 4

@@ -21,7 +21,8 @@ import torch
 
 import dspark.evaluate as ev
 from dspark.decoding import DecodeResult, RoundRecord
-from dspark.evaluate import evaluate, resolve_benchmarks, samples_per_benchmark
+from dspark.data.benchmarks import resolve_benchmarks, samples_per_benchmark
+from dspark.evaluate import evaluate
 from dspark.report import compare_reports
 from dspark.metrics import BENCHMARKS
 

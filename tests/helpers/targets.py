@@ -9,7 +9,7 @@ error, not a rounding one. The fixtures of tests/conftest.py wrap these."""
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
