@@ -46,7 +46,8 @@ from dspark.config import Config
 from dspark.data.anchors import block_labels, sample_anchors, target_positions
 from dspark.data.dataset import SampleSource, collate
 from dspark.fsutil import atomic_write_text, replace_dir
-from dspark.loss import LossWeights, dspark_loss, fused_dspark_loss
+from dspark.fused_loss import fused_dspark_loss
+from dspark.loss import LossWeights, dspark_loss
 from dspark.modeling import Drafter, load_drafter, save_drafter
 
 log = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ class DraftLossModule(nn.Module):
         self.weights = weights
         self.chunk_rows = chunk_rows
         # fused: gradients of the vocabulary-sized terms computed in the forward pass, no
-        # recomputation (loss.fused_dspark_loss); otherwise the general chunked dspark_loss.
+        # recomputation (fused_loss.fused_dspark_loss); otherwise the general chunked dspark_loss.
         self.fused = fused
         # Not a submodule: the frozen target is neither trained, synced nor saved.
         self._target = [target]

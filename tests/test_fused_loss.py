@@ -14,7 +14,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from dspark.loss import LossWeights, dspark_loss, fused_dspark_loss, naive_dspark_loss, position_weights
+from dspark.fused_loss import fused_dspark_loss
+from dspark.loss import LossWeights, dspark_loss, naive_dspark_loss, position_weights
 
 N, GAMMA, DIM, VOCAB, RANK = 5, 4, 6, 17, 3
 LENGTHS = torch.tensor([4, 2, 0, 1, 3])  # supervised prefix per row; row 2 has none
