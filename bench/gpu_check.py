@@ -46,7 +46,7 @@ from dspark.decoding import rejection_sample, speculative_generate, target_gener
 from dspark.loss import LossWeights  # noqa: E402
 from dspark.modeling import Drafter, DrafterConfig  # noqa: E402
 from dspark.target import TargetModel  # noqa: E402
-from dspark.train import DraftLossModule  # noqa: E402
+from dspark.train_step import DraftLossModule  # noqa: E402
 
 SIZES = {
     # name: target geometry, drafter layers, Markov rank, batch, sequence length, anchors

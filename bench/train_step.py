@@ -1,6 +1,6 @@
 """One DSpark training step with the chunked loss (`dspark_loss`) vs the naive one (`naive_dspark_loss`).
 
-The step is what `dspark.train.DraftLossModule` does for one micro-batch of
+The step is what `dspark.train_step.DraftLossModule` does for one micro-batch of
 one sequence in offline mode (target features and final hidden states come
 from the cache, here random): block labels, drafter forward over all anchor
 blocks, confidence logits, the loss, and `loss.backward()`. The optimizer
