@@ -46,7 +46,7 @@ from dspark.decoding import speculative_generate, target_generate  # noqa: E402
 from dspark.loss import LossWeights  # noqa: E402
 from dspark.modeling import Drafter, DrafterConfig  # noqa: E402
 from dspark.target import TargetModel  # noqa: E402
-from dspark.train import DraftLossModule  # noqa: E402
+from dspark.train_step import DraftLossModule  # noqa: E402
 from dspark.verify import rejection_sample  # noqa: E402
 
 SIZES = {

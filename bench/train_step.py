@@ -1,6 +1,6 @@
 """One DSpark training step with the chunked loss (`dspark_loss`) vs the naive one (`naive_dspark_loss`).
 
-The step is what `dspark.train.DraftLossModule` does for one micro-batch of
+The step is what `dspark.train_step.DraftLossModule` does for one micro-batch of
 one sequence in offline mode (target features and final hidden states come
 from the cache, here random): block labels, drafter forward over all anchor
 blocks, confidence logits, the loss, and `loss.backward()`. The optimizer
@@ -49,7 +49,8 @@ from torch.utils._pytree import tree_leaves
 from transformers import Qwen3Config
 
 from dspark.data.anchors import block_labels, sample_anchors, target_positions
-from dspark.loss import LossWeights, dspark_loss, fused_dspark_loss, naive_dspark_loss
+from dspark.fused_loss import fused_dspark_loss
+from dspark.loss import LossWeights, dspark_loss, naive_dspark_loss
 from dspark.modeling import Drafter, DrafterConfig
 
 TARGET_LAYER_IDS = [1, 9, 17, 25, 33]  # Qwen3-4B/8B defaults (SPEC 2); the target has 36 layers

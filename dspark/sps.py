@@ -31,6 +31,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -76,21 +77,11 @@ def _check_int(value: Any, name: str, low: int) -> int:
     return value
 
 
-@torch.no_grad()
-def profile_sps_runs(
-    target: Any,
-    batch_tokens: Sequence[int] = DEFAULT_BATCH_TOKENS,
-    *,
-    context_len: int = 512,
-    warmup: int = 2,
-    repeats: int = 5,
-    tokens_per_request: int | None = None,
-    seed: int = 0,
-    progress: Callable[[int, float], None] | None = None,
-) -> SPSProfile:
-    """Time the verification forward at every B of ``batch_tokens`` (see the module docstring).
-
-    ``progress(B, median_seconds)`` is called after each B."""
+def _sizes_to_measure(
+    batch_tokens: Sequence[int], context_len: int, warmup: int, repeats: int, tokens_per_request: int | None
+) -> list[int]:
+    """Check the settings; the B to measure, increasing, without repeats (with
+    ``tokens_per_request=q``, only the multiples of q)."""
     sizes = sorted({_check_int(b, "batch_tokens entries", 1) for b in batch_tokens})
     if not sizes:
         raise ValueError("batch_tokens is empty; give the batch token counts to measure, e.g. 1 2 4 8 16")
@@ -106,6 +97,50 @@ def profile_sps_runs(
                 f"with q tokens per request measure B = q, 2q, 4q, ..."
             )
         sizes = kept
+    return sizes
+
+
+def _time_forwards(
+    target: Any,
+    cache: Any,
+    new_tokens: Callable[[], torch.Tensor],
+    context_len: int,
+    warmup: int,
+    repeats: int,
+    sync: Callable[[], None],
+) -> list[float]:
+    """``warmup`` untimed, then ``repeats`` timed verification forwards of ``new_tokens()``
+    continuing ``cache``, cropped back to ``context_len`` after each: the timed seconds."""
+    samples = []
+    for i in range(warmup + repeats):
+        x = new_tokens()
+        sync()
+        start = time.perf_counter()
+        target(x, past_key_values=cache, use_cache=True)  # logits at every new position, as verify
+        sync()
+        elapsed = time.perf_counter() - start
+        target.crop_cache(cache, context_len)
+        if i >= warmup:
+            samples.append(elapsed)
+    return samples
+
+
+@torch.no_grad()
+def profile_sps_runs(
+    target: Any,
+    batch_tokens: Sequence[int] = DEFAULT_BATCH_TOKENS,
+    *,
+    context_len: int = 512,
+    warmup: int = 2,
+    repeats: int = 5,
+    tokens_per_request: int | None = None,
+    seed: int = 0,
+    progress: Callable[[int, float], None] | None = None,
+) -> SPSProfile:
+    """Time the verification forward at every B of ``batch_tokens`` (see the module docstring).
+
+    ``progress(B, median_seconds)`` is called after each B."""
+    sizes = _sizes_to_measure(batch_tokens, context_len, warmup, repeats, tokens_per_request)
     device = torch.device(target.device)
     sync: Callable[[], None] = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     gen = torch.Generator().manual_seed(seed)
@@ -122,17 +157,7 @@ def profile_sps_runs(
             cache, cache_rows = target.new_cache(), rows
             if context_len > 0:
                 target(ids(rows, context_len), past_key_values=cache, use_cache=True, logits_to_keep=1)
-        samples = []
-        for i in range(warmup + repeats):
-            x = ids(rows, width)
-            sync()
-            start = time.perf_counter()
-            target(x, past_key_values=cache, use_cache=True)  # logits at every new position, as verify
-            sync()
-            elapsed = time.perf_counter() - start
-            target.crop_cache(cache, context_len)
-            if i >= warmup:
-                samples.append(elapsed)
+        samples = _time_forwards(target, cache, partial(ids, rows, width), context_len, warmup, repeats, sync)
         seconds.append(samples)
         if progress is not None:
             progress(b, statistics.median(samples))
@@ -150,19 +175,12 @@ def profile_sps_runs(
     )
 
 
-def profile_sps(
-    target: Any,
-    batch_tokens: Sequence[int] = DEFAULT_BATCH_TOKENS,
-    *,
-    context_len: int = 512,
-    warmup: int = 2,
-    repeats: int = 5,
-    tokens_per_request: int | None = None,
-    seed: int = 0,
-) -> SPSTable:
+def profile_sps(target: Any, batch_tokens: Sequence[int] = DEFAULT_BATCH_TOKENS, **settings: Any) -> SPSTable:
     """SPS(B) table of ``target`` on its current device: steps/s = 1 / median seconds of one
-    verification forward over B tokens after ``context_len`` cached tokens (module docstring)."""
-    return profile_sps_runs(
-        target, batch_tokens, context_len=context_len, warmup=warmup, repeats=repeats,
-        tokens_per_request=tokens_per_request, seed=seed,
-    ).table
+    verification forward over B tokens after ``context_len`` cached tokens (module docstring).
+
+    ``settings``: the keyword arguments of :func:`profile_sps_runs` (context_len, warmup,
+    repeats, tokens_per_request, seed)."""
+    return profile_sps_runs(target, batch_tokens, **settings).table
+
+

@@ -24,7 +24,8 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -306,10 +307,35 @@ class TargetModel(nn.Module):
         attention_mask: [B, past+S] padding mask (1 = real token), as in transformers.
         logits_to_keep: int k keeps the last k positions (0/None: all); a 1-D tensor keeps those positions.
         """
-        parts = self._parts
         ids = self.target_layer_ids
         last = self.num_layers - 1
         captured: dict[int, Tensor] = {}
+        cache = self.new_cache() if use_cache and past_key_values is None else past_key_values
+        with self._capturing(captured):
+            out = self._parts.text_model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                use_cache=cache is not None,
+                **{self._cache_kwarg: cache},
+            )
+        last_hidden = out.last_hidden_state  # [B, S, d], after the final norm
+        if last in ids:
+            captured[last] = last_hidden
+        features = torch.cat([captured[i] for i in ids], dim=-1)  # [B, S, m*d]
+        return TargetOutput(
+            features=features,
+            last_hidden=last_hidden,
+            logits=self._kept_logits(last_hidden, logits_to_keep) if return_logits else None,
+            past_key_values=cache,
+        )
+
+    @contextmanager
+    def _capturing(self, captured: dict[int, Tensor]) -> Iterator[None]:
+        """While active, forward hooks on the requested decoder layers only store their hidden
+        states [B, S, d] in ``captured`` by layer id (id -1: the first layer's input). Id L-1,
+        the final-normed state, is the model's output and is not hooked."""
+        layers = self._parts.layers
 
         def keep_input(module: nn.Module, args: tuple, kwargs: dict) -> None:
             captured[-1] = args[0] if args else kwargs["hidden_states"]
@@ -321,44 +347,25 @@ class TargetModel(nn.Module):
             return hook
 
         handles = []
-        if -1 in ids:
-            handles.append(parts.layers[0].register_forward_pre_hook(keep_input, with_kwargs=True))
-        for i in ids:
-            if 0 <= i < last:  # id L-1 is the final-normed state, taken from the model output
-                handles.append(parts.layers[i].register_forward_hook(keep_output(i)))
-
-        cache = self.new_cache() if use_cache and past_key_values is None else past_key_values
+        if -1 in self.target_layer_ids:
+            handles.append(layers[0].register_forward_pre_hook(keep_input, with_kwargs=True))
+        for i in self.target_layer_ids:
+            if 0 <= i < self.num_layers - 1:
+                handles.append(layers[i].register_forward_hook(keep_output(i)))
         try:
-            out = parts.text_model(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                use_cache=cache is not None,
-                **{self._cache_kwarg: cache},
-            )
+            yield
         finally:
             for handle in handles:
                 handle.remove()
 
-        last_hidden = out.last_hidden_state  # [B, S, d], after the final norm
-        if last in ids:
-            captured[last] = last_hidden
-        features = torch.cat([captured[i] for i in ids], dim=-1)  # [B, S, m*d]
-
-        logits = None
-        if return_logits:
-            kept = last_hidden
-            if isinstance(logits_to_keep, Tensor):
-                kept = last_hidden[:, logits_to_keep]
-            elif logits_to_keep:
-                kept = last_hidden[:, -logits_to_keep:]
-            logits = self.compute_logits(kept)  # [B, S', V]
-        return TargetOutput(
-            features=features,
-            last_hidden=last_hidden,
-            logits=logits,
-            past_key_values=cache,
-        )
+    def _kept_logits(self, last_hidden: Tensor, logits_to_keep: int | Tensor | None) -> Tensor:
+        """The LM head over the positions ``logits_to_keep`` keeps of ``last_hidden`` [B, S, d]: [B, S', V]."""
+        kept = last_hidden
+        if isinstance(logits_to_keep, Tensor):
+            kept = last_hidden[:, logits_to_keep]
+        elif logits_to_keep:
+            kept = last_hidden[:, -logits_to_keep:]
+        return self.compute_logits(kept)  # [B, S', V]
 
     def extra_repr(self) -> str:
         return (

@@ -24,7 +24,6 @@ Exactness is the design constraint:
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import json
 import logging
@@ -33,6 +32,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,115 +43,16 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from dspark.config import Config
-from dspark.data.anchors import block_labels, sample_anchors, target_positions
+from dspark.data.anchors import sample_anchors
 from dspark.data.dataset import SampleSource, collate
 from dspark.fsutil import atomic_write_text, replace_dir
-from dspark.loss import LossWeights, dspark_loss, fused_dspark_loss
+from dspark.loss import LossWeights
 from dspark.modeling import Drafter, load_drafter, save_drafter
+from dspark.train_step import DraftLossModule, ratio_metrics
 
 log = logging.getLogger(__name__)
 
 LATEST = "latest"
-
-
-# ----------------------------------------------------------------- the step
-class DraftLossModule(nn.Module):
-    """Drafter + loss as one module, so DDP / FSDP see every parameter use inside forward()."""
-
-    def __init__(self, drafter: Drafter, target: Any, weights: LossWeights, chunk_rows: int, fused: bool = True) -> None:
-        super().__init__()
-        self.drafter = drafter
-        self.weights = weights
-        self.chunk_rows = chunk_rows
-        # fused: gradients of the vocabulary-sized terms computed in the forward pass, no
-        # recomputation (loss.fused_dspark_loss); otherwise the general chunked dspark_loss.
-        self.fused = fused
-        # Not a submodule: the frozen target is neither trained, synced nor saved.
-        self._target = [target]
-
-    @property
-    def target(self) -> Any:
-        return self._target[0]
-
-    def forward(self, batch: dict[str, Tensor], anchors: Tensor, keep: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-        """Returns (Σ w·(ce·CE + tv·TV + conf·CONF) over this micro-batch, detached metric sums)."""
-        drafter = self.drafter
-        gamma = drafter.config.block_size
-        input_ids, loss_mask = batch["input_ids"], batch["loss_mask"]
-        if "features" in batch:
-            features, final_hidden = batch["features"], batch["final_hidden"]
-        else:  # online mode: the frozen target runs here, its features are never stored
-            # Right padding: causal attention keeps real positions from seeing it.
-            out = self.target(input_ids, return_logits=False)
-            features, final_hidden = out.features, out.last_hidden
-        B, S = input_ids.shape
-        labels, valid, prev = block_labels(input_ids, loss_mask, anchors, keep, gamma)  # [B, A, γ] each
-        hidden = drafter(features, input_ids, anchors, keep)  # [B, A, γ, d]
-        tpos = target_positions(anchors, gamma, S)  # [B, A, γ]
-        t_hidden = final_hidden.gather(1, tpos.reshape(B, -1, 1).expand(-1, -1, final_hidden.shape[-1]))
-        t_hidden = t_hidden.reshape(-1, gamma, final_hidden.shape[-1])  # [N, γ, d]
-        h_flat = hidden.reshape(-1, gamma, hidden.shape[-1])  # [N, γ, d]
-        prev_flat = prev.reshape(-1, gamma)
-        conf = drafter.confidence_logits(h_flat, prev_flat)
-
-        one = torch.ones((), device=input_ids.device)  # raw sums: the trainer divides by the global D
-        if self.fused:
-            head = drafter.markov_head
-            out = fused_dspark_loss(
-                h_flat,
-                drafter.shared_weights()["lm_head.weight"],
-                t_hidden,
-                labels.reshape(-1, gamma),
-                valid.reshape(-1, gamma),
-                conf,
-                self.weights,
-                latent=None if head is None else head.block_latent(prev_flat, h_flat),
-                w2=None if head is None else head.markov_w2.weight,
-                softcap=drafter.config.final_logit_softcapping,
-                chunk_rows=self.chunk_rows,
-                denominator=one,
-            )
-        else:
-
-            def draft_logits_fn(r0: int, r1: int) -> Tensor:
-                return drafter.draft_logits(h_flat[r0:r1], prev_flat[r0:r1])
-
-            def target_logits_fn(r0: int, r1: int) -> Tensor:
-                return drafter.compute_logits(t_hidden[r0:r1])
-
-            out = dspark_loss(
-                draft_logits_fn,
-                target_logits_fn,
-                labels.reshape(-1, gamma),
-                valid.reshape(-1, gamma),
-                conf,
-                self.weights,
-                chunk_rows=self.chunk_rows,
-                denominator=one,
-            )
-        w = _position_weights(gamma, self.weights.decay_gamma, input_ids.device)
-        metrics = {
-            "ce": out.ce.detach(),
-            "tv": out.tv.detach(),
-            "conf": out.conf.detach(),
-            "weight": (valid.float() * w).sum(),
-            "accept_sum": out.accept_sum.detach(),
-            "count": out.count.detach().float(),
-            "anchors": keep.sum().float(),
-            "tokens": (loss_mask > 0).sum().float(),
-        }
-        return out.loss, metrics
-
-
-def _position_weights(gamma: int, decay: float, device: torch.device) -> Tensor:
-    from dspark.loss import position_weights
-
-    return position_weights(gamma, decay, device=device)
-
-
-def tau_probabilistic(accept: Tensor) -> float:
-    """τ from per-position acceptance rates (1 − TV): 1 + Σ_k Π_{i≤k} acc_i."""
-    return float(1.0 + torch.cumprod(accept.double(), 0).sum())
 
 
 # ------------------------------------------------------------ data schedule
@@ -159,7 +60,6 @@ def tau_probabilistic(accept: Tensor) -> float:
 class Schedule:
     num_samples: int
     global_batch: int
-    micro_batch: int
     world: int
     rank: int
     seed: int
@@ -202,8 +102,6 @@ def lr_lambda(total_steps: int, warmup_ratio: float, min_ratio: float) -> Callab
 
 
 # ------------------------------------------------------------- checkpoints
-
-
 def latest_checkpoint(out_dir: str | os.PathLike) -> Path | None:
     pointer = Path(out_dir) / "checkpoints" / LATEST
     if not pointer.is_file():
@@ -258,7 +156,6 @@ def _full_state_options(**kw: bool) -> Any:
 class TrainResult:
     out_dir: Path
     steps: int
-    final_checkpoint: Path | None
     history: list[dict[str, Any]]
 
 
@@ -294,7 +191,7 @@ class Trainer:
         if len(train_data) == 0:
             raise ValueError("the training set is empty")
         total = tc.max_steps or max(1, math.ceil(tc.epochs * len(train_data) / tc.global_batch_size))
-        self.schedule = Schedule(len(train_data), tc.global_batch_size, tc.micro_batch_size, self.world, self.rank, config.seed, total)
+        self.schedule = Schedule(len(train_data), tc.global_batch_size, self.world, self.rank, config.seed, total)
         lw = LossWeights(ce=config.loss.ce_weight, tv=config.loss.tv_weight, conf=config.loss.conf_weight, decay_gamma=config.loss.loss_decay_gamma)
         self.module = DraftLossModule(drafter, target, lw, config.loss.chunk_rows, fused=config.loss.fused)
         self.model: nn.Module = self.module
@@ -333,24 +230,46 @@ class Trainer:
             dist.all_reduce(t)
         return t
 
-    def _micro_batches(self, step: int):
+    def _micro_batch(
+        self, data: SampleSource, samples: Sequence[tuple[int, int]], seed: int
+    ) -> tuple[dict[str, Tensor], Tensor, Tensor]:
+        """The (epoch, index) ``samples`` of ``data`` collated on the device, with their anchors
+        and keep masks [b, A] (drawn from ``seed``, so independent of the batching)."""
+        items = [data[idx] for _, idx in samples]
+        anchors, keep = zip(
+            *(anchors_for(it["loss_mask"], self.config.data.num_anchors, seed, ep, idx) for it, (ep, idx) in zip(items, samples))
+        )
+        batch = {k: v.to(self.device, non_blocking=True) for k, v in collate(items).items()}
+        return batch, torch.stack(anchors).to(self.device), torch.stack(keep).to(self.device)
+
+    def _micro_batches(self, step: int) -> list[tuple[dict[str, Tensor], Tensor, Tensor]]:
+        """This rank's share of the global batch of ``step``, in micro-batches."""
         samples = self.schedule.step_samples(step)
         mb = self.config.train.micro_batch_size
-        for i in range(0, len(samples), mb):
-            chunk = samples[i : i + mb]
-            items = [self.train_data[idx] for _, idx in chunk]
-            anchors, keep = zip(
-                *(anchors_for(it["loss_mask"], self.config.data.num_anchors, self.config.seed, ep, idx) for it, (ep, idx) in zip(items, chunk))
-            )
-            batch = {k: v.to(self.device, non_blocking=True) for k, v in collate(items).items()}
-            yield batch, torch.stack(anchors).to(self.device), torch.stack(keep).to(self.device)
+        return [self._micro_batch(self.train_data, samples[i : i + mb], self.config.seed) for i in range(0, len(samples), mb)]
+
+    def _global_sums(self, sums: dict[str, Tensor], keys: Sequence[str]) -> dict[str, Tensor]:
+        """Σ over ranks of the metric sums named ``keys``, packed into one all_reduce. A rank
+        that summed nothing (an FSDP rank out of held-out samples) contributes zeros."""
+        gamma = self.drafter.config.block_size
+        parts = [
+            sums[k] if k in sums else torch.zeros(gamma if k in ("accept_sum", "count") else (), device=self.device)
+            for k in keys
+        ]
+        packed = torch.cat([t.reshape(-1).float() for t in parts])
+        self._all_reduce(packed)
+        offset, reduced = 0, {}
+        for k, t in zip(keys, parts):
+            reduced[k] = packed[offset : offset + t.numel()].reshape(t.shape)
+            offset += t.numel()
+        return reduced
 
     # ----------------------------------------------------------------- step
     def train_step(self) -> dict[str, float]:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, Tensor] = {}
-        batches = list(self._micro_batches(self.step))
+        batches = self._micro_batches(self.step)
         for i, (batch, anchors, keep) in enumerate(batches):
             last = i == len(batches) - 1
             if self.fsdp:  # accumulate unsharded gradients locally, reduce-scatter after the last
@@ -362,17 +281,9 @@ class Trainer:
                 loss.backward()
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0) + v.float()
-        flat_keys = sorted(sums)
-        packed = torch.cat([sums[k].reshape(-1) for k in flat_keys])
-        self._all_reduce(packed)
-        offset, reduced = 0, {}
-        for k in flat_keys:
-            n = sums[k].numel()
-            reduced[k] = packed[offset : offset + n].reshape(sums[k].shape)
-            offset += n
-        denom = reduced["weight"].clamp_min(1e-12)
+        reduced = self._global_sums(sums, sorted(sums))
         # DDP / FSDP averaged the gradients over ranks; we want Σ_ranks grad / D.
-        scale = float(self.world) / float(denom)
+        scale = float(self.world) / float(reduced["weight"].clamp_min(1e-12))
         for p in self.drafter.trainable_parameters():
             if p.grad is not None:
                 p.grad.mul_(scale)
@@ -382,19 +293,18 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         self.step += 1
-        accept = reduced["accept_sum"] / reduced["count"].clamp_min(1)
-        tc = self.config.loss
-        ce, tv, conf = (float(reduced[k] / denom) for k in ("ce", "tv", "conf"))
+        m = ratio_metrics(reduced)
+        lc = self.config.loss
         return {
             "step": self.step,
-            "loss": tc.ce_weight * ce + tc.tv_weight * tv + tc.conf_weight * conf,
-            "ce": ce,
-            "tv": tv,
-            "conf": conf,
+            "loss": lc.ce_weight * m["ce"] + lc.tv_weight * m["tv"] + lc.conf_weight * m["conf"],
+            "ce": m["ce"],
+            "tv": m["tv"],
+            "conf": m["conf"],
             "lr": self.scheduler.get_last_lr()[0],
             "grad_norm": float(grad_norm),
-            "accept": [round(float(a), 4) for a in accept],
-            "tau_prob": tau_probabilistic(accept),
+            "accept": m["accept"],
+            "tau_prob": m["tau_prob"],
             "anchors": float(reduced["anchors"]),
             "tokens": float(reduced["tokens"]),
         }
@@ -419,31 +329,15 @@ class Trainer:
             padding = not idx
             if padding:  # an FSDP rank out of samples: a forward whose metrics are dropped
                 idx = [0]
-            items = [self.eval_data[j] for j in idx]
-            ak = [anchors_for(it["loss_mask"], self.config.data.num_anchors, self.config.seed + 1, 0, j) for it, j in zip(items, idx)]
-            batch = {k: v.to(self.device) for k, v in collate(items).items()}
-            anchors = torch.stack([a for a, _ in ak]).to(self.device)
-            keep = torch.stack([k for _, k in ak]).to(self.device)
+            batch, anchors, keep = self._micro_batch(self.eval_data, [(0, j) for j in idx], self.config.seed + 1)
             with self._autocast():
                 _, metrics = self.module(batch, anchors, keep)
             if padding:
                 continue
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0) + v.float()
-        keys = ["ce", "tv", "conf", "weight", "accept_sum", "count"]
-        gamma = self.drafter.config.block_size
-        packed = torch.cat([torch.as_tensor(sums.get(k, torch.zeros(gamma if k in ("accept_sum", "count") else ())), device=self.device).reshape(-1).float() for k in keys])
-        self._all_reduce(packed)
-        ce, tv, conf, weight = packed[:4]
-        accept = packed[4 : 4 + gamma] / packed[4 + gamma : 4 + 2 * gamma].clamp_min(1)
-        denom = weight.clamp_min(1e-12)
-        return {
-            "eval_ce": float(ce / denom),
-            "eval_tv": float(tv / denom),
-            "eval_conf": float(conf / denom),
-            "eval_accept": [round(float(a), 4) for a in accept],
-            "eval_tau_prob": tau_probabilistic(accept),
-        }
+        reduced = self._global_sums(sums, ["ce", "tv", "conf", "weight", "accept_sum", "count"])
+        return {f"eval_{k}": v for k, v in ratio_metrics(reduced).items()}
 
     # ----------------------------------------------------------- checkpoints
     def drafter_state_dict(self) -> dict[str, Tensor]:
@@ -567,7 +461,6 @@ class Trainer:
         end = total if stop_after is None else min(total, self.step + stop_after)
         bar = tqdm(total=total, initial=self.step, disable=not self.progress or self.rank != 0, desc=f"train {self.config.name}", dynamic_ncols=True)
         window_t, window_anchors, window_tokens = time.perf_counter(), 0.0, 0.0
-        last_ckpt = None
         if self.step == 0 and self.eval_data is not None and len(self.eval_data) and tc.eval_every:
             self._log({"step": 0, "wall_min": 0.0, **self.evaluate()})
         stopped_on_time = False
@@ -590,7 +483,7 @@ class Trainer:
             bar.set_postfix(loss=f"{rec['loss']:.3f}", tau=f"{rec['tau_prob']:.2f}", lr=f"{rec['lr']:.1e}")
             bar.update(1)
             if self.step % tc.save_every == 0 or self.step == total or out_of_time:
-                last_ckpt = self.save_checkpoint()
+                self.save_checkpoint()
             if out_of_time:
                 stopped_on_time = True
                 if self.rank == 0:
@@ -601,7 +494,7 @@ class Trainer:
             drafter_state = self.drafter_state_dict() if self.fsdp else None
             if self.rank == 0:
                 save_drafter(self.drafter, self.out_dir / "drafter", state_dict=drafter_state)
-        return TrainResult(self.out_dir, self.step, last_ckpt, self.history)
+        return TrainResult(self.out_dir, self.step, self.history)
 
 
 def setup_distributed() -> tuple[int, int, torch.device]:
@@ -617,7 +510,3 @@ def setup_distributed() -> tuple[int, int, torch.device]:
     if world > 1 and not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
     return rank, world, device
-
-
-def config_dict(config: Config) -> dict[str, Any]:
-    return dataclasses.asdict(config)

@@ -7,14 +7,14 @@ would take (sign(0) = 0 included), and that no vocabulary-sized tensor
 survives a chunk or is recomputed in backward.
 """
 
-import weakref
-
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from helpers.memory import LiveStorages
 
-from dspark.loss import LossWeights, dspark_loss, fused_dspark_loss, naive_dspark_loss, position_weights
+from dspark.fused_loss import fused_dspark_loss
+from dspark.loss import LossWeights, dspark_loss, naive_dspark_loss, position_weights
 
 N, GAMMA, DIM, VOCAB, RANK = 5, 4, 6, 17, 3
 LENGTHS = torch.tensor([4, 2, 0, 1, 3])  # supervised prefix per row; row 2 has none
@@ -197,35 +197,6 @@ def _fused_loss(case, chunk_rows, softcap=None):
     )
 
 
-class _LiveStorages(TorchDispatchMode):
-    """Bytes of storages allocated by ops under the mode: peak, and what is still alive.
-
-    A storage counts from the op that creates it until its last reference dies;
-    views and in-place results share an input's storage and are not new.
-    """
-
-    def __init__(self):
-        super().__init__()
-        self.live = {}
-        self.peak = 0
-
-    def alive(self):
-        self.live = {k: v for k, v in self.live.items() if v[0]() is not None}
-        return sum(nbytes for _, nbytes in self.live.values())
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        inputs = {t.untyped_storage().data_ptr() for t in tensors}
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                if storage.data_ptr() not in inputs and storage.nbytes() > 0:
-                    self.live[storage.data_ptr()] = (weakref.ref(storage), storage.nbytes())
-        self.peak = max(self.peak, self.alive())
-        return out
-
-
 def _saved_numels(loss_fn):
     sizes = []
 
@@ -252,7 +223,7 @@ def test_saved_for_backward_is_input_sized(softcap):
 
 def test_nothing_vocabulary_sized_outlives_the_forward():
     case = _memory_case()
-    mode = _LiveStorages()
+    mode = LiveStorages()
     with mode:
         out = _fused_loss(case, chunk_rows=4)
     # Left: the gradients kept for backward ([N, γ, d], [N, γ, r], [V, r]) and [N, γ] terms.
@@ -262,7 +233,7 @@ def test_nothing_vocabulary_sized_outlives_the_forward():
 
 def _peak_fraction(chunk_rows):
     case = _memory_case()
-    mode = _LiveStorages()
+    mode = LiveStorages()
     with mode:
         _fused_loss(case, chunk_rows, softcap=30.0).loss.backward()
     return mode.peak / (FULL * 4)

@@ -1,12 +1,11 @@
 """DSpark loss (Eq. 8-12, SPEC 4 "Loss") against float64 oracles written from the formulas."""
 
 import math
-import weakref
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from helpers.memory import LiveStorages
 
 from dspark.loss import LossWeights, dspark_loss, naive_dspark_loss, position_weights
 
@@ -222,34 +221,6 @@ def test_explicit_denominator_scales_loss_and_gradients():
         torch.testing.assert_close(got * 3.0, want, atol=1e-6, rtol=0)
 
 
-class _PeakBytes(TorchDispatchMode):
-    """Peak bytes of tensor storages allocated by ops run under the mode (forward and backward).
-
-    A storage counts from the op that creates it until its last reference dies;
-    views and in-place results share an input's storage and are not new.
-    """
-
-    def __init__(self):
-        super().__init__()
-        self.live = {}
-        self.peak = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {
-            t.untyped_storage().data_ptr()
-            for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
-        }
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                if storage.data_ptr() not in inputs and storage.nbytes() > 0:
-                    self.live[storage.data_ptr()] = (weakref.ref(storage), storage.nbytes())
-        self.live = {k: v for k, v in self.live.items() if v[0]() is not None}
-        self.peak = max(self.peak, sum(nbytes for _, nbytes in self.live.values()))
-        return out
-
-
 def _peak_fraction(rows, chunk_rows, vocab, naive=False):
     gen = torch.Generator().manual_seed(5)
     source = _DraftSource(rows, 4, vocab, seed=1)
@@ -257,7 +228,7 @@ def _peak_fraction(rows, chunk_rows, vocab, naive=False):
     labels = torch.randint(0, vocab, (rows, GAMMA), generator=gen)
     valid = torch.ones(rows, GAMMA, dtype=torch.bool)
     conf = torch.randn(rows, GAMMA, requires_grad=True)
-    mode = _PeakBytes()
+    mode = LiveStorages()
     with mode:
         if naive:
             out = naive_dspark_loss(source.logits(0, rows), target, labels, valid, conf, LossWeights())

@@ -13,7 +13,8 @@ import torch
 from helpers.targets import make_tiny_target
 from helpers.training import run_torchrun, synthetic_samples, tiny_trainer
 
-from dspark.train import latest_checkpoint, lr_lambda, tau_probabilistic
+from dspark.train import latest_checkpoint, lr_lambda
+from dspark.train_step import tau_probabilistic
 
 
 def _params(trainer):

@@ -1,0 +1,347 @@
+"""The DSpark loss (Eq. 8-12) fused with the LM head: gradients computed in the forward pass.
+
+When the draft logits are softcap(h W_lmᵀ) + latent W2ᵀ (the drafter's frozen LM
+head plus the sequential head's rank-r bias) and the target logits
+softcap(h_t W_lmᵀ), :func:`fused_dspark_loss` takes those small inputs instead
+of the logits callables of :func:`dspark.loss.dspark_loss`. The gradient of the
+per-position terms w.r.t. the draft logits z has a closed form (p = softmax(z),
+p^t = softmax(t), s = sign(p − p^t) with sign(0) = 0, torch.abs's subgradient):
+
+    ∂CE/∂z                  = p − onehot(y)                              (Eq. 9)
+    ∂Σ_v|p_v − p^t_v|/∂z_u  = Σ_v s_v p_v (δ_vu − p_u) = p_u (s_u − ⟨p, s⟩)  (Eq. 10)
+
+so one forward pass per chunk yields the terms AND the gradients w.r.t. the
+chunk's small inputs (hidden, latent, W2); no logits are recomputed and every
+[m, V] tensor dies inside its chunk. Per supervised position that is 4
+vocabulary-sized matmuls (draft logits, target logits, grad → h, grad →
+W2/latent) and one pass of softmax/TV work. :func:`dspark.loss.dspark_loss`
+stays the general path (any logits) and the reference this one is tested
+against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from dspark.loss import (
+    LossOutput,
+    LossWeights,
+    check_loss_inputs,
+    compute_dtype,
+    reduce_terms,
+    weights_and_denominator,
+)
+
+__all__ = ["fused_dspark_loss"]
+
+
+def _fused_compute_dtype(hidden: Tensor, lm_head_weight: Tensor, w2: Tensor | None) -> torch.dtype:
+    """At least fp32, and fp64 if any input is (the logits' dtype of dspark_loss, upcast)."""
+    dtype = torch.promote_types(hidden.dtype, lm_head_weight.dtype)
+    return compute_dtype(dtype if w2 is None else torch.promote_types(dtype, w2.dtype))
+
+
+# ------------------------------------------------------------- one chunk of positions
+@dataclass
+class _Head:
+    """The shared LM head as the fused loss applies it to a chunk of m positions."""
+
+    weight: Tensor  # [V, d]; its matmuls run in its dtype, as in Drafter.compute_logits
+    w2: Tensor | None  # [V, r] in the compute dtype; the rank-r products are cheap in fp32
+    softcap: float | None
+    dtype: torch.dtype  # compute dtype of everything vocabulary-sized
+
+    def project(self, x: Tensor, pos: Tensor) -> Tensor:
+        """x[pos] W_lmᵀ: rows ``pos`` [m] of x [N·γ, d] -> [m, V] in the compute dtype."""
+        return (x[pos].to(self.weight.dtype) @ self.weight.T).to(self.dtype)
+
+    def draft_log_probs(self, h: Tensor, pos: Tensor, lat: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """log p^d [m, V] of z = softcap(h[pos] W_lmᵀ) + lat W2ᵀ, and tanh(h[pos] W_lmᵀ / c)
+        (None without softcap), kept for the backward: softcap' = 1 − tanh²."""
+        u = self.project(h, pos)  # [m, V]
+        if self.softcap is not None:
+            tanh_u = u.div_(self.softcap).tanh_()
+            z = tanh_u * self.softcap
+        else:
+            tanh_u, z = None, u
+        if lat is not None:
+            z.addmm_(lat, self.w2.T)  # + B_k
+        return torch.log_softmax(z, dim=-1), tanh_u
+
+    def minus_target_probs(self, p: Tensor, t: Tensor, pos: Tensor) -> Tensor:
+        """p^d − p^t [m, V] from p = p^d [m, V] and the target hidden states t[pos] [m, d]."""
+        logits = self.project(t, pos)
+        if self.softcap is not None:  # in place: softcap(x) = c·tanh(x/c)
+            logits.div_(self.softcap).tanh_().mul_(self.softcap)
+        # p^t through the same log_softmax → exp as p^d, so that equal logits give
+        # bitwise-equal probabilities and sign(p − p^t) = 0 exactly there.
+        return torch.log_softmax(logits, dim=-1).exp_().neg_().add_(p)
+
+
+def _logits_grad(p: Tensor, diff: Tensor, y: Tensor, a: Tensor, b: Tensor | None) -> Tensor:
+    """∂objective/∂z [m, V] = p ⊙ (a + b (s − ⟨p, s⟩)) − a·onehot(y) (Eq. 9-10 closed forms).
+
+    p = p^d [m, V], diff = p^d − p^t [m, V], y [m, 1] the labels, a and b the CE
+    and TV coefficients [m, 1] (b None: no TV gradient). Written in place over
+    ``diff`` (or ``p`` when b is None): the caller must not read them again.
+    """
+    if b is not None:
+        diff.sign_()  # s, in place; sign(0) = 0 is the subgradient torch.abs uses
+        p_dot_s = torch.bmm(p[:, None, :], diff[:, :, None]).reshape(p.shape[0], 1)  # ⟨p, s⟩
+        g = diff.sub_(p_dot_s).mul_(b).add_(a).mul_(p)  # p ⊙ (a + b (s − ⟨p, s⟩))
+    else:
+        g = p.mul_(a)
+    g.scatter_add_(1, y, -a)  # − a·onehot(y)
+    return g
+
+
+@dataclass
+class _Pass:
+    """The inputs flattened over the N·γ positions (row-major) and what the pass writes there."""
+
+    hidden: Tensor  # [N·γ, d]
+    target_hidden: Tensor  # [N·γ, d]
+    latent: Tensor | None  # [N·γ, r]
+    labels: Tensor  # [N·γ]
+    ce: Tensor  # [N·γ], compute dtype
+    tv: Tensor  # [N·γ]
+    grad_h: Tensor | None  # [N·γ, d], only if wanted
+    grad_lat: Tensor | None  # [N·γ, r]
+    grad_w2: Tensor | None  # [V, r]
+
+
+def _fused_chunk(run: _Pass, head: _Head, pos: Tensor, ce_coef: Tensor, tv_coef: Tensor | None, any_grad: bool) -> None:
+    """CE and TV terms at the supervised positions ``pos`` [m] and, if ``any_grad``, their
+    gradients (``tv_coef`` None: no TV gradient); every [m, V] tensor dies here."""
+    block_size = ce_coef.shape[0]
+    y = run.labels[pos][:, None]  # [m, 1]
+    lat = None if run.latent is None else run.latent[pos].to(head.dtype)  # [m, r]
+    p, tanh_u = head.draft_log_probs(run.hidden, pos, lat)  # [m, V], log p^d for now
+    run.ce[pos] = -p.gather(1, y).squeeze(1)
+    p.exp_()  # p^d
+    diff = head.minus_target_probs(p, run.target_hidden, pos)  # [m, V]
+    run.tv[pos] = torch.linalg.vector_norm(diff, ord=1, dim=-1)
+    if not any_grad:
+        return
+    a = ce_coef[pos % block_size][:, None].to(head.dtype)  # [m, 1]
+    b = None if tv_coef is None else tv_coef[pos % block_size][:, None].to(head.dtype)  # [m, 1]
+    g = _logits_grad(p, diff, y, a, b)  # ∂objective/∂z, [m, V]
+    del p, diff
+    if run.grad_lat is not None:
+        run.grad_lat[pos] = g @ head.w2  # [m, r]
+    if run.grad_w2 is not None:
+        run.grad_w2.addmm_(g.T, lat)  # [V, r]
+    if run.grad_h is not None:
+        if tanh_u is not None:
+            g.mul_(tanh_u.square_().neg_().add_(1))  # ∂z/∂u = 1 − tanh²(u/c)
+        run.grad_h[pos] = (g.to(head.weight.dtype) @ head.weight).to(head.dtype)  # [m, d]
+
+
+def _fused_ce_tv(
+    hidden: Tensor,
+    latent: Tensor | None,
+    w2: Tensor | None,
+    lm_head_weight: Tensor,
+    target_hidden: Tensor,
+    labels: Tensor,
+    valid: Tensor,
+    ce_coef: Tensor,
+    tv_coef: Tensor,
+    softcap: float | None,
+    chunk_rows: int,
+    want: tuple[bool, bool, bool],
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None]:
+    """Per-position CE and TV terms [N, γ] and, for the inputs flagged in ``want``
+    (hidden, latent, w2), the gradients of Σ (ce_coef_k·CE + tv_coef_k·TV), in the compute dtype.
+
+    Only supervised positions are read (``chunk_rows·γ`` of them per chunk), so
+    whatever sits in unsupervised slots cannot leak into values or gradients.
+    """
+    rows, block_size, dim = hidden.shape
+    dtype = _fused_compute_dtype(hidden, lm_head_weight, w2)
+    head = _Head(lm_head_weight, None if w2 is None else w2.to(dtype), softcap, dtype)
+    flat_lat = None if latent is None else latent.reshape(rows * block_size, latent.shape[2])
+
+    def zeros(*shape: int) -> Tensor:
+        return torch.zeros(shape, dtype=dtype, device=hidden.device)
+
+    run = _Pass(
+        hidden=hidden.reshape(rows * block_size, dim),
+        target_hidden=target_hidden.reshape(rows * block_size, dim),
+        latent=flat_lat,
+        labels=labels.reshape(-1),
+        ce=zeros(rows * block_size),
+        tv=zeros(rows * block_size),
+        grad_h=zeros(rows * block_size, dim) if want[0] else None,
+        grad_lat=zeros(*flat_lat.shape) if want[1] else None,
+        grad_w2=zeros(*w2.shape) if want[2] else None,
+    )
+    any_grad = any(want)
+    tv_grad = any_grad and bool((tv_coef != 0).any())
+    positions = valid.reshape(-1).nonzero().squeeze(1)  # supervised positions, row-major
+    step = chunk_rows * block_size
+    for start in range(0, positions.numel(), step):
+        _fused_chunk(run, head, positions[start : start + step], ce_coef, tv_coef if tv_grad else None, any_grad)
+
+    shape = (rows, block_size)
+    return (
+        run.ce.reshape(shape),
+        run.tv.reshape(shape),
+        None if run.grad_h is None else run.grad_h.reshape(hidden.shape),
+        None if run.grad_lat is None else run.grad_lat.reshape(latent.shape),
+        run.grad_w2,
+    )
+
+
+# ---------------------------------------------------------------- the autograd op
+class _FusedCeTv(torch.autograd.Function):
+    """α_ce·L_ce + α_tv·L_tv with its gradient computed in forward; backward only scales it.
+
+    Outputs (objective, ce_terms [N, γ], tv_terms [N, γ]); the terms are
+    non-differentiable (metrics and c*). Double backward is refused: the stored
+    gradients are constants, so a graph through them would be silently wrong.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, latent, w2, lm_head_weight, target_hidden, labels, valid,
+                ce_coef, tv_coef, softcap, chunk_rows, grad_enabled):
+        # Inside forward grad mode is off and needs_input_grad ignores it: hence grad_enabled.
+        want = tuple(bool(grad_enabled and flag) for flag in ctx.needs_input_grad[:3])
+        # The precision is explicit inside (vocabulary matmuls in the LM head's dtype, softmaxes
+        # and accumulators in the compute dtype): an enclosing autocast must not re-type them.
+        with torch.autocast(hidden.device.type, enabled=False):
+            ce_terms, tv_terms, grad_h, grad_lat, grad_w2 = _fused_ce_tv(
+                hidden, latent, w2, lm_head_weight, target_hidden, labels, valid,
+                ce_coef, tv_coef, softcap, chunk_rows, want,
+            )
+            objective = (ce_terms * ce_coef).sum() + (tv_terms * tv_coef).sum()
+        ctx.save_for_backward(grad_h, grad_lat, grad_w2)
+        ctx.input_dtypes = tuple(None if t is None else t.dtype for t in (hidden, latent, w2))
+        ctx.mark_non_differentiable(ce_terms, tv_terms)
+        return objective, ce_terms, tv_terms
+
+    @staticmethod
+    def backward(ctx, grad_objective, _grad_ce_terms, _grad_tv_terms):
+        if torch.is_grad_enabled():  # backward(create_graph=True)
+            raise RuntimeError(
+                "fused_dspark_loss cannot be differentiated twice (create_graph=True): its gradient "
+                "is precomputed in forward; use dspark_loss for higher-order gradients"
+            )
+        grads = [
+            None if g is None else (grad_objective * g).to(dtype)
+            for g, dtype in zip(ctx.saved_tensors, ctx.input_dtypes)
+        ]
+        return (*grads, None, None, None, None, None, None, None, None, None)
+
+
+def _check_fused_inputs(
+    hidden: Tensor,
+    lm_head_weight: Tensor,
+    target_hidden: Tensor,
+    labels: Tensor,
+    latent: Tensor | None,
+    w2: Tensor | None,
+    softcap: float | None,
+    chunk_rows: int,
+) -> None:
+    """The fused path's own arguments: the drafter's shapes, a frozen head, softcap and chunk size."""
+    if hidden.dim() != 3 or hidden.shape[:2] != labels.shape:
+        raise ValueError(
+            f"hidden must be [N, γ, d] with [N, γ] = {tuple(labels.shape)}, got {tuple(hidden.shape)}"
+        )
+    if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != hidden.shape[2]:
+        raise ValueError(
+            f"lm_head_weight must be [V, d] with d = {hidden.shape[2]}, got {tuple(lm_head_weight.shape)}"
+        )
+    if lm_head_weight.requires_grad and torch.is_grad_enabled():
+        raise ValueError(
+            "lm_head_weight requires grad, but the fused loss treats the shared LM head as frozen "
+            "(SPEC 4) and computes no gradient for it; pass lm_head_weight.detach() or use dspark_loss"
+        )
+    if target_hidden.shape != hidden.shape:
+        raise ValueError(
+            f"target_hidden shape {tuple(target_hidden.shape)} must equal hidden shape {tuple(hidden.shape)}"
+        )
+    if (latent is None) != (w2 is None):
+        raise ValueError(
+            "latent and w2 come together (the sequential head's bias latent·W2ᵀ); got "
+            f"latent={'None' if latent is None else tuple(latent.shape)}, "
+            f"w2={'None' if w2 is None else tuple(w2.shape)}"
+        )
+    if latent is not None:
+        if latent.dim() != 3 or latent.shape[:2] != labels.shape:
+            raise ValueError(
+                f"latent must be [N, γ, r] with [N, γ] = {tuple(labels.shape)}, got {tuple(latent.shape)}"
+            )
+        if w2.shape != (lm_head_weight.shape[0], latent.shape[2]):
+            raise ValueError(
+                f"w2 must be [V, r] = [{lm_head_weight.shape[0]}, {latent.shape[2]}], got {tuple(w2.shape)}"
+            )
+    if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0):
+        raise ValueError(f"softcap must be None or a number > 0 (Gemma: 30.0), got {softcap!r}")
+    if not isinstance(chunk_rows, int) or chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be a positive int, got {chunk_rows!r}")
+
+
+def fused_dspark_loss(
+    hidden: Tensor,
+    lm_head_weight: Tensor,
+    target_hidden: Tensor,
+    labels: Tensor,
+    valid: Tensor,
+    confidence_logits: Tensor | None,
+    weights: LossWeights,
+    *,
+    latent: Tensor | None = None,
+    w2: Tensor | None = None,
+    softcap: float | None = None,
+    chunk_rows: int = 64,
+    denominator: Tensor | None = None,
+) -> LossOutput:
+    """The DSpark loss (Eq. 8-12) fused with the LM head, for drafter-shaped logits.
+
+    Same result as :func:`dspark.loss.dspark_loss` with ``draft_logits_fn`` returning
+    softcap(h W_lmᵀ) + latent W2ᵀ and ``target_logits_fn`` softcap(h_t W_lmᵀ),
+    but each chunk's gradient w.r.t. (hidden, latent, w2) is computed in the
+    forward pass from the closed forms of the module docstring and kept (sizes
+    [N, γ, d], [N, γ, r], [V, r]); backward multiplies them by the incoming
+    scalar instead of recomputing both logits.
+
+    Args:
+        hidden: [N, γ, d] draft hidden states h_1..h_γ (with grad), any float dtype.
+        lm_head_weight: [V, d] the frozen shared LM head (must not require grad).
+            Its matmuls run in its dtype; everything vocabulary-sized after
+            them in ≥ fp32.
+        target_hidden: [N, γ, d] the target's final hidden states at positions
+            i+k−1 (treated as constants).
+        labels, valid, confidence_logits, weights, denominator: as in :func:`dspark.loss.dspark_loss`.
+        latent: [N, γ, r] the sequential head's rank-r latents (Eq. 5-6), or None (DFlash).
+        w2: [V, r] the sequential head's W2, given iff ``latent`` is.
+        softcap: c of the final-logit soft-cap c·tanh(x/c) (Gemma), or None.
+        chunk_rows: supervised positions are processed ``chunk_rows·γ`` at a
+            time; peak memory grows with chunk_rows·γ·V (3 fp32 [chunk_rows·γ, V]
+            buffers, 4 with softcap).
+
+    Returns:
+        :class:`LossOutput`; ``loss`` has gradients for hidden, latent, w2 and
+        confidence_logits, in their dtypes. Double backward is not supported.
+    """
+    check_loss_inputs(labels, valid, confidence_logits, weights, denominator)
+    _check_fused_inputs(hidden, lm_head_weight, target_hidden, labels, latent, w2, softcap, chunk_rows)
+    valid = valid.to(device=hidden.device, dtype=torch.bool)
+    safe_labels = torch.where(valid, labels.long(), torch.zeros_like(labels, dtype=torch.long))
+    dtype = _fused_compute_dtype(hidden, lm_head_weight, w2)
+    w, den = weights_and_denominator(valid, weights, denominator, dtype)
+    ce_coef = weights.ce * w / den  # [γ]: ∂objective/∂CE_k at a supervised position
+    tv_coef = weights.tv * w / den  # [γ]
+    objective, ce_terms, tv_terms = _FusedCeTv.apply(
+        hidden, latent, w2, lm_head_weight, target_hidden.detach(), safe_labels, valid,
+        ce_coef, tv_coef, None if softcap is None else float(softcap), chunk_rows,
+        torch.is_grad_enabled(),
+    )
+    c_star = (1.0 - 0.5 * tv_terms).clamp(0.0, 1.0)  # [N, γ], Eq. 8 (detached: no graph)
+    return reduce_terms(ce_terms, tv_terms, c_star, confidence_logits, valid, weights, denominator,
+                        ce_tv_loss=objective)
