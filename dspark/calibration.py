@@ -34,6 +34,8 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
+from dspark.jsonutil import to_jsonable
+
 __all__ = [
     "ece",
     "roc_auc",
@@ -256,13 +258,21 @@ def apply_temperatures(conf: Any, temps: Any) -> np.ndarray:
     return _sigmoid(_logit(c) / t[None, :])
 
 
-def _as_temperatures(temps: Any, gamma: Optional[int] = None) -> np.ndarray:
+def _as_temperatures(temps: Any, gamma: Optional[int] = None, name: str = "temperatures") -> np.ndarray:
+    """`temps` as a float64 vector of γ finite, positive temperatures (errors say `name`)."""
     t = np.asarray(temps, dtype=np.float64).ravel()
     if gamma is not None and t.size != gamma:
-        raise ValueError(f"temperatures has {t.size} values but there are {gamma} positions")
+        raise ValueError(f"{name} has {t.size} values but there are {gamma} positions (the drafter's γ)")
     if not (np.isfinite(t).all() and np.all(t > 0)):
-        raise ValueError(f"temperatures must be finite and > 0, got {t.tolist()}")
+        raise ValueError(f"{name} must be finite and > 0, got {t.tolist()}")
     return t
+
+
+def as_temperatures(value: Any, gamma: Optional[int] = None, name: str = "temperatures") -> np.ndarray:
+    """STS temperatures given as values or as the path of an STS JSON (``load_sts_json``)."""
+    if isinstance(value, (str, os.PathLike)):
+        return load_sts_json(value, gamma)
+    return _as_temperatures(value, gamma, name)
 
 
 def default_temperature_grid() -> np.ndarray:
@@ -335,19 +345,6 @@ def _json_number(x: Any) -> Optional[float]:
     return x if math.isfinite(x) else None
 
 
-def _json_clean(obj: Any) -> Any:
-    if isinstance(obj, Mapping):
-        return {str(k): _json_clean(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple, np.ndarray)):
-        return [_json_clean(v) for v in obj]
-    if isinstance(obj, (bool, np.bool_)):
-        return bool(obj)
-    if isinstance(obj, (int, np.integer)):
-        return int(obj)
-    if isinstance(obj, (float, np.floating)):
-        return _json_number(obj)
-    return obj
-
 
 def save_sts_json(
     path: PathLike,
@@ -374,7 +371,7 @@ def save_sts_json(
         "ece_after": [_json_number(v) for v in ece_after],
     }
     if per_position is not None:
-        data["per_position"] = _json_clean(per_position)
+        data["per_position"] = to_jsonable(per_position)
     with open(path, "w", encoding="utf-8") as f:
         json.dump(data, f, indent=2)
         f.write("\n")
@@ -387,7 +384,7 @@ def save_sts_report(path: PathLike, report: Mapping[str, Any]) -> None:
     data = dict(report)
     _as_temperatures(data["temperatures"])
     with open(path, "w", encoding="utf-8") as f:
-        json.dump(_json_clean(data), f, indent=2)
+        json.dump(to_jsonable(data), f, indent=2)
         f.write("\n")
 
 

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from dspark.calibration import load_sts_json
+from dspark.calibration import as_temperatures
 from dspark.data.benchmarks import load_prompts, resolve_benchmarks, samples_per_benchmark
 from dspark.data.prompts import Conversation
 from dspark.data.render import render_prompt
@@ -204,12 +204,13 @@ def evaluate(
     counts = samples_per_benchmark(list(files), num_samples)
     eos = sorted(int(i) for i in eos_token_ids) if eos_token_ids is not None else default_eos_ids(target, tokenizer)
     rank, world = _dist_info()
+    temps = None if sts_temperatures is None else as_temperatures(sts_temperatures, _gamma_of(drafter), "sts_temperatures")
     run = _Run(
         target, drafter, tokenizer, files, counts, skipped,
         decode_kwargs=dict(temperature=temperature, eos_token_ids=eos, max_new_tokens=max_new_tokens),
         seed=seed, decode_fn=decode_fn, baseline=baseline, baseline_fn=baseline_fn, choose_length=choose_length,
         scheduler=scheduler, sps=sps_table, concurrency=concurrency,
-        temps=_as_temperatures(sts_temperatures, _gamma_of(drafter)), rank=rank, world=world,
+        temps=temps, rank=rank, world=world,
         device=getattr(target, "device", "cpu"), progress=progress and rank == 0, warmed=not warmup,
         started=time.perf_counter(),
     )
@@ -490,19 +491,6 @@ def _infer_gamma(rounds: list[dict[str, Any]]) -> int:
     widths = [len(r["confidences"]) for r in rounds if r["confidences"] is not None]
     widths += [r["proposed"] for r in rounds]
     return max(widths + [1])
-
-
-def _as_temperatures(value: Sequence[float] | PathLike | None, gamma: int | None) -> np.ndarray | None:
-    if value is None:
-        return None
-    if isinstance(value, (str, os.PathLike)):
-        return load_sts_json(value, gamma)
-    temps = np.asarray(value, dtype=np.float64).ravel()
-    if gamma is not None and temps.size != gamma:
-        raise ValueError(f"sts_temperatures has {temps.size} values but the drafter's block size γ is {gamma}")
-    if not (np.isfinite(temps).all() and np.all(temps > 0)):
-        raise ValueError(f"sts_temperatures must be finite and > 0, got {temps.tolist()}")
-    return temps
 
 
 def _plain_config(run_config: Any) -> dict[str, Any] | None:

@@ -19,7 +19,7 @@ import torch
 from transformers import PreTrainedTokenizerFast
 
 from helpers.targets import build_tiny_model
-from helpers.tokenizers import train_bpe
+from helpers.bpe import train_bpe
 from dspark.config import GenerationConfig
 from dspark.data.generate import (
     OpenAIBackend,

@@ -12,7 +12,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, train
 from transformers import PreTrainedTokenizerFast
 
 from dspark.data.prompts import prompt_only
-from helpers.tokenizers import train_bpe
+from helpers.bpe import train_bpe
 from dspark.data.render import (
     RenderedSample,
     render_conversation,
