@@ -171,7 +171,6 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
           f"measured on the {report['evaluated_on']} part ({split['test_requests']} requests, "
           f"{split['test_rounds']} rounds)")
     print(calibration_markdown(report))
-    print("AUROC of a_k = Π c_i is unchanged by STS at k = 1 only; that of each c_k at every k.")
     print(f"STS: {paths['json']}; reliability diagrams: {paths['plot']}")
     return 0
 
