@@ -19,18 +19,6 @@ from dspark.modeling.checkpoint import read_weights
 
 GAMMA = 4
 RANK = 8
-DSPARK_FIELDS = (
-    "block_size",
-    "mask_token_id",
-    "target_layer_ids",
-    "num_target_layers",
-    "num_anchors",
-    "markov_rank",
-    "markov_head_type",
-    "enable_confidence_head",
-    "confidence_head_with_markov",
-)
-
 
 # Real Gemma4 geometry: full-attention layers have a larger head_dim and, with k_eq_v, fewer KV heads.
 GEMMA4_FULL = (("global_head_dim", 32), ("attention_k_eq_v", True), ("num_global_key_value_heads", 1))

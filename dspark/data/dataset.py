@@ -20,8 +20,6 @@ from dspark.fsutil import atomic_file
 
 
 class SampleSource(Protocol):
-    has_features: bool
-
     def __len__(self) -> int: ...
 
     def __getitem__(self, i: int) -> dict[str, Tensor]: ...
@@ -29,8 +27,6 @@ class SampleSource(Protocol):
 
 class RenderedSource:
     """Rendered (input_ids, loss_mask) samples; the target runs online in the training step."""
-
-    has_features = False
 
     def __init__(self, samples: Sequence[RenderedSample]) -> None:
         self.samples = list(samples)
@@ -48,8 +44,6 @@ class RenderedSource:
 
 class CachedSource:
     """Samples of a `dspark.data.cache.TargetCache` (features precomputed, dequantized on read)."""
-
-    has_features = True
 
     def __init__(self, cache: Any, indices: Sequence[int] | None = None) -> None:
         self.cache = cache

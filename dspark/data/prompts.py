@@ -28,7 +28,6 @@ from typing import Any, Iterable
 Message = dict[str, str]
 Conversation = list[Message]
 
-ROLES = ("system", "user", "assistant")
 
 # Role names found in hub chat datasets (ShareGPT and relatives) -> our roles.
 ROLE_MAP: dict[str, str] = {

@@ -25,7 +25,6 @@ FAMILY_OF_MODEL_TYPE = {
     "gemma4": "gemma4",
     "gemma4_text": "gemma4",
 }
-SUPPORTED_FAMILIES = ("llama", "qwen3", "gemma4")
 VARIANTS = ("dspark", "dflash")
 BLOCK_LAYOUTS = ("anchor_first", "anchor_plus_masks")
 SEQUENTIAL_HEADS = ("vanilla", "rnn")

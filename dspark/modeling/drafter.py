@@ -125,10 +125,6 @@ class Drafter(nn.Module):
         """Share a `dspark.target.TargetModel`'s embedding and LM head."""
         return self.attach_shared(target.embed_tokens.weight, target.lm_head_weight())
 
-    @property
-    def is_attached(self) -> bool:
-        return bool(self._shared)
-
     def shared_weights(self) -> dict[str, Tensor]:
         """{"embed_tokens.weight": [V, d], "lm_head.weight": [V, d]} (frozen, the target's)."""
         if not self._shared:
