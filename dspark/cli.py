@@ -215,6 +215,64 @@ def cmd_curves(args: argparse.Namespace) -> int:
     return 0
 
 
+def _millions(n: int) -> str:
+    return f"{n / 1e6:.3f} M" if n >= 1e5 else f"{n:,}"
+
+
+def _describe_lines(desc) -> list[str]:
+    """The description as `key: value` lines."""
+    p = desc.params
+    frozen = (f"{_millions(p.frozen)} in frozen copies of the target's {' and '.join(p.frozen_tensors)}"
+              if p.frozen_tensors else "no embedding / LM head in the file (the target's are used)")
+    gamma = "?" if desc.gamma is None else str(desc.gamma)
+    layout = {"anchor_first": "anchor-first (slot k predicts anchor + k + 1; every slot is a draft)",
+              "anchor_plus_masks": "anchor + γ masks (slot 0 is the anchor, slot k predicts anchor + k)"}
+    lines = [
+        f"folder: {desc.path}",
+        f"format: {desc.format} ({desc.format_summary}); architectures {desc.architecture}",
+        f"algorithm: {desc.algorithm}",
+        f"block layout: {layout.get(desc.block_layout or '', desc.block_layout or 'n/a')}",
+        f"γ (drafts per block): {gamma} (block_size in config.json: {desc.block_size})",
+        f"target layer ids: {desc.target_layer_ids} of a {desc.num_target_layers or '?'}-layer target; "
+        f"convention: {desc.layer_convention}",
+        f"mask token id: {desc.mask_token_id}",
+        *[f"head: {h}" for h in desc.heads],
+        f"draft vocabulary: {desc.draft_vocab_size or 'the full target vocabulary'}",
+        f"sizes: hidden {desc.hidden_size}, vocabulary {desc.vocab_size}",
+        f"parameters: {_millions(p.trainable)} trainable; {frozen}",
+        "stored dtypes: " + ", ".join(f"{k} ({_millions(n)} parameters)" for k, n in sorted(desc.dtypes.items())),
+    ]
+    return lines + [f"note: {n}" for n in desc.notes]
+
+
+def render_inspection(inspection) -> str:
+    """`dspark inspect`'s report (a dspark.inspect_drafter.Inspection) as text: the description,
+    then the target checks and the decode runs."""
+    lines = _describe_lines(inspection.description)
+    check = inspection.check
+    if check is not None:
+        f = check.facts
+        lines += ["", f"target: {f.name} ({f.num_layers} layers, hidden {f.hidden_size}, vocabulary {f.vocab_size})"]
+        marks = {"ok": "ok     ", "warning": "WARNING", "error": "ERROR  "}
+        lines += [f"  {marks[x.level]} {x.message}" for x in check.findings]
+        if check.runs:
+            lines.append(f"decode check ({check.prompts}):")
+            lines += [f"  {r.label:<32} {r.mean_accepted:5.2f} accepted per round  τ = {r.tau:.2f}  ({r.rounds} rounds)"
+                      for r in check.runs]
+    return "\n".join(lines)
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from dspark.inspect_drafter import inspect_drafter, problems
+
+    if args.target:
+        print(f"loading target {args.target} ...", flush=True)
+    inspection = inspect_drafter(args.path, args.target or None, dtype=args.dtype, num_prompts=args.num_prompts,
+                                 max_new_tokens=args.max_new_tokens, diagnose=args.diagnose)
+    print(render_inspection(inspection))
+    return 1 if problems(inspection) else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from dspark.cli_flags import COMMANDS, add_config_flags
 
@@ -238,6 +296,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--key", default="eval_tau_prob", help="logged metric to plot")
     p.add_argument("--out", default="", help="PNG path")
     p.set_defaults(func=cmd_curves)
+
+    from dspark.runtime import DTYPE_CHOICES
+
+    p = sub.add_parser("inspect", help="what a drafter folder is; with --target, whether it fits that target")
+    p.add_argument("path", help="a drafter folder (ours, DeepSpec's, z-lab's; or a run folder with step_N/)")
+    p.add_argument("--target", default="", help="target name or folder: check sizes and decode a few prompts")
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="dtype of the target for the decode check")
+    p.add_argument("--num-prompts", type=int, default=3, help="built-in prompts decoded greedily")
+    p.add_argument("--max-new-tokens", type=int, default=48, help="new tokens per prompt in the decode check")
+    p.add_argument("--diagnose", default="auto", choices=("auto", "always", "never"),
+                   help="re-run the decode with shifted layer ids, the other block layout and other mask "
+                        "tokens (auto: when the acceptance is low)")
+    p.set_defaults(func=cmd_inspect)
     return parser
 
 
