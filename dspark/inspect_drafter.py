@@ -400,8 +400,11 @@ def default_prompts(tokenizer: Any, num_prompts: int, vocab_size: int, seed: int
     from dspark.data.render import render_prompt
 
     sets = list(builtin_eval_sets().values())
-    chosen = [sets[i % len(sets)][i // len(sets)] for i in range(num_prompts)]
-    return [render_prompt(tokenizer, conv) for conv in chosen], f"{num_prompts} built-in evaluation prompts"
+    order = [s[i] for i in range(max(map(len, sets))) for s in sets if i < len(s)]  # math, code, chat in turn
+    if num_prompts > len(order):
+        raise ValueError(f"num_prompts={num_prompts}: there are {len(order)} built-in evaluation prompts")
+    chosen = [render_prompt(tokenizer, conv) for conv in order[:num_prompts]]
+    return chosen, f"{num_prompts} built-in evaluation prompt{'s' if num_prompts > 1 else ''}"
 
 
 def run_acceptance(folder: Path, target: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
@@ -550,6 +553,8 @@ def check_target(desc: FolderDescription, target: Any, *, name: str = "", num_pr
     """
     if diagnose not in ("auto", "always", "never"):
         raise ValueError(f"diagnose={diagnose!r}; use 'auto', 'always' or 'never'")
+    if num_prompts < 1 or max_new_tokens < 1:
+        raise ValueError(f"num_prompts={num_prompts} and max_new_tokens={max_new_tokens} must both be >= 1")
     facts = target_facts(target, name)
     findings = check_structure(desc, facts)
     if any(f.level == "error" for f in findings):

@@ -221,3 +221,15 @@ def test_cli_inspect_without_target_describes(trained, capsys):
     assert main(["inspect", str(folder)]) == 0
     out = capsys.readouterr().out
     assert "algorithm: dflash" in out and "γ (drafts per block): 4" in out
+
+
+def test_a_deepspec_folder_is_checked_against_its_target():
+    folder, target_dir = GOLDEN / "deepspec" / "dspark_vanilla" / "checkpoint", GOLDEN / "deepspec" / "target"
+    if not folder.is_dir() or not target_dir.is_dir():
+        pytest.skip(f"{folder} or {target_dir} is absent (the golden fixtures live in ../shared/golden)")
+    inspection = inspect_drafter(folder, str(target_dir), dtype="float32", num_prompts=1, max_new_tokens=8,
+                                 diagnose="never")
+    structure = [f for f in inspection.check.findings if f.code != "acceptance"]
+    assert [(f.level, f.code) for f in structure] == [
+        ("ok", "layer_ids"), ("ok", "hidden_size"), ("ok", "vocab_size"), ("ok", "mask_token")]
+    assert inspection.check.facts.num_layers == 6 and inspection.check.runs[0].rounds > 0
