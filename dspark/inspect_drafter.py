@@ -119,15 +119,11 @@ def _read_dspark_fields(config: dict[str, Any], shapes: dict[str, list[int]]) ->
         variant = "dflash" if dflash or not has_head else "dspark"
     layout = config.get("block_layout", "anchor_first")
     block = config.get("block_size")
-    return dict(
-        algorithm=variant,
-        block_layout=layout,
-        gamma=None if block is None else int(block),  # our block_size is γ in both layouts
-        target_layer_ids=config.get("target_layer_ids"),
-        layer_convention=OUR_CONVENTION,
-        mask_token_id=config.get("mask_token_id"),
+    return dict(  # our block_size is γ in both layouts
+        algorithm=variant, block_layout=layout, gamma=None if block is None else int(block),
+        target_layer_ids=config.get("target_layer_ids"), layer_convention=OUR_CONVENTION,
+        mask_token_id=config.get("mask_token_id"), heads=_heads(config, shapes),
         num_target_layers=config.get("num_target_layers", config.get("target_num_hidden_layers")),
-        heads=_heads(config, shapes),
         draft_vocab_size=config.get("draft_vocab_size"),
     )
 
@@ -136,15 +132,12 @@ def _read_zlab(config: dict[str, Any], shapes: dict[str, list[int]]) -> dict[str
     """z-lab DFlash: block_size = γ + 1 (slot 0 is the anchor), ids and mask under dflash_config."""
     inner = config.get("dflash_config") or {}
     block = config.get("block_size")
-    return dict(
-        algorithm="dflash",
-        block_layout="anchor_plus_masks",
-        gamma=None if block is None else int(block) - 1,
+    return dict(  # vLLM also takes the ids and the mask token at the top level
+        algorithm="dflash", block_layout="anchor_plus_masks", gamma=None if block is None else int(block) - 1,
         target_layer_ids=inner.get("target_layer_ids", config.get("target_layer_ids")),
         layer_convention=OUR_CONVENTION + " (z-lab reads hidden_states[i+1] too)",
         mask_token_id=inner.get("mask_token_id", config.get("mask_token_id")),
-        num_target_layers=config.get("num_target_layers"),
-        heads=["none (parallel drafts only)"],
+        num_target_layers=config.get("num_target_layers"), heads=["none (parallel drafts only)"],
         draft_vocab_size=config.get("draft_vocab_size"),
     )
 
@@ -163,9 +156,9 @@ def _read_eagle3(config: dict[str, Any], shapes: dict[str, list[int]]) -> dict[s
         convention = "input of decoder layer i (HF hidden_states[i]; vLLM's top-level EAGLE-3 field)"
     d2t = shapes.get("d2t")
     return dict(
-        algorithm="eagle3", block_layout=None, gamma=config.get("ttt_length"), target_layer_ids=ids,
+        algorithm="eagle3", block_layout=None, gamma=None, target_layer_ids=ids,
         layer_convention=convention, mask_token_id=None, num_target_layers=config.get("num_target_layers"),
-        heads=["none (autoregressive draft steps)"],
+        heads=[f"none (autoregressive draft steps; trained over ttt_length = {config.get('ttt_length', '?')})"],
         draft_vocab_size=config.get("draft_vocab_size", d2t[0] if d2t else None),
     )
 

@@ -206,6 +206,23 @@ def test_a_corrupted_safetensors_header_names_the_file(trained, tmp_path):
         describe_folder(broken)
 
 
+def test_a_corrupted_config_json_names_the_file(trained, tmp_path):
+    _, _, folder = trained
+    broken = shutil.copytree(folder, tmp_path / "broken")
+    (broken / "config.json").write_text('{"architectures": ["LlamaDSparkModel"], "block_size": ')
+    with pytest.raises(ValueError, match=r"config\.json is not valid JSON"):
+        describe_folder(broken)
+
+
+def test_a_deepspec_run_folder_reads_its_last_step(trained, tmp_path):
+    _, _, folder = trained
+    for step in (20, 100, 3):
+        shutil.copytree(folder, tmp_path / "run" / f"step_{step}")
+    desc = describe_folder(tmp_path / "run")
+    assert desc.path == tmp_path / "run" / "step_100"
+    assert desc.notes == [f"read the last checkpoint step_100 of 3 inside {tmp_path / 'run'}"]
+
+
 def test_cli_inspect_prints_the_cause(trained, tmp_path, capsys):
     _, target_dir, folder = trained
     shifted = _corrupt(folder, tmp_path / "shifted", target_layer_ids=[i + 1 for i in LAYER_IDS])
