@@ -460,7 +460,7 @@ def diagnosis_variants(desc: FolderDescription, facts: TargetFacts, tokenizer: A
             why = ("this folder's ids are probably input-of-layer ids (vLLM EAGLE-3 convention, id i = "
                    "hidden_states[i]); dspark reads output-of-layer ids (hidden_states[i+1])") if step < 0 else (
                   "this folder's ids are one lower than the layers the drafter was trained on "
-                  "(converted to input-of-layer once too often?)")
+                  "(an input-of-layer to output-of-layer conversion applied twice)")
             out.append(Variant("layer_ids", f"layer ids {shifted}", {"target_layer_ids": shifted},
                                f"layer ids look shifted by one: {why}; set target_layer_ids to {shifted}"))
     if desc.block_layout in ("anchor_first", "anchor_plus_masks") and desc.algorithm in ("dspark", "dflash"):
