@@ -202,11 +202,12 @@ class SimResult:
       steps; sim_time_s = Σ_steps (1 + draft_overhead) / SPS(B) (NaN without a table);
       tokens = tokens emitted by verification (x_0 of each prefill excluded);
       request_steps = Σ_steps live requests (= rounds); accepted = Σ m; proposed = Σ ℓ;
+      eos_rounds = rounds that accepted an EOS draft (no token after it: τ = m);
       batch_tokens = Σ_steps B; live_time_s = Σ_steps live · step time (for per-user speed).
     requests: one dict per request admitted, in admission order: index, tag, prompt_tokens,
       tokens (count), rounds (count), finished; once finished also finished_by_eos,
       timings (its own phases) and result (its DecodeResult).
-    rounds: one dict per round (step, request, tag, round, proposed, accepted, emitted,
+    rounds: one dict per round (step, request, tag, round, proposed, accepted, eos_accepted, emitted,
       confidences (raw c_1..c_γ or None), expected_accepted (Σ_{j≤ℓ} a_j of the
       confidences the policy saw, None without), batch_tokens).
     step_log: one dict per step (step, live, batch_tokens, step_time_s, tokens).
@@ -220,6 +221,7 @@ class SimResult:
     request_steps: int = 0
     accepted: int = 0
     proposed: int = 0
+    eos_rounds: int = 0
     batch_tokens: int = 0
     live_time_s: float = 0.0
     wall_s: float = 0.0
@@ -234,8 +236,8 @@ class SimResult:
 
     @property
     def tau(self) -> float:
-        """Mean accepted + 1 per request-step (pooled over rounds)."""
-        return 1 + self.accepted / self.request_steps if self.request_steps else math.nan
+        """Mean τ per request-step (pooled over rounds): m + 1, or m after an accepted EOS."""
+        return 1 + (self.accepted - self.eos_rounds) / self.request_steps if self.request_steps else math.nan
 
     @property
     def mean_ell(self) -> float:
@@ -444,10 +446,11 @@ def _verify(entry: _Live, ell: int, expected: float | None, batch: int, result: 
     record = request.verify(ell)
     emitted = len(request.tokens) - before
     result.accepted += record.accepted
+    result.eos_rounds += record.eos_accepted
     result.rounds.append({
         "step": result.steps, "request": entry.index, "tag": entry.job.tag,
         "round": len(request.rounds) - 1, "proposed": record.proposed, "accepted": record.accepted,
-        "emitted": emitted, "confidences": record.confidences, "expected_accepted": expected,
+        "eos_accepted": record.eos_accepted, "emitted": emitted, "confidences": record.confidences, "expected_accepted": expected,
         "batch_tokens": batch,
     })
     result.requests[entry.index].update(tokens=len(request.tokens), rounds=len(request.rounds))

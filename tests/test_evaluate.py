@@ -184,7 +184,8 @@ def test_files_hold_rounds_requests_strict_json_markdown_and_plots(tmp_path, clo
     rounds = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]
     assert len(rounds) == 6
     assert rounds[0] == {
-        "benchmark": "gsm8k", "request": 0, "round": 0, "proposed": 3, "accepted": 3, "confidences": None
+        "benchmark": "gsm8k", "request": 0, "round": 0, "proposed": 3, "accepted": 3, "confidences": None,
+        "eos_accepted": False,
     }
     assert rounds[2]["confidences"] == [0.9, 0.6, 0.3]
     requests = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
