@@ -45,7 +45,7 @@ from tqdm.auto import tqdm
 
 from dspark.calibration import as_temperatures
 from dspark.data.benchmarks import load_prompts, resolve_benchmarks, samples_per_benchmark
-from dspark.data.prompts import Conversation
+from dspark.data.prompts import DEEPSPEC_EVAL_SEED, Conversation
 from dspark.data.render import render_prompt
 from dspark.decoding import speculative_generate, target_generate
 from dspark.fsutil import atomic_write_text
@@ -149,7 +149,7 @@ def evaluate(
     num_samples: int | Mapping[str, int] | None = None,
     max_new_tokens: int = 2048,
     temperature: float = 1.0,
-    seed: int = 0,
+    seed: int = DEEPSPEC_EVAL_SEED,
     out_dir: PathLike | None = None,
     baseline: bool = True,
     choose_length: Callable[[list[float] | None, int], int] | None = None,

@@ -269,7 +269,7 @@ def test_sample_counts_default_to_the_protocol_and_can_be_overridden():
         samples_per_benchmark(["gsm8k"], -1)
 
 
-def test_num_samples_draws_a_seeded_subset_in_file_order(tmp_path, clock):
+def test_num_samples_draws_a_seeded_subset(tmp_path, clock):
     files = {"gsm8k": ["g0", "g1"]}
     target, drafter = fake_models()
     seen = {}
