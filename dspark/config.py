@@ -148,7 +148,7 @@ class EvalConfig:
 class ServeConfig:
     """Verification scheduling (SPEC 7): `dspark eval` with a policy, and `dspark simulate`."""
 
-    policy: str = ""  # eval: "" = verify all γ drafts; else algorithm1, async[:K0], static1, static[:ℓ], threshold:<a>
+    policy: str = ""  # eval: "" = verify all γ drafts; else algorithm1, async[:K0], static1, static[:ℓ], threshold:<a>, first-below:<t>
     concurrency: int = 1  # eval with a policy: requests decoded in lockstep
     sts: str = ""  # STS JSON (dspark calibrate); "" = raw confidences
     sps: str = ""  # SPS table JSON (dspark profile-sps), for algorithm1 / async and the simulated clock

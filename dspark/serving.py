@@ -46,7 +46,9 @@ Policies (``make_policy``; a spec string, or any callable
                         request has a two-step-old draft (default 0);
 - ``static1``           ℓ = 1 for every request (MTP-1-like);
 - ``static``            ℓ = γ (verify every draft); ``static:<ℓ>`` any fixed ℓ;
-- ``threshold:<a>``     ℓ_r = #{j : a_{r,j} ≥ a} (``scheduler.threshold_lengths``).
+- ``threshold:<a>``     ℓ_r = #{j : a_{r,j} ≥ a}, on the cumulative a (``scheduler.threshold_lengths``);
+- ``first-below:<t>``   DeepSpec's rule: stop before the first c_{r,j} < t
+                        (``scheduler.first_below_lengths``; DeepSpec uses raw c: no STS).
 
 Every one of them decides whether x_{r,k} is verified without looking at
 x_{r,k} itself, so decoding stays lossless (SPEC 7.2, 7.3).
@@ -76,24 +78,16 @@ from dspark.scheduler import (
     AsyncPrefixScheduler,
     SPSTable,
     schedule_prefix,
+    first_below_lengths,
     threshold_lengths,
 )
 
-__all__ = [
-    "Job",
-    "Policy",
-    "POLICY_HELP",
-    "SimResult",
-    "make_policy",
-    "run_requests",
-    "simulate",
-    "simulate_grid",
-]
+__all__ = ["Job", "Policy", "POLICY_HELP", "SimResult", "make_policy", "run_requests", "simulate", "simulate_grid"]
 
 # (request ids of the R live requests, confidences [R, γ]) -> lengths int [R] in 0..γ
 LengthFn = Callable[[Sequence[Hashable], np.ndarray], Any]
 
-POLICY_HELP = "algorithm1, async[:K0], static1, static[:ℓ], threshold:<a>"
+POLICY_HELP = "algorithm1, async[:K0], static1, static[:ℓ], threshold:<a> (cumulative a_j), first-below:<t> (per c_j)"
 
 
 # ---------------------------------------------------------------------------
@@ -164,11 +158,12 @@ def make_policy(spec: str | Policy | LengthFn, sps: SPSTable | None = None) -> P
             return np.full(c.shape[0], ell, dtype=np.int64)
 
         return Policy(name, False, static)
-    if kind == "threshold" and arg:
+    if kind in ("threshold", "first-below") and arg:
         threshold = _parse_number(arg, name, float)
         if not 0.0 <= threshold <= 1.0:
             raise ValueError(f"policy {name!r}: the threshold must be in [0, 1]")
-        return Policy(name, True, lambda ids, c: threshold_lengths(c, threshold))
+        cut = threshold_lengths if kind == "threshold" else first_below_lengths
+        return Policy(name, True, lambda ids, c: cut(c, threshold))
     raise ValueError(f"unknown policy {spec!r}; choose from {POLICY_HELP}")
 
 

@@ -304,6 +304,9 @@ def test_policy_specs_and_their_errors():
     assert make_policy("static")([0, 1], conf).tolist() == [3, 3]
     assert make_policy("static:2")([0, 1], conf).tolist() == [2, 2]
     assert make_policy("threshold:0.4")([0, 1], conf).tolist() == [2, 1]  # a = (.9, .45, .045), (.6, .36, ...)
+    assert make_policy("first-below:0.4")([0, 1], conf).tolist() == [2, 3]  # c = (.9, .5, .1), (.6, .6, .6)
+    with pytest.raises(ValueError, match=r"threshold must be in \[0, 1\]"):
+        make_policy("first-below:2")
     with pytest.raises(ValueError, match="needs an SPS table"):
         make_policy("algorithm1")
     with pytest.raises(ValueError, match="unknown policy"):
