@@ -77,8 +77,8 @@ from dspark.decoding import PhaseClock, SpeculativeRequest
 from dspark.scheduler import (
     AsyncPrefixScheduler,
     SPSTable,
-    schedule_prefix,
     first_below_lengths,
+    schedule_prefix,
     threshold_lengths,
 )
 
