@@ -13,7 +13,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Any
 
-POLICY_HELP = "algorithm1, async[:K0], static1, static[:ℓ], threshold:<a>"
+POLICY_HELP = "algorithm1, async[:K0], static1, static[:ℓ], threshold:<a> (cumulative a_j), first-below:<t> (per c_j)"
 
 
 @dataclass(frozen=True)

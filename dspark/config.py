@@ -74,7 +74,7 @@ class DataConfig:
     num_anchors: int = 512
     data_dir: str = ""  # where regenerated answers and the cache live ("" = <out_dir>/data)
     feature_mode: str = "cache"  # "cache" (dspark cache) | "online" (target runs in the step)
-    cache_precision: str = "fp8"  # "fp8" | "bf16" | "fp32"
+    cache_precision: str = "bf16"  # "bf16" (DeepSpec's) | "fp8" (0.47x the bytes, see README "Commands") | "fp32"
 
 
 @dataclass
@@ -138,7 +138,7 @@ class EvalConfig:
     num_samples: int = 0  # prompts per benchmark; 0 = SPEC 6 defaults
     max_new_tokens: int = 2048
     temperature: float = 1.0  # 0 = greedy
-    seed: int = 0
+    seed: int = 980406  # prompt subset and random draws; DeepSpec's default, so both tools pick the same prompts
     block_size: int = 0  # 0 = the drafter's γ
     baseline: bool = True  # also decode with the target alone (speedups)
     label: str = ""  # row label in the report tables ("" = from the drafter's variant)
@@ -148,7 +148,7 @@ class EvalConfig:
 class ServeConfig:
     """Verification scheduling (SPEC 7): `dspark eval` with a policy, and `dspark simulate`."""
 
-    policy: str = ""  # eval: "" = verify all γ drafts; else algorithm1, async[:K0], static1, static[:ℓ], threshold:<a>
+    policy: str = ""  # eval: "" = verify all γ drafts; else algorithm1, async[:K0], static1, static[:ℓ], threshold:<a>, first-below:<t>
     concurrency: int = 1  # eval with a policy: requests decoded in lockstep
     sts: str = ""  # STS JSON (dspark calibrate); "" = raw confidences
     sps: str = ""  # SPS table JSON (dspark profile-sps), for algorithm1 / async and the simulated clock

@@ -39,17 +39,28 @@ ChooseLength = Callable[[list[float] | None, int], int]
 class RoundRecord:
     """One draft/verify round.
 
-    proposed: ℓ, the number of draft tokens sent to verification (0..γ).
-    accepted: m, how many of them the target accepted (0..ℓ); τ of the round is m + 1.
-        An accepted EOS ends the accepted prefix (later drafts are not counted);
-        truncation at max_new_tokens does not change m.
+    proposed: ℓ, the number of draft tokens sent to verification (0..γ);
+        cut to m when an accepted EOS ended the round (the drafts after it
+        were never looked at, so they are neither accepted nor rejected).
+    accepted: m, how many of them the target accepted (0..ℓ), an accepted
+        EOS included; truncation at max_new_tokens does not change m.
     confidences: c_1..c_γ of all γ drafted positions (not cumulative), None
         without a confidence head.
+    eos_accepted: an EOS among the accepted drafts ended the sequence, so no
+        token follows it (SPEC 5): τ of the round is m, not m + 1. DeepSpec's
+        evaluator counts such a round the same way (acceptance length and
+        proposal length both cut at the EOS).
     """
 
     proposed: int
     accepted: int
     confidences: list[float] | None
+    eos_accepted: bool = False
+
+    @property
+    def tau(self) -> int:
+        """Tokens the round emitted before any max_new_tokens cut: m + 1, or m after an accepted EOS."""
+        return self.accepted + (0 if self.eos_accepted else 1)
 
 
 @dataclass
@@ -218,9 +229,10 @@ class SpeculativeRequest:
         """Verify the first ``ell`` drafts in one target forward (SPEC 1 step 6, SPEC 5).
 
         Appends the accepted prefix and the next token to ``tokens`` (truncated at
-        max_new_tokens and after an EOS), and when the request goes on crops the
-        cache to x_0..x_m, extends the drafter context with their features and
-        makes the next token the anchor. Returns the round's record."""
+        max_new_tokens; an accepted EOS ends the prefix with no next token), and
+        when the request goes on crops the cache to x_0..x_m, extends the drafter
+        context with their features and makes the next token the anchor.
+        Returns the round's record."""
         proposal, ell = self._pending(), _checked_verify_length(ell, self.gamma)
         confidences = self.confidences
         self.proposal = None
@@ -235,8 +247,12 @@ class SpeculativeRequest:
                 draft, proposal.probs[:, :ell], out.logits, self.temperature, self.generator
             )
             m, *drafted, nxt = torch.cat([num_accepted, draft[0], next_token]).tolist()  # one host sync
-            emitted = _through_first_eos(drafted[:m] + [nxt], self.eos)
-            record = RoundRecord(proposed=ell, accepted=min(m, len(emitted)), confidences=confidences)
+            eos_at = _first_eos(drafted[:m], self.eos)
+            if eos_at is None:
+                emitted, record = drafted[:m] + [nxt], RoundRecord(ell, m, confidences)
+            else:  # the sequence ends at the EOS: no next token, nothing after it was verified
+                m = eos_at + 1
+                emitted, record = drafted[:m], RoundRecord(m, m, confidences, eos_accepted=True)
             self.rounds.append(record)
             self.tokens += emitted[: self.max_new_tokens - len(self.tokens)]
         if self.done:
@@ -301,12 +317,9 @@ def _prefill(target: TargetModel, prompt_ids: Sequence[int]) -> tuple[Any, Any]:
     return cache, target(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
 
 
-def _through_first_eos(tokens: list[int], eos: set[int]) -> list[int]:
-    """tokens up to and including the first EOS id (all of them without one)."""
-    for i, token in enumerate(tokens):
-        if token in eos:
-            return tokens[: i + 1]
-    return tokens
+def _first_eos(tokens: list[int], eos: set[int]) -> int | None:
+    """Index of the first EOS id in ``tokens``, None without one."""
+    return next((i for i, token in enumerate(tokens) if token in eos), None)
 
 
 def _check_generate_args(prompt_ids: Sequence[int], max_new_tokens: int, temperature: float) -> None:

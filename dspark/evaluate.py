@@ -45,10 +45,11 @@ from tqdm.auto import tqdm
 
 from dspark.calibration import as_temperatures
 from dspark.data.benchmarks import load_prompts, resolve_benchmarks, samples_per_benchmark
-from dspark.data.prompts import Conversation
+from dspark.data.prompts import DEEPSPEC_EVAL_SEED, Conversation
 from dspark.data.render import render_prompt
 from dspark.decoding import speculative_generate, target_generate
 from dspark.fsutil import atomic_write_text
+from dspark.metrics import round_tau
 from dspark.report import build_report, write_outputs
 from dspark.scheduler import SPSTable
 from dspark.serving import Job, SimResult, make_policy, run_requests
@@ -148,7 +149,7 @@ def evaluate(
     num_samples: int | Mapping[str, int] | None = None,
     max_new_tokens: int = 2048,
     temperature: float = 1.0,
-    seed: int = 0,
+    seed: int = DEEPSPEC_EVAL_SEED,
     out_dir: PathLike | None = None,
     baseline: bool = True,
     choose_length: Callable[[list[float] | None, int], int] | None = None,
@@ -303,7 +304,7 @@ def _plain_benchmark(
                disable=not run.progress, dynamic_ncols=True)
     records: list[dict[str, Any]] = []
     rounds: list[dict[str, Any]] = []
-    accepted_sum = num_rounds = 0
+    tau_sum = num_rounds = 0
     for request in bar:
         prompt_ids = render_prompt(run.tokenizer, conversations[request], enable_thinking=False)
         _warm_once(run, prompt_ids, run.choose_length)
@@ -311,10 +312,10 @@ def _plain_benchmark(
         record["rank"] = run.rank
         records.append(record)
         rounds += request_rounds
-        accepted_sum += sum(r["accepted"] for r in request_rounds)
+        tau_sum += sum(round_tau(r) for r in request_rounds)
         num_rounds += len(request_rounds)
         if num_rounds:
-            bar.set_postfix(tau=f"{1 + accepted_sum / num_rounds:.2f}", refresh=False)
+            bar.set_postfix(tau=f"{tau_sum / num_rounds:.2f}", refresh=False)
     bar.close()
     return records, rounds
 
@@ -346,7 +347,7 @@ def _run_request(
     record = _record(benchmark, request, prompt_ids, result, time.perf_counter() - start, result.timings)
     if run.baseline_decode is not None:
         record.update(_run_baseline(run, prompt_ids, request_seed))
-    rounds = [_round_row(benchmark, request, index, int(r.proposed), int(r.accepted), r.confidences)
+    rounds = [_round_row(benchmark, request, index, int(r.proposed), int(r.accepted), r.confidences, r.eos_accepted)
               for index, r in enumerate(result.rounds)]
     return record, rounds
 
@@ -355,17 +356,20 @@ def _record(
     benchmark: str, request: int, prompt_ids: Sequence[int], result: Any, wall_s: float, timings: Mapping[str, float]
 ) -> dict[str, Any]:
     """The requests.jsonl row of one speculative decode (``DecodeResult``), before its baseline fields."""
-    accepted = [int(r.accepted) for r in result.rounds]
+    taus = [r.tau for r in result.rounds]
     return {"benchmark": benchmark, "request": request, "prompt_tokens": len(prompt_ids),
-            "tokens": len(result.tokens), "rounds": len(accepted),
-            "tau": 1 + sum(accepted) / len(accepted) if accepted else None,
+            "tokens": len(result.tokens), "rounds": len(taus),
+            "tau": sum(taus) / len(taus) if taus else None,
             "finished_by_eos": bool(result.finished_by_eos), "wall_s": wall_s, "timings": dict(timings)}
 
 
-def _round_row(benchmark: str, request: int, index: int, proposed: int, accepted: int, confidences: Any) -> dict:
-    """The rounds.jsonl row of one draft/verify round."""
+def _round_row(
+    benchmark: str, request: int, index: int, proposed: int, accepted: int, confidences: Any, eos_accepted: bool
+) -> dict:
+    """The rounds.jsonl row of one draft/verify round (``dspark.metrics`` reads it)."""
     return {"benchmark": benchmark, "request": request, "round": index, "proposed": proposed, "accepted": accepted,
-            "confidences": None if confidences is None else [float(c) for c in confidences]}
+            "confidences": None if confidences is None else [float(c) for c in confidences],
+            "eos_accepted": bool(eos_accepted)}
 
 
 def _run_baseline(run: _Run, prompt_ids: Sequence[int], request_seed: int) -> dict[str, Any]:
@@ -392,7 +396,8 @@ def _scheduled_benchmark(
         _warm_once(run, prompts[0], None)
     jobs = [Job(p, _request_seed(run.seed, name, i), (name, i)) for p, i in zip(prompts, mine)]
     sim = _serve(run, jobs, desc=name)
-    rounds = [{**_round_row(*row["tag"], row["round"], row["proposed"], row["accepted"], row["confidences"]),
+    rounds = [{**_round_row(*row["tag"], row["round"], row["proposed"], row["accepted"], row["confidences"],
+                            row["eos_accepted"]),
                "step": row["step"], "batch_tokens": row["batch_tokens"]} for row in sim.rounds]
     rounds.sort(key=lambda r: (r["request"], r["round"]))
     return _scheduled_records(run, sim, jobs), rounds, sim.summary()

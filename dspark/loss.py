@@ -83,7 +83,10 @@ class LossOutput:
     weighted means of each term (before the α mixing). ``accept_sum[k]`` sums
     the expected acceptance 1 − ½‖p^d_k − p^t_k‖₁ (= c*_k) over valid rows and
     ``count[k]`` counts those rows; reduce both across ranks, then
-    acc_k = accept_sum[k] / count[k] and τ_prob = 1 + Σ_k Π_{i≤k} acc_i.
+    acc_k = accept_sum[k] / count[k]. ``prefix_sum`` sums Σ_k Π_{i≤k} c*_i·valid_i
+    over the blocks and ``blocks`` counts the blocks with a valid slot: reduced
+    across ranks, τ_prob = 1 + prefix_sum / blocks is DeepSpec's estimator
+    (the mean over blocks of 1 + Σ_k cumprod(c*·mask)_k, its ``tau_probabilistic``).
     """
 
     loss: Tensor  # scalar, with grad
@@ -92,6 +95,8 @@ class LossOutput:
     conf: Tensor  # scalar, detached (0 without a confidence head)
     accept_sum: Tensor  # float32 [γ], detached
     count: Tensor  # int64 [γ]
+    prefix_sum: Tensor  # float32 scalar, detached
+    blocks: Tensor  # int64 scalar
 
 
 def position_weights(
@@ -239,6 +244,8 @@ def reduce_terms(
         loss = loss + weights.conf * conf
     accept_sum = torch.where(valid, c_star, torch.zeros_like(c_star)).sum(dim=0).float()  # [γ]
     count = valid.sum(dim=0)  # [γ]
+    # cumprod over the masked c*: a slot past the block's supervised prefix ends its product.
+    prefix = torch.where(valid, c_star, torch.zeros_like(c_star)).float().cumprod(dim=1)  # [N, γ]
     return LossOutput(
         loss=loss,
         ce=ce.detach(),
@@ -246,6 +253,8 @@ def reduce_terms(
         conf=conf.detach(),
         accept_sum=accept_sum.detach(),
         count=count,
+        prefix_sum=prefix.sum().detach(),
+        blocks=valid.any(dim=1).sum(),
     )
 
 

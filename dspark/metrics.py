@@ -5,16 +5,22 @@ written or printed. A round record is a mapping with the keys of one line of
 ``rounds.jsonl`` (written by :mod:`dspark.evaluate`)::
 
     {"benchmark": "gsm8k", "request": 3, "round": 0,
-     "proposed": 7, "accepted": 4, "confidences": [0.9, ...] or None}
+     "proposed": 7, "accepted": 4, "confidences": [0.9, ...] or None,
+     "eos_accepted": false}
 
 ``proposed`` is ℓ, the number of draft tokens sent to verification (γ with
 the scheduler off); ``accepted`` is m ≤ ℓ, the accepted draft tokens (the
 bonus token excluded); ``confidences`` are c_1..c_γ (conditional, not
 cumulative), or None for a drafter without a confidence head.
+``eos_accepted`` (absent = false) marks a round that accepted an EOS draft:
+it ended the sequence with no token after it (SPEC 5), so its τ is m, and
+its ``proposed`` stops at the EOS (m = ℓ: nothing after it was verified or
+rejected), as DeepSpec's evaluator counts it.
 
 Where each quantity of SPEC 6 lives:
 
-- ``tau_pooled``               τ = m + 1 averaged over all rounds (what serving engines report)
+- ``round_tau``                τ of one round: m + 1, or m after an accepted EOS
+- ``tau_pooled``               τ averaged over all rounds (what serving engines report)
 - ``tau_per_request``          τ averaged within each request, then over requests
 - ``conditional_acceptance``   P(k accepted | 1..k−1 accepted, k verified), paper Fig. 2
 - ``prefix_survival``          P(m ≥ k)
@@ -126,18 +132,35 @@ def _counts(accepted: Any, proposed: Any, gamma: int) -> tuple[np.ndarray, np.nd
     return m, ell
 
 
-def tau_pooled(accepted: Any) -> float:
-    """Mean τ = m + 1 over all rounds (NaN without rounds)."""
+def round_tau(row: Mapping[str, Any]) -> int:
+    """τ of one round record: m + 1, or m when it accepted an EOS (no token follows it)."""
+    return int(row["accepted"]) + (0 if row.get("eos_accepted") else 1)
+
+
+def _taus(accepted: Any, eos_accepted: Any) -> np.ndarray:
+    """τ per round, float64 [N]: m + 1, minus 1 where an accepted EOS ended the round."""
     m = np.asarray(accepted, dtype=np.float64).ravel()
-    return float(m.mean() + 1.0) if m.size else math.nan
+    if eos_accepted is None:
+        return m + 1.0
+    eos = np.asarray(eos_accepted, dtype=bool).ravel()
+    if eos.shape != m.shape:
+        raise ValueError(f"accepted has {m.size} rounds but eos_accepted has {eos.size}")
+    return m + 1.0 - eos
 
 
-def tau_per_request(accepted: Any, request_ids: Any) -> float:
-    """Mean over requests of each request's mean τ (NaN without rounds).
+def tau_pooled(accepted: Any, eos_accepted: Any = None) -> float:
+    """Mean τ over all rounds (NaN without rounds): τ = m + 1, or m in a round
+    whose ``eos_accepted`` is true (default: no such round)."""
+    tau = _taus(accepted, eos_accepted)
+    return float(tau.mean()) if tau.size else math.nan
+
+
+def tau_per_request(accepted: Any, request_ids: Any, eos_accepted: Any = None) -> float:
+    """Mean over requests of each request's mean τ (NaN without rounds); τ as in ``tau_pooled``.
 
     Requests without a round (ended at the prefill token) have no τ and do
     not count."""
-    m = np.asarray(accepted, dtype=np.float64).ravel()
+    m = _taus(accepted, eos_accepted)
     ids = list(request_ids)
     if len(ids) != m.size:
         raise ValueError(f"accepted has {m.size} rounds but request_ids has {len(ids)}")
@@ -146,7 +169,7 @@ def tau_per_request(accepted: Any, request_ids: Any) -> float:
     sums: dict[Any, float] = {}
     counts: dict[Any, int] = {}
     for rid, value in zip(ids, m):
-        sums[rid] = sums.get(rid, 0.0) + value + 1.0
+        sums[rid] = sums.get(rid, 0.0) + value
         counts[rid] = counts.get(rid, 0) + 1
     return float(np.mean([sums[r] / counts[r] for r in sums]))
 
@@ -242,12 +265,13 @@ def summarize_rounds(
     proposed = [int(r["proposed"]) for r in rounds]
     requests = [(r.get("benchmark"), r["request"]) for r in rounds]
     confidences = [r.get("confidences") for r in rounds]
+    eos = [bool(r.get("eos_accepted", False)) for r in rounds]
     num, den = conditional_acceptance_counts(accepted, proposed, gamma)
     summary: dict[str, Any] = {
         "num_rounds": len(rounds),
         "num_requests": len(set(requests)),
-        "tau": tau_pooled(accepted),
-        "tau_per_request": tau_per_request(accepted, requests),
+        "tau": tau_pooled(accepted, eos),
+        "tau_per_request": tau_per_request(accepted, requests, eos),
         "conditional_acceptance": [float(n / d) if d else math.nan for n, d in zip(num, den)],
         "conditional_acceptance_num": [int(n) for n in num],
         "conditional_acceptance_den": [int(d) for d in den],

@@ -5,7 +5,8 @@
   (Table 1 of several drafters), ``load_report``; ``write_outputs`` writes
 
   - ``rounds.jsonl``    one line per draft/verify round: benchmark, request, round,
-                        proposed (ℓ), accepted (m), confidences (c_1..c_γ or null).
+                        proposed (ℓ), accepted (m), confidences (c_1..c_γ or null),
+                        eos_accepted (an accepted EOS ended it: τ = m, ℓ cut at it).
                         The log that STS (``dspark.calibration.fit_sts``) and the
                         scheduler are fitted on offline.
   - ``requests.jsonl``  one line per request: tokens, rounds, τ, wall time of the

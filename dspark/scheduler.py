@@ -13,8 +13,10 @@ Where each piece of the paper lives (SPEC section 7):
                           the production variant (SPEC 7.3): a capacity K from
                           confidences two steps old, then a top-K admission by
                           the current confidences.
-- ``static_lengths``, ``threshold_lengths``
-                          baseline policies for simulators.
+- ``static_lengths``, ``threshold_lengths``, ``first_below_lengths``
+                          baseline policies for simulators (a cut on the
+                          cumulative a_{r,j}, and DeepSpec's cut at the first
+                          c_{r,j} below a threshold).
 
 Conventions shared by every function here:
 
@@ -445,3 +447,20 @@ def threshold_lengths(confidences: Any, threshold: float) -> np.ndarray:
         raise ValueError(f"threshold must be in [0, 1], got {threshold}")
     a = prefix_survival(confidences)
     return (a >= threshold).sum(axis=1).astype(np.int64)
+
+
+def first_below_lengths(confidences: Any, threshold: float) -> np.ndarray:
+    """DeepSpec's confidence threshold (its evaluator's ``--confidence-threshold``):
+    ℓ_r = (the first j with c_{r,j} < threshold) − 1, or γ when no c_{r,j} is below it;
+    int64 [R]. A threshold of 0 verifies every draft.
+
+    Unlike ``threshold_lengths`` this looks at each conditional c_{r,j} on its own,
+    not at the cumulative a_{r,j}: (0.9, 0.9, 0.9) passes a threshold of 0.8 at every
+    position here, while a_3 = 0.729 stops the cumulative rule at ℓ = 2.
+    """
+    threshold = float(threshold)
+    if not 0.0 <= threshold <= 1.0:
+        raise ValueError(f"threshold must be in [0, 1], got {threshold}")
+    c = _as_confidences(confidences)
+    below = c < threshold  # [R, γ]
+    return np.where(below.any(axis=1), below.argmax(axis=1), c.shape[1]).astype(np.int64)

@@ -46,7 +46,9 @@ Policies (``make_policy``; a spec string, or any callable
                         request has a two-step-old draft (default 0);
 - ``static1``           ℓ = 1 for every request (MTP-1-like);
 - ``static``            ℓ = γ (verify every draft); ``static:<ℓ>`` any fixed ℓ;
-- ``threshold:<a>``     ℓ_r = #{j : a_{r,j} ≥ a} (``scheduler.threshold_lengths``).
+- ``threshold:<a>``     ℓ_r = #{j : a_{r,j} ≥ a}, on the cumulative a (``scheduler.threshold_lengths``);
+- ``first-below:<t>``   DeepSpec's rule: stop before the first c_{r,j} < t
+                        (``scheduler.first_below_lengths``; DeepSpec uses raw c: no STS).
 
 Every one of them decides whether x_{r,k} is verified without looking at
 x_{r,k} itself, so decoding stays lossless (SPEC 7.2, 7.3).
@@ -75,25 +77,17 @@ from dspark.decoding import PhaseClock, SpeculativeRequest
 from dspark.scheduler import (
     AsyncPrefixScheduler,
     SPSTable,
+    first_below_lengths,
     schedule_prefix,
     threshold_lengths,
 )
 
-__all__ = [
-    "Job",
-    "Policy",
-    "POLICY_HELP",
-    "SimResult",
-    "make_policy",
-    "run_requests",
-    "simulate",
-    "simulate_grid",
-]
+__all__ = ["Job", "Policy", "POLICY_HELP", "SimResult", "make_policy", "run_requests", "simulate", "simulate_grid"]
 
 # (request ids of the R live requests, confidences [R, γ]) -> lengths int [R] in 0..γ
 LengthFn = Callable[[Sequence[Hashable], np.ndarray], Any]
 
-POLICY_HELP = "algorithm1, async[:K0], static1, static[:ℓ], threshold:<a>"
+POLICY_HELP = "algorithm1, async[:K0], static1, static[:ℓ], threshold:<a> (cumulative a_j), first-below:<t> (per c_j)"
 
 
 # ---------------------------------------------------------------------------
@@ -164,11 +158,12 @@ def make_policy(spec: str | Policy | LengthFn, sps: SPSTable | None = None) -> P
             return np.full(c.shape[0], ell, dtype=np.int64)
 
         return Policy(name, False, static)
-    if kind == "threshold" and arg:
+    if kind in ("threshold", "first-below") and arg:
         threshold = _parse_number(arg, name, float)
         if not 0.0 <= threshold <= 1.0:
             raise ValueError(f"policy {name!r}: the threshold must be in [0, 1]")
-        return Policy(name, True, lambda ids, c: threshold_lengths(c, threshold))
+        cut = threshold_lengths if kind == "threshold" else first_below_lengths
+        return Policy(name, True, lambda ids, c: cut(c, threshold))
     raise ValueError(f"unknown policy {spec!r}; choose from {POLICY_HELP}")
 
 
@@ -202,11 +197,12 @@ class SimResult:
       steps; sim_time_s = Σ_steps (1 + draft_overhead) / SPS(B) (NaN without a table);
       tokens = tokens emitted by verification (x_0 of each prefill excluded);
       request_steps = Σ_steps live requests (= rounds); accepted = Σ m; proposed = Σ ℓ;
+      eos_rounds = rounds that accepted an EOS draft (no token after it: τ = m);
       batch_tokens = Σ_steps B; live_time_s = Σ_steps live · step time (for per-user speed).
     requests: one dict per request admitted, in admission order: index, tag, prompt_tokens,
       tokens (count), rounds (count), finished; once finished also finished_by_eos,
       timings (its own phases) and result (its DecodeResult).
-    rounds: one dict per round (step, request, tag, round, proposed, accepted, emitted,
+    rounds: one dict per round (step, request, tag, round, proposed, accepted, eos_accepted, emitted,
       confidences (raw c_1..c_γ or None), expected_accepted (Σ_{j≤ℓ} a_j of the
       confidences the policy saw, None without), batch_tokens).
     step_log: one dict per step (step, live, batch_tokens, step_time_s, tokens).
@@ -220,6 +216,7 @@ class SimResult:
     request_steps: int = 0
     accepted: int = 0
     proposed: int = 0
+    eos_rounds: int = 0
     batch_tokens: int = 0
     live_time_s: float = 0.0
     wall_s: float = 0.0
@@ -234,8 +231,8 @@ class SimResult:
 
     @property
     def tau(self) -> float:
-        """Mean accepted + 1 per request-step (pooled over rounds)."""
-        return 1 + self.accepted / self.request_steps if self.request_steps else math.nan
+        """Mean τ per request-step (pooled over rounds): m + 1, or m after an accepted EOS."""
+        return 1 + (self.accepted - self.eos_rounds) / self.request_steps if self.request_steps else math.nan
 
     @property
     def mean_ell(self) -> float:
@@ -444,10 +441,11 @@ def _verify(entry: _Live, ell: int, expected: float | None, batch: int, result: 
     record = request.verify(ell)
     emitted = len(request.tokens) - before
     result.accepted += record.accepted
+    result.eos_rounds += record.eos_accepted
     result.rounds.append({
         "step": result.steps, "request": entry.index, "tag": entry.job.tag,
         "round": len(request.rounds) - 1, "proposed": record.proposed, "accepted": record.accepted,
-        "emitted": emitted, "confidences": record.confidences, "expected_accepted": expected,
+        "eos_accepted": record.eos_accepted, "emitted": emitted, "confidences": record.confidences, "expected_accepted": expected,
         "batch_tokens": batch,
     })
     result.requests[entry.index].update(tokens=len(request.tokens), rounds=len(request.rounds))

@@ -48,7 +48,7 @@ from dspark.data.dataset import SampleSource, collate
 from dspark.fsutil import atomic_write_text, replace_dir
 from dspark.loss import LossWeights
 from dspark.modeling import Drafter, load_drafter, save_drafter
-from dspark.train_step import DraftLossModule, ratio_metrics
+from dspark.train_step import METRIC_SUMS, DraftLossModule, ratio_metrics
 
 log = logging.getLogger(__name__)
 
@@ -305,13 +305,14 @@ class Trainer:
             "grad_norm": float(grad_norm),
             "accept": m["accept"],
             "tau_prob": m["tau_prob"],
+            "tau_prob_pooled": m["tau_prob_pooled"],
             "anchors": float(reduced["anchors"]),
             "tokens": float(reduced["tokens"]),
         }
 
     @torch.no_grad()
     def evaluate(self, max_samples: int = 0) -> dict[str, float]:
-        """Held-out loss terms, per-position acceptance (1 − TV) and τ_probabilistic."""
+        """Held-out loss terms, per-position acceptance (1 − TV), τ_prob (DeepSpec's) and τ_prob_pooled."""
         if self.eval_data is None or len(self.eval_data) == 0:
             return {}
         self.module.eval()
@@ -336,7 +337,7 @@ class Trainer:
                 continue
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0) + v.float()
-        reduced = self._global_sums(sums, ["ce", "tv", "conf", "weight", "accept_sum", "count"])
+        reduced = self._global_sums(sums, list(METRIC_SUMS))
         return {f"eval_{k}": v for k, v in ratio_metrics(reduced).items()}
 
     # ----------------------------------------------------------- checkpoints

@@ -63,6 +63,8 @@ class DraftLossModule(nn.Module):
             "weight": (valid.float() * w).sum(),
             "accept_sum": out.accept_sum.detach(),
             "count": out.count.detach().float(),
+            "prefix_sum": out.prefix_sum.detach(),
+            "blocks": out.blocks.detach().float(),
             "anchors": keep.sum().float(),
             "tokens": (loss_mask > 0).sum().float(),
         }
@@ -104,14 +106,31 @@ class DraftLossModule(nn.Module):
         )
 
 
-def tau_probabilistic(accept: Tensor) -> float:
-    """τ from per-position acceptance rates (1 − TV): 1 + Σ_k Π_{i≤k} acc_i."""
+# The metric sums ratio_metrics reads (what evaluation reduces across ranks).
+METRIC_SUMS = ("ce", "tv", "conf", "weight", "accept_sum", "count", "prefix_sum", "blocks")
+
+
+def tau_probabilistic(prefix_sum: Tensor, blocks: Tensor) -> float:
+    """DeepSpec's τ_prob: the mean over blocks of 1 + Σ_k Π_{i≤k} c*_i·mask_i, from
+    ``prefix_sum`` = Σ_blocks Σ_k Π_{i≤k} c*_i·mask_i and ``blocks`` = blocks with a
+    supervised slot, both summed over the global batch (1.0 without a block).
+    c*_k = clamp(1 − ½‖p^d_k − p^t_k‖₁, 0, 1) is the expected acceptance of slot k (Eq. 8)."""
+    return float(1.0 + prefix_sum.double() / blocks.double().clamp_min(1.0))
+
+
+def tau_from_acceptance_rates(accept: Tensor) -> float:
+    """τ from the pooled per-position acceptance rates acc_k = Σ c*_k / #slots k: 1 + Σ_k Π_{i≤k} acc_i.
+
+    Not DeepSpec's estimator: a product of means, where τ_prob is a mean of products; logged
+    as ``tau_prob_pooled``."""
     return float(1.0 + torch.cumprod(accept.double(), 0).sum())
 
 
 def ratio_metrics(reduced: dict[str, Tensor]) -> dict[str, Any]:
     """Ratio metrics from sums reduced over the global batch: each loss term's weighted mean
-    Σ w·term / Σ w, the per-position acceptance accept_sum / count (rounded to 4 digits) and τ."""
+    Σ w·term / Σ w, the per-position acceptance accept_sum / count (rounded to 4 digits),
+    ``tau_prob`` (DeepSpec's estimator, ``tau_probabilistic``) and ``tau_prob_pooled``
+    (``tau_from_acceptance_rates``)."""
     denom = reduced["weight"].clamp_min(1e-12)
     accept = reduced["accept_sum"] / reduced["count"].clamp_min(1)
     ce, tv, conf = (float(reduced[k] / denom) for k in ("ce", "tv", "conf"))
@@ -120,5 +139,6 @@ def ratio_metrics(reduced: dict[str, Tensor]) -> dict[str, Any]:
         "tv": tv,
         "conf": conf,
         "accept": [round(float(a), 4) for a in accept],
-        "tau_prob": tau_probabilistic(accept),
+        "tau_prob": tau_probabilistic(reduced["prefix_sum"], reduced["blocks"]),
+        "tau_prob_pooled": tau_from_acceptance_rates(accept),
     }

@@ -53,7 +53,7 @@ def test_the_same_flag_sets_the_field_of_its_command():
         [1, 4, 16], ["static1"], 9, False, "s")
     assert sim.eval.max_new_tokens == Config().eval.max_new_tokens
     cal = _config(["calibrate", "--rounds", "a.jsonl", "b.jsonl", "--seed", "5", "--out", "sts.json"])
-    assert (cal.calibrate.rounds, cal.calibrate.seed, cal.calibrate.out, cal.eval.seed) == (["a.jsonl", "b.jsonl"], 5, "sts.json", 0)
+    assert (cal.calibrate.rounds, cal.calibrate.seed, cal.calibrate.out, cal.eval.seed) == (["a.jsonl", "b.jsonl"], 5, "sts.json", Config().eval.seed)
     prof = _config(["profile-sps", "--batch-tokens", "1,2", "4", "--repeats", "2", "--out", "p.json"])
     assert (prof.profile.batch_tokens, prof.profile.repeats, prof.profile.out) == ([1, 2, 4], 2, "p.json")
     assert _config(["prepare", "--config", "config/dspark/dspark_smollm2_135m.py", "--no-cache"]).data.feature_mode == "online"

@@ -154,3 +154,9 @@ def test_bad_values_of_the_run_sections_name_the_key(values, words):
         set_values(Config(), values)
     for w in words:
         assert w in str(e.value)
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "config").glob("*/*.py")), ids=lambda p: p.stem)
+def test_paper_configs_cache_in_bf16_as_deepspec_and_the_smollm2_demo_in_fp8(path):
+    expected = "fp8" if "smollm2" in path.stem else "bf16"
+    assert load_config(path).data.cache_precision == expected

@@ -18,7 +18,9 @@ import pytest
 import torch
 
 from helpers.targets import make_tiny_target
-from dspark.decoding import DecodeResult, speculative_generate, target_generate
+from dspark.calibration import prefix_labels
+from dspark.decoding import DecodeResult, RoundRecord, speculative_generate, target_generate
+from dspark.metrics import summarize_rounds
 from dspark.modeling import Drafter, DrafterConfig, Proposal
 from dspark.sampling import logits_to_probs
 
@@ -203,12 +205,41 @@ def test_an_accepted_eos_ends_the_round_without_a_bonus():
     prompt = PROMPTS[0]
     free_run = greedy(target, prompt, 40).tokens
     eos = free_run[3]
+    at = free_run.index(eos)  # x_0 = free_run[0] comes from the prefill; draft k is free_run[k]
+    assert at >= 1
     out = speculative_generate(
         target, OracleDrafter(target, prompt, gamma=6), prompt, max_new_tokens=40, temperature=0.0, eos_token_ids=(eos,)
     )
-    assert out.tokens == free_run[: free_run.index(eos) + 1]
-    # One round: drafts x_1..x_6 all match the target, the EOS among them ends the sequence.
-    assert len(out.rounds) == 1 and out.rounds[0].accepted == free_run.index(eos)
+    assert out.tokens == free_run[: at + 1] and out.finished_by_eos
+    # One round: drafts x_1..x_6 all match the target; the EOS at draft `at` ends the sequence.
+    # It is accepted (m = at), nothing follows it (τ = m: the round emitted x_1..x_at), and the
+    # drafts after it were never verified, so the round's ℓ stops at the EOS (SPEC 5).
+    assert out.rounds == [RoundRecord(proposed=at, accepted=at, confidences=None, eos_accepted=True)]
+    assert out.rounds[0].tau == at == len(out.tokens) - 1
+
+
+def test_an_accepted_eos_records_no_rejection_after_it():
+    """The round's log line gives τ = accepted and no position past the EOS counts as verified,
+    so conditional acceptance and the STS labels see no rejection there."""
+    target = make_tiny_target("llama")
+    prompt = PROMPTS[0]
+    free_run = greedy(target, prompt, 40).tokens
+    eos = free_run[4]
+    at = free_run.index(eos)
+    assert 2 <= at < 6  # a rejection after the EOS would show at positions at+1..6
+    out = speculative_generate(
+        target, OracleDrafter(target, prompt, gamma=6), prompt, max_new_tokens=40, temperature=0.0, eos_token_ids=(eos,)
+    )
+    (record,) = out.rounds
+    row = {"request": 0, "proposed": record.proposed, "accepted": record.accepted,
+           "eos_accepted": record.eos_accepted, "confidences": [0.5] * 6}
+    summary = summarize_rounds([row], gamma=6)
+    assert summary["tau"] == summary["tau_per_request"] == at
+    assert summary["conditional_acceptance_num"] == [1] * at + [0] * (6 - at)
+    assert summary["conditional_acceptance_den"] == [1] * at + [0] * (6 - at)  # positions after the EOS: not reached
+    label, valid = prefix_labels([record.accepted], [record.proposed], 6)
+    assert valid[0].tolist() == [True] * at + [False] * (6 - at)
+    assert label[0][valid[0]].tolist() == [1.0] * at
 
 
 @pytest.mark.slow

@@ -184,7 +184,8 @@ def test_files_hold_rounds_requests_strict_json_markdown_and_plots(tmp_path, clo
     rounds = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]
     assert len(rounds) == 6
     assert rounds[0] == {
-        "benchmark": "gsm8k", "request": 0, "round": 0, "proposed": 3, "accepted": 3, "confidences": None
+        "benchmark": "gsm8k", "request": 0, "round": 0, "proposed": 3, "accepted": 3, "confidences": None,
+        "eos_accepted": False,
     }
     assert rounds[2]["confidences"] == [0.9, 0.6, 0.3]
     requests = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
@@ -268,7 +269,7 @@ def test_sample_counts_default_to_the_protocol_and_can_be_overridden():
         samples_per_benchmark(["gsm8k"], -1)
 
 
-def test_num_samples_draws_a_seeded_subset_in_file_order(tmp_path, clock):
+def test_num_samples_draws_a_seeded_subset(tmp_path, clock):
     files = {"gsm8k": ["g0", "g1"]}
     target, drafter = fake_models()
     seen = {}

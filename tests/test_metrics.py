@@ -27,6 +27,7 @@ from dspark.metrics import (
     domain_of,
     macro_average,
     prefix_survival,
+    round_tau,
     summarize_rounds,
     tau_per_request,
     tau_pooled,
@@ -53,6 +54,19 @@ def test_pooled_tau_is_the_mean_of_accepted_plus_one_over_rounds():
 
 def test_per_request_tau_averages_each_requests_mean():
     assert tau_per_request(M, REQ) == pytest.approx((2 + 8 / 3) / 2)
+
+
+def test_a_round_that_accepted_an_eos_counts_no_token_after_it():
+    """Round 5 (m = 2 = ℓ) ended on an accepted EOS: τ = 2, not 3. Pooled (16 − 1) / 7;
+    request 1: (3 + 2 + 2) / 3."""
+    eos = [False] * 5 + [True, False]
+    assert tau_pooled(M, eos) == pytest.approx(15 / 7)
+    assert tau_per_request(M, REQ, eos) == pytest.approx((2 + 7 / 3) / 2)
+    assert [round_tau({"accepted": m, "eos_accepted": e}) for m, e in zip(M, eos)] == [4, 2, 1, 1, 3, 2, 2]
+    rows = [{**r, "eos_accepted": e} for r, e in zip(round_log(), eos)]
+    assert summarize_rounds(rows, GAMMA)["tau"] == pytest.approx(15 / 7)
+    with pytest.raises(ValueError, match="eos_accepted"):
+        tau_pooled(M, eos[:3])
 
 
 def test_tau_of_an_empty_log_is_nan():

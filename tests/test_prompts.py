@@ -1,19 +1,23 @@
 """Prompt loaders: jsonl formats, role mapping, hub split, built-in set, eval benchmarks."""
 
 import json
+import random
 import re
 from pathlib import Path
 
 import pytest
 
 from dspark.data import prompts
+from dspark.data.benchmarks import load_prompts
 from dspark.data.prompts import (
+    DEEPSPEC_EVAL_SEED,
     builtin_prompt_records,
     load_builtin_prompts,
     load_eval_benchmark,
     load_hub_prompts,
     load_jsonl_prompts,
     prompt_only,
+    seeded_subset,
 )
 
 EVAL_DIR = Path(__file__).resolve().parents[2] / "shared" / "eval_datasets"  # ../shared beside the repo
@@ -209,7 +213,7 @@ def test_builtin_prompts_do_not_overlap_the_eval_benchmarks():
 
 # ---- eval benchmarks -----------------------------------------------------
 
-def test_eval_benchmark_subset_is_seeded_sized_and_in_file_order():
+def test_eval_benchmark_subset_is_seeded_and_sized():
     path = EVAL_DIR / "gsm8k.jsonl"
     if not path.exists():
         pytest.skip(f"{path} not present")
@@ -221,8 +225,40 @@ def test_eval_benchmark_subset_is_seeded_sized_and_in_file_order():
     assert subset == load_eval_benchmark(path, num_samples=500, seed=0)
     assert subset != load_eval_benchmark(path, num_samples=500, seed=1)
     order = [position[conv[0]["content"]] for conv in subset]
-    assert order == sorted(order) and len(set(order)) == 500
+    assert len(set(order)) == 500
     assert all(conv[0]["content"].endswith(MATH_SUFFIX) for conv in subset)
+
+
+def _fisher_yates_prefix(n: int, k: int, seed: int) -> list[int]:
+    """The first k of range(n) after CPython's documented random.shuffle, written out: for i
+    from n−1 down to 1, swap x[i] with x[j], j uniform in 0..i drawn by rejection on
+    getrandbits(i+1's bit length)."""
+    rng, x = random.Random(seed), list(range(n))
+    for i in range(n - 1, 0, -1):
+        bits = (i + 1).bit_length()
+        j = rng.getrandbits(bits)
+        while j >= i + 1:
+            j = rng.getrandbits(bits)
+        x[i], x[j] = x[j], x[i]
+    return x[:k]
+
+
+def test_seeded_subset_is_deepspecs_shuffle_then_first_n(tmp_path):
+    """DeepSpec's evaluator shuffles the rows with random.Random(seed) and keeps the first N,
+    in shuffled order; with N >= the file size it keeps the file as it is."""
+    # Seed 980406 (DeepSpec's default) on 10 lines, N = 4: lines 2, 0, 1, 5, in that order.
+    assert _fisher_yates_prefix(10, 4, DEEPSPEC_EVAL_SEED) == [2, 0, 1, 5]
+    assert seeded_subset(range(10), 4, DEEPSPEC_EVAL_SEED) == [2, 0, 1, 5]
+    assert seeded_subset(range(10), 4, 0) == _fisher_yates_prefix(10, 4, 0) == [7, 8, 1, 5]
+    assert seeded_subset(range(10), 10, 0) == list(range(10))  # not shuffled: DeepSpec shuffles only when len > N
+    assert seeded_subset(range(10), None, 0) == list(range(10))
+    path = write_jsonl(tmp_path / "bench.jsonl", [{"turns": [f"q{i}"]} for i in range(10)])
+    picked = [conv[0]["content"] for conv in load_eval_benchmark(path, num_samples=4, seed=DEEPSPEC_EVAL_SEED)]
+    assert picked == ["q2", "q0", "q1", "q5"]
+    listed = load_prompts([[{"role": "user", "content": f"q{i}"}] for i in range(10)], 4, DEEPSPEC_EVAL_SEED)
+    assert [conv[0]["content"] for conv in listed] == picked
+    with pytest.raises(ValueError, match="num_samples must be an int >= 0"):
+        seeded_subset(range(3), -1, 0)
 
 
 def test_eval_benchmark_takes_first_user_turn_and_caps_at_file_size(tmp_path):

@@ -11,6 +11,7 @@ from dspark.scheduler import (
     SPSTable,
     admit_top_k,
     capacity_from_stale,
+    first_below_lengths,
     schedule_prefix,
     static_lengths,
     threshold_lengths,
@@ -373,6 +374,18 @@ def test_threshold_lengths_threshold_the_prefix_survival():
     # a = [0.9, 0.81, 0.729], [0.5, 0.5, 0.5], [0.95, 0.475, 0.475]
     assert threshold_lengths(conf, 0.8).tolist() == [2, 0, 1]
     assert threshold_lengths(conf, 0.5).tolist() == [3, 3, 1]
+
+
+def test_first_below_lengths_stop_before_the_first_confidence_under_the_threshold():
+    """DeepSpec's rule looks at each c_j alone: ℓ = index of the first c_j < t (0-based), else γ."""
+    conf = [[0.9, 0.9, 0.9], [0.5, 1.0, 1.0], [0.95, 0.5, 1.0], [0.8, 0.79, 0.99]]
+    assert first_below_lengths(conf, 0.8).tolist() == [3, 0, 1, 1]  # 0.8 is not below 0.8; 0.79 is
+    assert first_below_lengths(conf, 0.5).tolist() == [3, 3, 3, 3]
+    assert first_below_lengths(conf, 0.0).tolist() == [3, 3, 3, 3]  # threshold 0: verify every draft
+    assert first_below_lengths(conf, 1.0).tolist() == [0, 0, 0, 0]
+    assert threshold_lengths(conf, 0.8).tolist() == [2, 0, 1, 1]  # the cumulative rule: a_3 = 0.729 stops row 0 at 2
+    with pytest.raises(ValueError, match=r"threshold must be in \[0, 1\]"):
+        first_below_lengths(conf, 1.5)
 
 
 # ----------------------------------------------------------------------------

@@ -108,6 +108,22 @@ def test_a_request_times_its_phases_only_with_a_clock_and_decodes_the_same_eithe
     assert set(timed.timings) == {"prefill", "draft", "verify", "accept", "bookkeeping", "total"}
 
 
+def test_an_eos_accepted_in_the_serving_loop_ends_the_round_with_tau_equal_to_accepted():
+    """Same round code as speculative_generate: with drafts x_1..x_5 right (x_6 wrong) and the
+    EOS at x_k, k < 5, the round accepts x_1..x_k, emits nothing after the EOS and verifies nothing past it."""
+    target = make_tiny_target("llama")
+    prompt = PROMPTS[0]
+    drafter = scripted(target, prompt, gamma=6, correct=5, confidences=[0.9] * 6)
+    x = greedy(target, prompt, 8).tokens  # x[0] from the prefill, round 1 drafts x[1..6]
+    k = next(i for i in range(2, 5) if x[i] not in x[:i])  # the first new token: the EOS
+    sim = run_requests(target, drafter, [Job(prompt, seed=0, tag="r")], concurrency=1, policy="static", sps=None,
+                       max_new_tokens=20, temperature=0.0, eos_token_ids=(x[k],))
+    (row,) = sim.rounds
+    assert (row["proposed"], row["accepted"], row["eos_accepted"], row["emitted"]) == (k, k, True, k)
+    assert sim.tau == k and sim.tokens == k and sim.requests[0]["finished_by_eos"]
+    assert sim.proposed == 6  # the target still verified all six: the step's cost is what was sent
+
+
 def test_the_stepper_refuses_out_of_order_calls_and_bad_lengths():
     target = make_tiny_target("llama")
     request = SpeculativeRequest(target, random_drafter(target, gamma=4), PROMPTS[0], max_new_tokens=8)
@@ -288,6 +304,9 @@ def test_policy_specs_and_their_errors():
     assert make_policy("static")([0, 1], conf).tolist() == [3, 3]
     assert make_policy("static:2")([0, 1], conf).tolist() == [2, 2]
     assert make_policy("threshold:0.4")([0, 1], conf).tolist() == [2, 1]  # a = (.9, .45, .045), (.6, .36, ...)
+    assert make_policy("first-below:0.4")([0, 1], conf).tolist() == [2, 3]  # c = (.9, .5, .1), (.6, .6, .6)
+    with pytest.raises(ValueError, match=r"threshold must be in \[0, 1\]"):
+        make_policy("first-below:2")
     with pytest.raises(ValueError, match="needs an SPS table"):
         make_policy("algorithm1")
     with pytest.raises(ValueError, match="unknown policy"):

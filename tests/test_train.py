@@ -14,7 +14,8 @@ from helpers.targets import make_tiny_target
 from helpers.training import run_torchrun, synthetic_samples, tiny_trainer
 
 from dspark.train import latest_checkpoint, lr_lambda
-from dspark.train_step import tau_probabilistic
+from dspark.loss import LossWeights, reduce_terms
+from dspark.train_step import ratio_metrics, tau_from_acceptance_rates
 
 
 def _params(trainer):
@@ -80,15 +81,34 @@ def test_logged_metrics_are_consistent(tiny_qwen3, tmp_path):
     t.fit()
     rec = t.history[-1]
     assert len(rec["accept"]) == 3 and all(0 <= a <= 1 for a in rec["accept"])
-    assert rec["tau_prob"] == pytest.approx(tau_probabilistic(torch.tensor(rec["accept"])), abs=1e-3)
+    assert rec["tau_prob_pooled"] == pytest.approx(tau_from_acceptance_rates(torch.tensor(rec["accept"])), abs=1e-3)
+    assert 1.0 <= rec["tau_prob"] <= 1.0 + 3
     assert rec["loss"] == pytest.approx(0.1 * rec["ce"] + 0.9 * rec["tv"] + 1.0 * rec["conf"], rel=1e-6)
     lines = (tmp_path / "log" / "train_log.jsonl").read_text().strip().splitlines()
     assert len(lines) == 2
 
 
-def test_tau_probabilistic_by_hand():
+def test_tau_from_acceptance_rates_by_hand():
     acc = torch.tensor([0.8, 0.5, 0.25])
-    assert tau_probabilistic(acc) == pytest.approx(1 + 0.8 + 0.4 + 0.1)
+    assert tau_from_acceptance_rates(acc) == pytest.approx(1 + 0.8 + 0.4 + 0.1)
+
+
+def test_tau_prob_is_deepspecs_mean_over_blocks_of_one_plus_the_masked_cumprod():
+    """Three blocks, γ = 3: c* = (0.8, 0.5, 0.5) all supervised -> 1 + 0.8 + 0.4 + 0.2 = 2.4;
+    c* = (0.5, 0.9, 0.9) with the last slot unsupervised -> 1 + 0.5 + 0.45 = 1.95; a dropped
+    block (no supervised slot) does not count. τ_prob = (2.4 + 1.95) / 2 = 2.175. The pooled
+    rates (0.65, 0.7, 0.5) give 1 + 0.65 + 0.455 + 0.2275 = 2.3325 instead."""
+    c_star = torch.tensor([[0.8, 0.5, 0.5], [0.5, 0.9, 0.9], [0.3, 0.3, 0.3]])
+    valid = torch.tensor([[True, True, True], [True, True, False], [False, False, False]])
+    zeros = torch.zeros(3, 3)
+    out = reduce_terms(zeros, zeros, c_star, None, valid, LossWeights(), None)
+    assert float(out.prefix_sum) == pytest.approx(1.4 + 0.95) and int(out.blocks) == 2
+    sums = {"ce": out.ce, "tv": out.tv, "conf": out.conf, "weight": torch.tensor(1.0),
+            "accept_sum": out.accept_sum, "count": out.count.float(),
+            "prefix_sum": out.prefix_sum, "blocks": out.blocks.float()}
+    m = ratio_metrics(sums)
+    assert m["tau_prob"] == pytest.approx(2.175)
+    assert m["tau_prob_pooled"] == pytest.approx(2.3325)
 
 
 def test_lr_schedule_warmup_then_cosine_to_min():

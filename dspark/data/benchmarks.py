@@ -3,20 +3,20 @@
 A benchmark is a ``<name>.jsonl`` file of ``{"turns": [...]}`` lines (see
 eval_datasets/README.md), or a list of conversations given in memory (the
 built-in evaluation prompts). Each is reduced to its first user turn and to a
-seeded subset of ``num_samples`` prompts (``load_eval_benchmark``'s rule for
-files and lists alike), so that the same seed evaluates the same prompts.
+seeded subset of ``num_samples`` prompts (``seeded_subset``, DeepSpec's rule:
+a ``random.Random(seed)`` shuffle, then the first N; for files and lists
+alike), so that the same seed evaluates the same prompts here and in DeepSpec.
 """
 
 from __future__ import annotations
 
 import os
-import random
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Union
 
-from dspark.data.prompts import Conversation, load_eval_benchmark
+from dspark.data.prompts import Conversation, load_eval_benchmark, seeded_subset
 from dspark.metrics import BENCHMARKS, DEFAULT_NUM_SAMPLES
 
 PathLike = Union[str, os.PathLike]
@@ -100,9 +100,8 @@ def samples_per_benchmark(
 def load_prompts(source: Path | list[Conversation], num_samples: int | None, seed: int) -> list[Conversation]:
     """First-user-turn prompts of a benchmark file or an in-memory list, as a seeded subset.
 
-    In-memory lists follow ``load_eval_benchmark``'s rule (a ``random.Random(seed)``
-    sample kept in list order), so a list and a file of the same prompts give
-    the same subset."""
+    In-memory lists follow ``load_eval_benchmark``'s rule (``seeded_subset``),
+    so a list and a file of the same prompts give the same subset."""
     if isinstance(source, Path):
         return load_eval_benchmark(source, num_samples, seed)
     prompts = []
@@ -111,10 +110,7 @@ def load_prompts(source: Path | list[Conversation], num_samples: int | None, see
         if first is None:
             raise ValueError(f"in-memory prompt {index} has no user message: {conversation!r:.120}")
         prompts.append([{"role": "user", "content": first["content"]}])
-    if num_samples is None or num_samples >= len(prompts):
-        return prompts
-    chosen = sorted(random.Random(seed).sample(range(len(prompts)), num_samples))
-    return [prompts[i] for i in chosen]
+    return seeded_subset(prompts, num_samples, seed)
 
 
 def load_benchmark_prompts(

@@ -14,7 +14,7 @@ itself, so what the loaders below hand over is usually passed through
 - :func:`load_builtin_prompts`: the small prompt set shipped with the package
   (``dspark/data/builtin/``), for smoke tests and demos.
 - :func:`load_eval_benchmark`: the benchmark files of SPEC 6 (first user turn,
-  seeded subset).
+  seeded subset drawn by :func:`seeded_subset`, DeepSpec's rule).
 """
 
 from __future__ import annotations
@@ -23,10 +23,14 @@ import json
 import random
 from importlib import resources
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence, TypeVar
 
 Message = dict[str, str]
 Conversation = list[Message]
+T = TypeVar("T")
+
+# DeepSpec's evaluator (eval.py, --seed) draws its benchmark subsets with this seed by default.
+DEEPSPEC_EVAL_SEED = 980406
 
 
 # Role names found in hub chat datasets (ShareGPT and relatives) -> our roles.
@@ -240,10 +244,11 @@ def load_eval_benchmark(
 ) -> list[Conversation]:
     """First-user-turn prompts of a benchmark file (SPEC 6: ``{"turns": [...]}`` per line).
 
-    With ``num_samples`` smaller than the file, a subset of that size is drawn
-    with ``random.Random(seed)`` and returned in file order, so a (file, size,
-    seed) triple always names the same prompts. Otherwise every prompt is
-    returned (the alpaca file holds fewer prompts than the protocol's 500).
+    With ``num_samples`` smaller than the file, the subset is
+    ``seeded_subset(prompts, num_samples, seed)`` (DeepSpec's rule, so a
+    (file, size, seed) triple names the same prompts, in the same order, in
+    both tools). Otherwise every prompt is returned in file order (the alpaca
+    file holds fewer prompts than the protocol's 500).
     """
     if num_samples is not None and num_samples < 0:
         raise ValueError(f"num_samples must be >= 0 or None, got {num_samples}")
@@ -253,7 +258,22 @@ def load_eval_benchmark(
         if not isinstance(turns, list) or not turns or not isinstance(turns[0], str):
             raise ValueError(f"{path}:{lineno}: expected {{\"turns\": [\"user message\", ...]}}")
         prompts.append([{"role": "user", "content": turns[0]}])
-    if num_samples is None or num_samples >= len(prompts):
-        return prompts
-    chosen = sorted(random.Random(seed).sample(range(len(prompts)), num_samples))
-    return [prompts[i] for i in chosen]
+    return seeded_subset(prompts, num_samples, seed)
+
+
+def seeded_subset(items: Sequence[T], num_samples: int | None, seed: int) -> list[T]:
+    """``num_samples`` of ``items`` drawn as DeepSpec's evaluator draws a benchmark subset.
+
+    DeepSpec (``BaseEvaluator.run_dataset``): when the benchmark holds more
+    than ``num_samples`` items, shuffle a copy with ``random.Random(seed).shuffle``
+    and keep the first ``num_samples``, in that shuffled order (request i is
+    DeepSpec's sample i); otherwise keep every item in file order. None keeps
+    everything. Its default seed is ``DEEPSPEC_EVAL_SEED``.
+    """
+    if num_samples is not None and (isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 0):
+        raise ValueError(f"num_samples must be an int >= 0 or None, got {num_samples!r}")
+    items = list(items)
+    if num_samples is None or len(items) <= num_samples:
+        return items
+    random.Random(seed).shuffle(items)
+    return items[:num_samples]
