@@ -512,3 +512,27 @@ def test_a_shard_named_by_the_index_but_missing_is_named(tmp_path):
     first.unlink()
     with pytest.raises(FileNotFoundError, match=first.name):
         load_drafter(folder, _target("qwen3"))
+
+
+def test_deepspec_gemma4_folder_with_its_target_type_fields_loads(tmp_path):
+    """DeepSpec's Gemma4 build_draft_config writes the target's text config (model_type gemma4_text)
+    plus `target_model_type` / `target_text_model_type` and architectures Gemma4DSparkModel."""
+    drafter = _drafter("gemma4")
+    folder = save_drafter(drafter, tmp_path / "g", include_shared=True)
+    cfg = json.loads((folder / "config.json").read_text())
+    for key in ("dspark_variant", "block_layout", "target_num_hidden_layers", "rnn_bias"):
+        cfg.pop(key)
+    assert cfg["model_type"] == "gemma4_text"
+    cfg.update(architectures=["Gemma4DSparkModel"], target_model_type="gemma4", target_text_model_type="gemma4_text",
+               tie_word_embeddings=False)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    loaded = load_drafter(folder)
+    assert loaded.config.family == "gemma4" and loaded.config.variant == "dspark"
+    _assert_same_proposal(_proposal(loaded, "gemma4"), _proposal(drafter, "gemma4"))
+
+
+def test_a_dspark_run_folder_loads_its_final_drafter(tmp_path):
+    drafter = _drafter("qwen3")
+    save_drafter(drafter, tmp_path / "run" / "drafter")
+    loaded = load_drafter(tmp_path / "run", _target("qwen3"))
+    _assert_same_proposal(_proposal(loaded, "qwen3"), _proposal(drafter, "qwen3"))

@@ -262,3 +262,13 @@ def test_cli_deepspec_export_without_tables_or_target_says_what_to_pass(tmp_path
     src = save_drafter(_drafter(), tmp_path / "src")
     assert main(["export", str(src), "--to", "deepspec", "--out", str(tmp_path / "out")]) == 2
     assert "--target" in capsys.readouterr().err
+
+
+def test_cli_on_a_corrupted_safetensors_names_the_file_instead_of_a_traceback(tmp_path, capsys):
+    src = save_drafter(_drafter(), tmp_path / "src", include_shared=True)
+    weights = src / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[:8] + b"{not json" + data[17:])
+    assert main(["export", str(src), "--to", "vllm", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"{weights} is not a readable safetensors file" in err and "Traceback" not in err

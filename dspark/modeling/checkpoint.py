@@ -67,9 +67,7 @@ def save_drafter(
 def read_config(folder: str | os.PathLike) -> DrafterConfig:
     """The DrafterConfig of any accepted folder layout (see `dspark.modeling.formats`)."""
     path = resolve_folder(folder) / CONFIG_NAME
-    raw = read_json(path)
-    config = parse_config(raw, str(path))
-    return config
+    return parse_config(read_json(path), str(path))
 
 
 def _safetensors_files(folder: Path) -> list[Path]:

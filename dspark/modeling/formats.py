@@ -12,8 +12,8 @@ Facts relied on (../shared/INTEROP.md, checked against the golden fixtures of ..
   top-level `block_size` = γ + 1 (slot 0 is the anchor, not a draft) and `num_target_layers`; no
   embedding or LM head in the weights. Written by transformers 4.57 (`rope_theta`, `torch_dtype`)
   or 5.x (`rope_parameters`, `dtype`); transformers' own config classes accept both.
-- **Training output folders** (DeepSpec's checkpoint manager, dspark's trainer): `step_<N>/`
-  sub-folders and a `step_latest` link; the latest is read.
+- **Training output folders**: DeepSpec's checkpoint manager writes `step_<N>/` sub-folders and a
+  `step_latest` link (the link is read, else the highest N); a dspark run folder holds `drafter/`.
 
 The layout is read from `architectures`, never guessed: an unknown architecture is an error naming it.
 """
@@ -46,20 +46,25 @@ REFUSED_FIELDS = {
 
 
 def resolve_folder(path: str | os.PathLike) -> Path:
-    """The folder holding config.json: `path` itself, else its `step_latest`, else its highest `step_<N>`."""
+    """The folder holding config.json: `path` itself; else, for a training output folder, its
+    `step_latest` (DeepSpec), else its highest `step_<N>`, else its `drafter/` (a dspark run's final
+    drafter). Which one was chosen is logged (a warning, so that the command line shows it)."""
     folder = Path(path)
     if (folder / CONFIG_NAME).is_file() or not folder.is_dir():
         return folder
     latest = folder / "step_latest"
     if (latest / CONFIG_NAME).is_file():
-        log.info("%s is a training output folder: reading step_latest (%s)", folder, latest.resolve().name)
+        log.warning("%s is a training output folder: reading step_latest (-> %s)", folder, latest.resolve().name)
         return latest
     steps = [(int(m.group(1)), p) for p in folder.iterdir() if (m := re.fullmatch(r"step_(\d+)", p.name))]
     steps = [(n, p) for n, p in steps if (p / CONFIG_NAME).is_file()]
     if steps:
         n, chosen = max(steps)
-        log.info("%s is a training output folder without step_latest: reading the highest step, %s", folder, chosen.name)
+        log.warning("%s is a training output folder without step_latest: reading its highest step, %s", folder, chosen.name)
         return chosen
+    if (folder / "drafter" / CONFIG_NAME).is_file():
+        log.warning("%s is a dspark run folder: reading its final drafter, %s", folder, folder / "drafter")
+        return folder / "drafter"
     return folder
 
 
