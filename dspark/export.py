@@ -159,7 +159,7 @@ def _zlab(drafter: Drafter, folder: Path, options: dict) -> Layout:
 
 def _vllm_dflash_command(folder: Path, config: DrafterConfig, options: dict) -> str:
     """vLLM's `dflash` method: num_speculative_tokens = z-lab block_size − 1 = γ."""
-    spec = json.dumps({"method": "dflash", "model": str(folder), "num_speculative_tokens": config.block_size})
+    spec = json.dumps({"method": "dflash", "model": str(folder), "num_speculative_tokens": config.block_size}, separators=(",", ":"))
     return f"vLLM:\n\n```bash\nvllm serve {options.get('target') or 'TARGET'} --speculative-config '{spec}'\n```\n"
 
 
@@ -182,7 +182,7 @@ def _vllm(drafter: Drafter, folder: Path, options: dict) -> Layout:
     if config.has_sequential_head and config.markov_head_type != "vanilla":
         _refuse("vllm (method dspark)", f"vLLM's DSpark serves only the vanilla Markov head; this drafter has the "
                                         f"{config.markov_head_type!r} head (SGLang serves it: --to sglang)")
-    spec = json.dumps({"method": "dspark", "model": str(folder), "num_speculative_tokens": config.block_size})
+    spec = json.dumps({"method": "dspark", "model": str(folder), "num_speculative_tokens": config.block_size}, separators=(",", ":"))
     serve = (f"vLLM:\n\n```bash\nvllm serve {target} --speculative-config '{spec}'\n```\n\n"
              "Calibration is online in vLLM (no STS/SPS files).\n")
     if not config.has_sequential_head:
@@ -278,6 +278,8 @@ def export_drafter(
         for name, src in layout.files.items():
             shutil.copyfile(src, tmp / name)
         header = f"# Serving this drafter ({to})\n\nWritten by `dspark export --to {to}`.\n\n"
+        if not target:
+            header += "Replace TARGET by the target model the drafter was trained for (name or path).\n\n"
         (tmp / SERVE_NAME).write_text(header + layout.serve)
         replace_dir(tmp, folder)
     except BaseException:

@@ -170,13 +170,13 @@ def test_zlab_layout_export_has_dflash_config_and_no_tables(tmp_path, to):
 def test_vllm_serve_md_has_the_speculative_config(tmp_path):
     folder = export_drafter(_drafter(), tmp_path / "out", "vllm", target="Qwen/Qwen3-4B")
     serve = (folder / "SERVE.md").read_text()
-    spec = json.dumps({"method": "dspark", "model": str(folder), "num_speculative_tokens": GAMMA})
+    spec = json.dumps({"method": "dspark", "model": str(folder), "num_speculative_tokens": GAMMA}, separators=(",", ":"))
     assert f"vllm serve Qwen/Qwen3-4B --speculative-config '{spec}'" in serve
 
 
 def test_vllm_dflash_serve_md_drafts_block_size_minus_one(tmp_path):
     folder = export_drafter(_drafter(**ZLAB_DFLASH), tmp_path / "out", "vllm")
-    spec = json.dumps({"method": "dflash", "model": str(folder), "num_speculative_tokens": GAMMA})
+    spec = json.dumps({"method": "dflash", "model": str(folder), "num_speculative_tokens": GAMMA}, separators=(",", ":"))
     assert spec in (folder / "SERVE.md").read_text()
 
 
