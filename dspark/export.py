@@ -126,7 +126,8 @@ def _check_zlab(config: DrafterConfig, destination: str) -> None:
         _refuse(destination, "an anchor-first DFlash is not a z-lab DFlash: z-lab's slot 0 is the anchor and "
                              "slot k predicts anchor + k (block_layout 'anchor_plus_masks'); renaming would give τ ≈ 1")
     if config.family != "qwen3":
-        _refuse(destination, f"z-lab's DFlashDraftModel is built from Qwen3 layers; this drafter is {config.family}")
+        _refuse(destination, f"z-lab's DFlashDraftModel is built from Qwen3 layers (with q/k norms); this drafter is "
+                             f"{config.family} (a Llama-family drafter, e.g. SmolLM2's, has no q/k norms to write)")
 
 
 def _check_anchor_first(config: DrafterConfig, destination: str) -> None:
@@ -134,7 +135,8 @@ def _check_anchor_first(config: DrafterConfig, destination: str) -> None:
         _refuse(destination, "its DSpark/DFlash model is anchor-first (slot k predicts anchor + k + 1); this "
                              "drafter is 'anchor_plus_masks' (export a DFlash of that layout to zlab)")
     if config.family not in DEEPSPEC_ARCH:
-        _refuse(destination, f"it has DSpark models for Qwen3 and Gemma4 only ({sorted(DEEPSPEC_ARCH)}); this drafter is {config.family}")
+        _refuse(destination, f"it has DSpark models for Qwen3 and Gemma4 only ({sorted(DEEPSPEC_ARCH)}), whose layers have "
+                             f"q/k norms; this drafter is {config.family} (a Llama-family drafter, e.g. SmolLM2's, has none)")
 
 
 def _deepspec(drafter: Drafter, folder: Path, options: dict) -> Layout:

@@ -234,6 +234,10 @@ def test_families_a_destination_lacks_are_refused(tmp_path):
         export_drafter(_drafter("llama"), tmp_path / "out", "deepspec")
     with pytest.raises(ExportRefused, match="Qwen3DSparkModel only"):
         export_drafter(_drafter("gemma4"), tmp_path / "out", "sglang")
+    with pytest.raises(ExportRefused, match="llama.*no q/k norms"):  # SmolLM2's drafters are Llama-family
+        export_drafter(_drafter("llama"), tmp_path / "out", "vllm")
+    with pytest.raises(ExportRefused, match="llama.*no q/k norms"):
+        export_drafter(_drafter("llama", **ZLAB_DFLASH), tmp_path / "out", "zlab")
 
 
 def test_sts_of_another_length_and_sts_for_other_destinations_are_refused(tmp_path):
