@@ -136,7 +136,7 @@ def _check_anchor_first(config: DrafterConfig, destination: str) -> None:
                              "drafter is 'anchor_plus_masks' (export a DFlash of that layout to zlab)")
     if config.family not in DEEPSPEC_ARCH:
         _refuse(destination, f"it has DSpark models for Qwen3 and Gemma4 only ({sorted(DEEPSPEC_ARCH)}), whose layers have "
-                             f"q/k norms; this drafter is {config.family} (a Llama-family drafter, e.g. SmolLM2's, has none)")
+                             f"q/k norms; this drafter is {config.family} (a Llama-family drafter, e.g. SmolLM2's, has no q/k norms)")
 
 
 def _deepspec(drafter: Drafter, folder: Path, options: dict) -> Layout:
