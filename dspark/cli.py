@@ -175,6 +175,29 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from dspark.export import SERVE_NAME, export_drafter
+    from dspark.modeling import load_drafter
+
+    drafter = load_drafter(args.drafter)
+    try:
+        has_tables = bool(drafter.shared_weights())
+    except RuntimeError:
+        has_tables = False
+    if args.to == "deepspec" and not has_tables:
+        if not args.target:
+            raise ValueError(f"{args.drafter} holds no embedding / LM head and DeepSpec needs them in the folder: "
+                             "pass --target (the drafter's target) to take them from it")
+        from dspark.target import TargetModel
+
+        target = TargetModel.from_pretrained(args.target, drafter.config.target_layer_ids)
+        drafter = load_drafter(args.drafter, target)
+    folder = export_drafter(drafter, args.out, args.to, target=args.target or None, sts=args.sts or None, sps=args.sps or None)
+    print(f"exported {args.drafter} for {args.to} to {folder}\n")
+    print((folder / SERVE_NAME).read_text())
+    return 0
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
     from dspark.report import compare_reports, load_report
 
@@ -285,6 +308,16 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=globals()["cmd_" + command.replace("-", "_")])
         if command == "cache":
             p.add_argument("--estimate", action="store_true", help="print the size the cache will take, write nothing")
+
+    p = sub.add_parser("export", help="write a drafter in the layout vLLM / SGLang / DeepSpec / z-lab loads, with SERVE.md")
+    p.add_argument("drafter", help="drafter folder (any layout load_drafter reads)")
+    p.add_argument("--to", required=True, choices=["vllm", "sglang", "deepspec", "zlab"], help="destination")
+    p.add_argument("--out", required=True, help="output folder (replaced atomically)")
+    p.add_argument("--target", default="", help="the target (name or path): named in SERVE.md; gives DeepSpec "
+                   "exports the embedding / LM head when the drafter folder has none")
+    p.add_argument("--sts", default="", help="SGLang DSpark: STS JSON (dspark calibrate), copied next to the weights")
+    p.add_argument("--sps", default="", help="SGLang DSpark: SPS table JSON (dspark profile-sps), copied next to the weights")
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("compare", help="Table-1-style comparison of several eval reports")
     p.add_argument("reports", nargs="+", help="eval output folders (or report.json files)")

@@ -320,3 +320,219 @@ def test_mismatched_checkpoint_is_rejected_naming_the_tensor(tmp_path, change):
     _write_deepspec(tmp_path / "ds", cfg, written)
     with pytest.raises(ValueError, match=name.replace(".", r"\.")):
         load_drafter(tmp_path / "ds", _target("qwen3"))
+
+
+# ------------------------------------------------------------------ every head DeepSpec has
+def _head_shapes(cfg: dict, head: str, bias: bool = True) -> dict[str, tuple[int, ...]]:
+    """DeepSpec's head tensors besides markov_w1/w2: gated `gate_proj` (d+r -> r, with bias) and the
+    RNN's `joint_proj` (2r+d -> 3r, with a bias in DeepSpec)."""
+    d, r = cfg["hidden_size"], cfg["markov_rank"]
+    if head == "gated":
+        return {"markov_head.gate_proj.weight": (r, d + r), "markov_head.gate_proj.bias": (r,)}
+    if head == "rnn":
+        shapes = {"markov_head.joint_proj.weight": (3 * r, 2 * r + d)}
+        if bias:
+            shapes["markov_head.joint_proj.bias"] = (3 * r,)
+        return shapes
+    return {}
+
+
+@pytest.mark.parametrize("head,bias", [("gated", True), ("rnn", True), ("rnn", False)],
+                         ids=["gated", "rnn-deepspec-bias", "rnn-paper-no-bias"])
+def test_deepspec_checkpoint_of_every_head_loads_by_name(tmp_path, head, bias):
+    cfg = {**_deepspec_config(), "markov_head_type": head}
+    written = _random_tensors({**_deepspec_shapes(cfg), **_head_shapes(cfg, head, bias)}, seed=3)
+    _write_deepspec(tmp_path / "ds", cfg, written)
+    drafter = load_drafter(tmp_path / "ds")
+    assert drafter.config.markov_head_type == head
+    if head == "rnn":  # no rnn_bias field in DeepSpec's config: the file's tensors say it
+        assert drafter.config.rnn_bias == bias
+    _assert_loaded_as_written(drafter, written)
+
+
+@pytest.mark.parametrize("rnn_bias", [True, False])
+def test_rnn_bias_choice_survives_save_and_load(tmp_path, rnn_bias):
+    drafter = _drafter("qwen3", markov_head_type="rnn", rnn_bias=rnn_bias)
+    assert (drafter.markov_head.joint_proj.bias is not None) == rnn_bias
+    loaded = load_drafter(save_drafter(drafter, tmp_path / "d"), _target("qwen3"))
+    assert loaded.config.rnn_bias == rnn_bias
+    _assert_same_proposal(_proposal(loaded, "qwen3"), _proposal(drafter, "qwen3"))
+
+
+def test_new_drafters_default_to_deepspecs_biased_rnn_head():
+    assert _drafter("qwen3", markov_head_type="rnn").markov_head.joint_proj.bias is not None
+
+
+# ------------------------------------------------------------------ training output folders
+def _write_steps(root, steps: list[int]) -> dict[int, dict]:
+    cfg = _deepspec_config()
+    written = {}
+    for n in steps:
+        written[n] = _random_tensors(_deepspec_shapes(cfg), seed=n)
+        _write_deepspec(root / f"step_{n}", cfg, written[n])
+    return written
+
+
+def test_training_folder_without_step_latest_loads_the_highest_step(tmp_path):
+    written = _write_steps(tmp_path / "run", [3, 10, 9])  # 10 > 9 numerically, not as text
+    _assert_loaded_as_written(load_drafter(tmp_path / "run"), written[10])
+
+
+def test_training_folder_loads_step_latest(tmp_path):
+    written = _write_steps(tmp_path / "run", [3, 10])
+    (tmp_path / "run" / "step_latest").symlink_to("step_3")
+    _assert_loaded_as_written(load_drafter(tmp_path / "run"), written[3])
+    assert checkpoint.read_config(tmp_path / "run").markov_rank == RANK
+
+
+# ------------------------------------------------------------------ z-lab DFlash
+def _zlab_config(rope: str = "rope_parameters") -> dict:
+    """z-lab's DFlashDraftModel config.json: block_size = γ + 1, ids and mask under dflash_config.
+    transformers 4.57 writes a top-level rope_theta, 5.x writes rope_parameters."""
+    cfg = _deepspec_config(dflash=True)
+    for key in ("block_size", "mask_token_id", "target_layer_ids", "num_anchors", "markov_rank",
+                "markov_head_type", "enable_confidence_head", "confidence_head_with_markov"):
+        cfg.pop(key)
+    theta = cfg.pop("rope_parameters")["rope_theta"]
+    cfg.update(architectures=["DFlashDraftModel"], auto_map={"AutoModel": "dflash.DFlashDraftModel"},
+               block_size=GAMMA + 1, num_target_layers=4,
+               dflash_config={"mask_token_id": 7, "target_layer_ids": [0, 2, 3]})
+    if rope == "rope_theta":
+        cfg.update(rope_theta=theta, torch_dtype="float32")
+    else:
+        cfg.update(rope_parameters={"rope_theta": theta, "rope_type": "default"}, dtype="float32")
+    return cfg
+
+
+def _zlab_tensors(cfg: dict, seed: int = 4) -> dict:
+    shapes = _deepspec_shapes({**cfg, "target_layer_ids": [0, 2, 3], "markov_rank": 0, "enable_confidence_head": False})
+    del shapes["embed_tokens.weight"], shapes["lm_head.weight"]
+    return _random_tensors(shapes, seed=seed)
+
+
+def test_zlab_dflash_loads_as_anchor_plus_gamma_masks_with_either_rope_field(tmp_path):
+    proposals = []
+    for rope in ("rope_parameters", "rope_theta"):
+        cfg = _zlab_config(rope)
+        written = _zlab_tensors(cfg)
+        _write_deepspec(tmp_path / rope, cfg, written)
+        drafter = load_drafter(tmp_path / rope, _target("qwen3"))
+        c = drafter.config
+        assert (c.variant, c.block_layout, c.block_size, c.block_len) == ("dflash", "anchor_plus_masks", GAMMA, GAMMA + 1)
+        assert (c.target_layer_ids, c.mask_token_id, c.num_draft_layers) == ([0, 2, 3], 7, 2)
+        own = drafter.state_dict()  # the embedding and LM head come from the target
+        assert set(own) == set(written) and all(torch.equal(own[k], t) for k, t in written.items())
+        proposals.append(_proposal(drafter, "qwen3"))
+    _assert_same_proposal(*proposals)
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(architectures=["Qwen3DFlashForCausalLM"]), "unknown drafter architecture 'Qwen3DFlashForCausalLM'"),
+    (dict(architectures=[]), "architectures"),
+    (dict(dflash_config={"mask_token_id": 7, "target_layer_ids": [0, 2, 3], "use_sliding": True}), "use_sliding"),
+    (dict(dflash_config={"target_layer_ids": [0, 2, 3]}), r"dflash_config\.mask_token_id"),
+    (dict(eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 2, 3]}), "eagle_config"),
+    (dict(draft_vocab_size=32), "draft_vocab_size"),
+    (dict(block_size=1), "block_size"),
+])
+def test_config_fields_are_mapped_or_rejected_by_name(tmp_path, change, message):
+    cfg = {**_zlab_config(), **change}
+    _write_deepspec(tmp_path / "z", cfg, _zlab_tensors(_zlab_config()))
+    with pytest.raises(ValueError, match=message):
+        load_drafter(tmp_path / "z", _target("qwen3"))
+
+
+# ------------------------------------------------------------------ shapes against the target
+def test_a_drafter_of_another_hidden_size_is_rejected_naming_the_field(tmp_path):
+    cfg = {**_deepspec_config(), "hidden_size": 32}
+    _write_deepspec(tmp_path / "ds", cfg, _random_tensors(_deepspec_shapes(cfg)))
+    with pytest.raises(ValueError, match="hidden_size=32, the target has 64"):
+        load_drafter(tmp_path / "ds", _target("qwen3"))
+
+
+def test_a_tensor_of_the_wrong_shape_is_rejected_naming_it(tmp_path):
+    cfg = _deepspec_config()
+    written = _random_tensors(_deepspec_shapes(cfg))
+    written["fc.weight"] = written["fc.weight"][:, :128]  # two captured layers' width, config says three
+    _write_deepspec(tmp_path / "ds", cfg, written)
+    with pytest.raises(ValueError, match=r"fc\.weight has shape \(64, 128\)"):
+        load_drafter(tmp_path / "ds", _target("qwen3"))
+
+
+# ------------------------------------------------------------------ damaged files
+def _layout(tmp_path, layout: str):
+    """A folder of one accepted layout and the path of its (first) safetensors file."""
+    folder = tmp_path / layout
+    if layout == "dspark":
+        save_drafter(_drafter("qwen3"), folder)
+    elif layout in ("deepspec", "deepspec-sharded"):
+        cfg = _deepspec_config()
+        _write_deepspec(folder, cfg, _random_tensors(_deepspec_shapes(cfg)), shards=2 if "sharded" in layout else 1)
+    else:
+        _write_deepspec(folder, _zlab_config(), _zlab_tensors(_zlab_config()))
+    return folder, sorted(folder.glob("*.safetensors"))[0]
+
+
+LAYOUTS = ["dspark", "deepspec", "deepspec-sharded", "zlab"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("damage", ["truncated", "header", "empty"])
+def test_a_damaged_safetensors_file_is_a_value_error_naming_it(tmp_path, layout, damage):
+    folder, weights = _layout(tmp_path, layout)
+    data = weights.read_bytes()
+    if damage == "truncated":
+        weights.write_bytes(data[: len(data) // 2])
+    elif damage == "header":  # the JSON header right after the 8-byte length
+        weights.write_bytes(data[:8] + b"#garbage#" + data[17:])
+    else:
+        weights.write_bytes(b"")
+    with pytest.raises(ValueError, match=rf"{weights.name} is not a readable safetensors file"):
+        load_drafter(folder, _target("qwen3"))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("damage,message", [
+    ("truncated", "is not valid JSON"), ("empty", "is empty"), ("binary", "is not"), ("list", "JSON list"),
+])
+def test_a_damaged_config_json_is_a_value_error_naming_it(tmp_path, layout, damage, message):
+    folder, _ = _layout(tmp_path, layout)
+    path = folder / "config.json"
+    text = path.read_text()
+    path.write_bytes({"truncated": text[: len(text) // 2].encode(), "empty": b"", "binary": b"\xff\xfe\x00garbage",
+                      "list": b"[1, 2]"}[damage])
+    with pytest.raises(ValueError, match=rf"config\.json.*{message}"):
+        load_drafter(folder, _target("qwen3"))
+    with pytest.raises(ValueError, match=r"config\.json"):
+        checkpoint.read_config(folder)
+
+
+def test_a_shard_named_by_the_index_but_missing_is_named(tmp_path):
+    folder, first = _layout(tmp_path, "deepspec-sharded")
+    first.unlink()
+    with pytest.raises(FileNotFoundError, match=first.name):
+        load_drafter(folder, _target("qwen3"))
+
+
+def test_deepspec_gemma4_folder_with_its_target_type_fields_loads(tmp_path):
+    """DeepSpec's Gemma4 build_draft_config writes the target's text config (model_type gemma4_text)
+    plus `target_model_type` / `target_text_model_type` and architectures Gemma4DSparkModel."""
+    drafter = _drafter("gemma4")
+    folder = save_drafter(drafter, tmp_path / "g", include_shared=True)
+    cfg = json.loads((folder / "config.json").read_text())
+    for key in ("dspark_variant", "block_layout", "target_num_hidden_layers", "rnn_bias"):
+        cfg.pop(key)
+    assert cfg["model_type"] == "gemma4_text"
+    cfg.update(architectures=["Gemma4DSparkModel"], target_model_type="gemma4", target_text_model_type="gemma4_text",
+               tie_word_embeddings=False)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    loaded = load_drafter(folder)
+    assert loaded.config.family == "gemma4" and loaded.config.variant == "dspark"
+    _assert_same_proposal(_proposal(loaded, "gemma4"), _proposal(drafter, "gemma4"))
+
+
+def test_a_dspark_run_folder_loads_its_final_drafter(tmp_path):
+    drafter = _drafter("qwen3")
+    save_drafter(drafter, tmp_path / "run" / "drafter")
+    loaded = load_drafter(tmp_path / "run", _target("qwen3"))
+    _assert_same_proposal(_proposal(loaded, "qwen3"), _proposal(drafter, "qwen3"))

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from helpers.targets import make_tiny_target, tiny_drafter_config
-from dspark.modeling import DrafterConfig, Drafter, MarkovHead, RNNHead
+from dspark.modeling import DrafterConfig, Drafter, GatedMarkovHead, MarkovHead, RNNHead
 from helpers.reference_drafter import ReferenceDrafter
 
 FAMILIES = ("llama", "qwen3", "gemma4")
@@ -108,10 +108,12 @@ def test_training_forward_matches_reference_per_block(family, layout):
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-@pytest.mark.parametrize("option", ["rnn", "eager_attention", "flex_attention", "hidden_only_confidence"])
+@pytest.mark.parametrize("option", ["rnn", "rnn_paper", "gated", "eager_attention", "flex_attention", "hidden_only_confidence"])
 def test_training_forward_matches_reference_for_other_options(option):
     fields = {
         "rnn": dict(markov_head_type="rnn"),
+        "rnn_paper": dict(markov_head_type="rnn", rnn_bias=False),
+        "gated": dict(markov_head_type="gated"),
         "eager_attention": dict(attn_implementation="eager"),
         "flex_attention": dict(attn_implementation="flex"),
         "hidden_only_confidence": dict(confidence_head_with_markov=False),
@@ -165,7 +167,7 @@ def test_gemma4_draft_layers_take_the_full_attention_geometry(k_eq_v):
 
 
 # ------------------------------------------------------------------ propose
-@pytest.mark.parametrize("family,head", [("llama", "vanilla"), ("qwen3", "rnn"), ("gemma4", "vanilla")])
+@pytest.mark.parametrize("family,head", [("llama", "vanilla"), ("qwen3", "rnn"), ("gemma4", "vanilla"), ("qwen3", "gated")])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_propose_equals_training_forward_teacher_forced_on_its_own_tokens(family, head, temperature):
     target, drafter = _drafter(family, markov_head_type=head)
@@ -258,8 +260,8 @@ def test_extend_context_rejects_num_valid_beyond_the_chunk():
 
 
 # ------------------------------------------------------------------ sequential heads
-def _random_head(cls, vocab: int = 11, rank: int = 3, hidden: int = 5):
-    head = cls(vocab, rank) if cls is MarkovHead else cls(vocab, rank, hidden)
+def _random_head(cls, vocab: int = 11, rank: int = 3, hidden: int = 5, **kwargs):
+    head = cls(vocab, rank) if cls is MarkovHead else cls(vocab, rank, hidden, **kwargs)
     gen = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for p in head.parameters():
@@ -283,14 +285,16 @@ def test_markov_bias_is_w1_row_times_w2():
 
 
 def _rnn_by_hand(head: RNNHead, prev: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-    """Eq. 6 for one block: prev [γ], hidden [γ, d] -> B [γ, V]."""
+    """Eq. 6 for one block (plus DeepSpec's bias b when the head has one): prev [γ], hidden [γ, d] -> B [γ, V]."""
     w1, w2, wj = head.markov_w1.weight, head.markov_w2.weight, head.joint_proj.weight
+    bj = head.joint_proj.bias
     r = w1.shape[1]
     s = [0.0] * r
     out = []
     for k in range(prev.shape[0]):
         z = s + w1[prev[k]].tolist() + hidden[k].tolist()
-        y = [sum(wj[i, j].item() * z[j] for j in range(len(z))) for i in range(3 * r)]
+        y = [sum(wj[i, j].item() * z[j] for j in range(len(z))) + (bj[i].item() if bj is not None else 0.0)
+             for i in range(3 * r)]
         g, c, o = y[:r], y[r : 2 * r], y[2 * r :]
         sig = [1 / (1 + math.exp(-x)) for x in g]
         s = [sig[i] * s[i] + (1 - sig[i]) * math.tanh(c[i]) for i in range(r)]
@@ -299,8 +303,10 @@ def _rnn_by_hand(head: RNNHead, prev: torch.Tensor, hidden: torch.Tensor) -> tor
     return torch.tensor(out, dtype=torch.float64)
 
 
-def test_rnn_block_bias_is_the_eq6_recurrence():
-    head = _random_head(RNNHead)
+@pytest.mark.parametrize("bias", [True, False], ids=["deepspec-bias", "paper-eq6"])
+def test_rnn_block_bias_is_the_eq6_recurrence(bias):
+    head = _random_head(RNNHead, bias=bias)
+    assert (head.joint_proj.bias is not None) == bias
     gen = torch.Generator().manual_seed(8)
     prev = torch.randint(0, 11, (2, 4), generator=gen)
     hidden = torch.randn(2, 4, 5, generator=gen, dtype=torch.float64)
@@ -339,6 +345,27 @@ def test_rnn_step_refuses_a_missing_state():
     head = _random_head(RNNHead)
     with pytest.raises(ValueError, match="state"):
         head.step(None, torch.tensor([1]), torch.zeros(1, 5, dtype=torch.float64))
+
+
+def test_gated_block_bias_is_w2_of_the_gated_w1_row():
+    head = _random_head(GatedMarkovHead)
+    w1, w2 = head.markov_w1.weight, head.markov_w2.weight  # [V, r], [V, r]
+    wg, bg = head.gate_proj.weight, head.gate_proj.bias  # [r, d + r], [r]
+    gen = torch.Generator().manual_seed(10)
+    prev = torch.randint(0, 11, (2, 4), generator=gen)
+    hidden = torch.randn(2, 4, 5, generator=gen, dtype=torch.float64)
+    expected = torch.zeros(2, 4, 11, dtype=torch.float64)
+    for i in range(2):
+        for k in range(4):
+            e = w1[prev[i, k]].tolist()
+            z = hidden[i, k].tolist() + e  # DeepSpec: hidden first, then W1[x_{k-1}]
+            gate = [1 / (1 + math.exp(-(sum(wg[j, n].item() * z[n] for n in range(len(z))) + bg[j].item())))
+                    for j in range(3)]
+            for v in range(11):
+                expected[i, k, v] = sum(w2[v, j].item() * gate[j] * e[j] for j in range(3))
+    torch.testing.assert_close(head.block_bias(prev, hidden), expected)
+    steps = [head.step(None, prev[:, k], hidden[:, k])[1] for k in range(4)]
+    torch.testing.assert_close(torch.stack(steps, 1), expected)
 
 
 # ------------------------------------------------------------------ confidence head

@@ -3,13 +3,14 @@
 from dspark.modeling.checkpoint import load_drafter, save_drafter
 from dspark.modeling.config import DrafterConfig
 from dspark.modeling.drafter import DraftContext, Drafter, Proposal, training_mask
-from dspark.modeling.heads import ConfidenceHead, MarkovHead, RNNHead
+from dspark.modeling.heads import ConfidenceHead, GatedMarkovHead, MarkovHead, RNNHead
 
 __all__ = [
     "ConfidenceHead",
     "DraftContext",
     "Drafter",
     "DrafterConfig",
+    "GatedMarkovHead",
     "MarkovHead",
     "Proposal",
     "RNNHead",

@@ -3,7 +3,8 @@
 The frozen embedding and LM head are optional in the file: by default they are
 left out (they are the target's) and re-attached from the target on load.
 Folders written by DeepSpec (including sharded `model.safetensors.index.json`
-and a `model.` name prefix) load by name.
+and a `model.` name prefix) and by z-lab load by name; which layouts are read,
+and how, is `dspark.modeling.formats`.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from safetensors.torch import save_file
 from dspark.fsutil import replace_dir
 from dspark.modeling.config import DrafterConfig
 from dspark.modeling.drafter import SHARED_PARAMS, Drafter
+from dspark.modeling.formats import CONFIG_NAME, parse_config, read_json, resolve_folder
 
-CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -64,30 +65,81 @@ def save_drafter(
 
 
 def read_config(folder: str | os.PathLike) -> DrafterConfig:
-    path = Path(folder) / CONFIG_NAME
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: a drafter folder holds config.json and model.safetensors")
-    with open(path) as f:
-        return DrafterConfig.from_hf_dict(json.load(f))
+    """The DrafterConfig of any accepted folder layout (see `dspark.modeling.formats`)."""
+    path = resolve_folder(folder) / CONFIG_NAME
+    return parse_config(read_json(path), str(path))
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    if (folder / INDEX_NAME).is_file():
+        index = read_json(folder / INDEX_NAME)
+        weight_map = index.get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{folder / INDEX_NAME} has no weight_map object naming the shard files")
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        for path in files:
+            if not path.is_file():
+                raise FileNotFoundError(f"{path} (named by {INDEX_NAME}) not found: the checkpoint is incomplete")
+        return files
+    if (folder / WEIGHTS_NAME).is_file():
+        return [folder / WEIGHTS_NAME]
+    raise FileNotFoundError(f"no {WEIGHTS_NAME} or {INDEX_NAME} in {folder}")
 
 
 def read_weights(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """All tensors of a (possibly sharded) safetensors checkpoint, with a leading `model.` stripped."""
-    folder = Path(folder)
-    if (folder / INDEX_NAME).is_file():
-        with open(folder / INDEX_NAME) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    elif (folder / WEIGHTS_NAME).is_file():
-        files = [WEIGHTS_NAME]
-    else:
-        raise FileNotFoundError(f"no {WEIGHTS_NAME} or {INDEX_NAME} in {folder}")
+    """All tensors of a (possibly sharded) safetensors checkpoint, with a leading `model.` stripped.
+
+    A truncated or corrupted file is a ValueError naming it (safetensors checks the header and
+    that the data section covers every tensor)."""
+    folder = resolve_folder(folder)
     state: dict[str, torch.Tensor] = {}
-    for fname in files:
-        with safe_open(str(folder / fname), framework="pt") as f:
-            for key in f.keys():
-                name = key[len("model."):] if key.startswith("model.") else key
-                state[name] = f.get_tensor(key)
+    for path in _safetensors_files(folder):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():
+                    name = key[len("model."):] if key.startswith("model.") else key
+                    state[name] = f.get_tensor(key)
+        except Exception as e:  # SafetensorError, or OSError/RuntimeError from a broken mapping
+            raise ValueError(
+                f"{path} is not a readable safetensors file (truncated or corrupted?): {e}; "
+                "copy the checkpoint again or re-save it"
+            ) from None
     return state
+
+
+def _with_rnn_bias_of_file(config: DrafterConfig, raw: dict[str, Any], state: dict[str, torch.Tensor]) -> DrafterConfig:
+    """Folders without an `rnn_bias` field (DeepSpec's, older dspark ones) say it by the tensor."""
+    if config.markov_head_type != "rnn" or "rnn_bias" in raw:
+        return config
+    return config.replace(rnn_bias="markov_head.joint_proj.bias" in state)
+
+
+def _check_shapes(drafter: Drafter, state: dict[str, torch.Tensor], folder: Path) -> None:
+    """Every tensor has the shape the config implies (named on mismatch); so do the shared tables."""
+    expected = {name: tuple(t.shape) for name, t in drafter.state_dict().items()}
+    V, d = drafter.config.vocab_size, drafter.config.hidden_size
+    expected.update({name: (V, d) for name in SHARED_PARAMS})
+    for name, tensor in state.items():
+        if name in expected and tuple(tensor.shape) != expected[name]:
+            raise ValueError(
+                f"{folder}: tensor {name} has shape {tuple(tensor.shape)}, its config.json implies {expected[name]}"
+            )
+
+
+def check_against_target(config: DrafterConfig, target: Any, folder: Path | str = "the drafter") -> None:
+    """The drafter was built for this target: hidden size, vocabulary and layer count agree."""
+    embed = target.embed_tokens.weight
+    checks = (
+        ("hidden_size", config.hidden_size, int(embed.shape[1])),
+        ("vocab_size", config.vocab_size, int(embed.shape[0])),
+        ("num_target_layers", config.num_target_layers, len(target.layers)),
+    )
+    for field, ours, theirs in checks:
+        if ours != theirs:
+            raise ValueError(
+                f"{folder}: config.json has {field}={ours}, the target has {theirs}: the drafter was built for "
+                "another target"
+            )
 
 
 def load_drafter(
@@ -98,13 +150,20 @@ def load_drafter(
     device: str | torch.device = "cpu",
     **config_overrides: Any,
 ) -> Drafter:
-    """Build a drafter from a folder; share `target`'s embedding/LM head when given, else
-    load them from the file (which must then contain them)."""
-    config = read_config(folder)
+    """Build a drafter from a folder of any accepted layout (dspark, DeepSpec, z-lab DFlash, a
+    training output folder); share `target`'s embedding/LM head when given, else load them from the
+    file (which must then contain them)."""
+    folder = resolve_folder(folder)
+    raw = read_json(folder / CONFIG_NAME)
+    config = parse_config(raw, str(folder / CONFIG_NAME))
+    state = read_weights(folder)
+    config = _with_rnn_bias_of_file(config, raw, state)
     if config_overrides:
         config = config.replace(**config_overrides)
+    if target is not None:
+        check_against_target(config, target, folder)
     drafter = Drafter(config)
-    state = read_weights(folder)
+    _check_shapes(drafter, state, folder)
     expected = set(drafter.state_dict())
     missing = sorted(expected - set(state))
     unexpected = sorted(set(state) - expected - set(SHARED_PARAMS))

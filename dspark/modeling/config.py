@@ -27,7 +27,9 @@ FAMILY_OF_MODEL_TYPE = {
 }
 VARIANTS = ("dspark", "dflash")
 BLOCK_LAYOUTS = ("anchor_first", "anchor_plus_masks")
-SEQUENTIAL_HEADS = ("vanilla", "rnn")
+SEQUENTIAL_HEADS = ("vanilla", "gated", "rnn")
+# Fields only dspark writes (DeepSpec has none of them; each has a default reproducing DeepSpec).
+OWN_FIELDS = ("dspark_variant", "block_layout", "target_num_hidden_layers", "rnn_bias")
 
 # Fields DeepSpec writes on top of the target config.
 _DSPARK_FIELDS = (
@@ -73,7 +75,10 @@ class DrafterConfig:
     variant: str = "dspark"  # "dspark" | "dflash"
     block_layout: str = "anchor_first"  # DSpark layout | original DFlash "anchor_plus_masks"
     markov_rank: int = 256
-    markov_head_type: str = "vanilla"  # "vanilla" (Markov, Eq. 5) | "rnn" (Eq. 6)
+    markov_head_type: str = "vanilla"  # "vanilla" (Markov, Eq. 5) | "gated" (DeepSpec) | "rnn" (Eq. 6)
+    # The RNN head's joint_proj has a bias by default: DeepSpec trains and SGLang serves that form,
+    # so a drafter trained here serves there; False is the paper's Eq. 6 exactly.
+    rnn_bias: bool = True
     enable_confidence_head: bool = True
     confidence_head_with_markov: bool = True
     intermediate_size: int | None = None  # None: the target's
@@ -219,6 +224,7 @@ class DrafterConfig:
             dspark_variant=self.variant,
             block_layout=self.block_layout,
             target_num_hidden_layers=self.num_target_layers,
+            rnn_bias=self.rnn_bias,
         )
         out.update(self.extra)
         return out
@@ -241,7 +247,7 @@ class DrafterConfig:
                 variant = "dflash"
         num_draft_layers = int(d["num_hidden_layers"])
         num_target_layers = int(d.get("num_target_layers", d.get("target_num_hidden_layers", max(d["target_layer_ids"]) + 1)))
-        for key in ("dspark_variant", "block_layout", "target_num_hidden_layers"):
+        for key in OWN_FIELDS:
             base.pop(key, None)
         return cls(
             base_config=base,
@@ -257,6 +263,7 @@ class DrafterConfig:
             markov_head_type=str(d.get("markov_head_type", "vanilla")),
             enable_confidence_head=bool(d.get("enable_confidence_head", False)),
             confidence_head_with_markov=bool(d.get("confidence_head_with_markov", False)),
+            rnn_bias=bool(d.get("rnn_bias", True)),
         )
 
     def rope_config(self):
@@ -266,7 +273,7 @@ class DrafterConfig:
 
         d = self.to_hf_dict()
         model_type = d.pop("model_type")
-        for key in ("architectures", *_DSPARK_FIELDS, "dspark_variant", "block_layout", "target_num_hidden_layers"):
+        for key in ("architectures", *_DSPARK_FIELDS, *OWN_FIELDS):
             d.pop(key, None)
         if self.family == "gemma4":
             model_type = "gemma4_text"

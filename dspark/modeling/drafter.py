@@ -90,7 +90,7 @@ class Drafter(nn.Module):
         self.rotary = Rotary(config)
         self.markov_head: MarkovHead | None = None
         if config.has_sequential_head:
-            self.markov_head = build_sequential_head(config.markov_head_type, V, config.markov_rank, d)
+            self.markov_head = build_sequential_head(config.markov_head_type, V, config.markov_rank, d, config.rnn_bias)
         self.confidence_head: ConfidenceHead | None = None
         if config.has_confidence_head:
             in_dim = d + (config.markov_rank if config.confidence_head_with_markov else 0)

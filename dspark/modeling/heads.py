@@ -1,4 +1,4 @@
-"""Sequential heads (Eq. 5, 6) and the confidence head (Eq. 7).
+"""Sequential heads (Eq. 5, 6, and DeepSpec's gated variant) and the confidence head (Eq. 7).
 
 A sequential head adds a prefix-dependent bias B_k to the backbone's base
 logits U_k. Both heads expose the same two entry points:
@@ -7,7 +7,7 @@ logits U_k. Both heads expose the same two entry points:
   (training, and the float64 reference checks);
 - `step(state, prev_token, hidden_k)`: one step of left-to-right sampling that
   takes and returns the recurrent state. The Markov head's state is `None`;
-  the RNN head's state is s_{k-1}. Passing a zero state at every step would
+  the RNN head's state is s_{k-1}; the gated head is stateless like the Markov head. Passing a zero state at every step would
   silently turn the RNN into a Markov head, so callers must carry it.
 """
 
@@ -64,13 +64,41 @@ class MarkovHead(nn.Module):
         return self.markov_w2(self.block_latent(prev_tokens, hidden))
 
 
-class RNNHead(MarkovHead):
-    """Eq. 6: z_k = [s_{k-1}; W1[x_{k-1}]; h_k]; one linear (2r+d -> 3r) gives gate g, candidate c,
-    output o; s_k = σ(g)⊙s_{k-1} + (1-σ(g))⊙tanh(c); B_k = W2 tanh(o); s_0 = 0."""
+class GatedMarkovHead(MarkovHead):
+    """DeepSpec's `markov_head_type="gated"` (not in the paper; SGLang serves it):
+    g_k = σ(W_g [h_k; W1[x_{k-1}]] + b_g) ∈ (0,1)^r, B_k = W2 (g_k ⊙ W1[x_{k-1}]).
+
+    `gate_proj` is a (d+r -> r) linear with a bias, named and shaped as in DeepSpec's checkpoints
+    (`markov_head.gate_proj.{weight,bias}`); the hidden state comes first in its input.
+    """
 
     def __init__(self, vocab_size: int, rank: int, hidden_size: int) -> None:
         super().__init__(vocab_size, rank)
-        self.joint_proj = nn.Linear(2 * rank + hidden_size, 3 * rank, bias=False)
+        self.gate_proj = nn.Linear(hidden_size + rank, rank)
+
+    def block_latent(self, prev_tokens: Tensor, hidden: Tensor) -> Tensor:
+        """g_k ⊙ W1[x_{k-1}]: prev_tokens [..., γ], hidden [..., γ, d] -> [..., γ, r]."""
+        w = self.gate_proj.weight
+        prev = self.prev_embedding(prev_tokens).to(w.dtype)
+        gate = torch.sigmoid(self.gate_proj(torch.cat([hidden.to(w.dtype), prev], dim=-1)))
+        return gate * prev
+
+    def step(self, state: Tensor | None, prev_token: Tensor, hidden: Tensor) -> tuple[Tensor | None, Tensor]:
+        """prev_token [B], hidden [B, d] -> (state, bias [B, V])."""
+        return state, self.project(self.block_latent(prev_token, hidden))
+
+
+class RNNHead(MarkovHead):
+    """Eq. 6: z_k = [s_{k-1}; W1[x_{k-1}]; h_k]; one linear (2r+d -> 3r) gives gate g, candidate c,
+    output o; s_k = σ(g)⊙s_{k-1} + (1-σ(g))⊙tanh(c); B_k = W2 tanh(o); s_0 = 0.
+
+    `bias=True` adds a bias to that linear, as DeepSpec's `markov_head.joint_proj` has; the
+    paper's Eq. 6 has none (`bias=False`). DrafterConfig.rnn_bias chooses (default True).
+    """
+
+    def __init__(self, vocab_size: int, rank: int, hidden_size: int, bias: bool = True) -> None:
+        super().__init__(vocab_size, rank)
+        self.joint_proj = nn.Linear(2 * rank + hidden_size, 3 * rank, bias=bias)
 
     def init_state(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> Tensor:
         return torch.zeros(batch_size, self.rank, device=device, dtype=dtype)
@@ -116,9 +144,11 @@ class ConfidenceHead(nn.Module):
         return self.proj(features.to(self.proj.weight.dtype)).squeeze(-1).float()
 
 
-def build_sequential_head(kind: str, vocab_size: int, rank: int, hidden_size: int) -> MarkovHead:
+def build_sequential_head(kind: str, vocab_size: int, rank: int, hidden_size: int, rnn_bias: bool = True) -> MarkovHead:
     if kind == "vanilla":
         return MarkovHead(vocab_size, rank)
+    if kind == "gated":
+        return GatedMarkovHead(vocab_size, rank, hidden_size)
     if kind == "rnn":
-        return RNNHead(vocab_size, rank, hidden_size)
-    raise ValueError(f"markov_head_type={kind!r}; use 'vanilla' (Markov, Eq. 5) or 'rnn' (Eq. 6)")
+        return RNNHead(vocab_size, rank, hidden_size, bias=rnn_bias)
+    raise ValueError(f"markov_head_type={kind!r}; use 'vanilla' (Markov, Eq. 5), 'gated' (DeepSpec) or 'rnn' (Eq. 6)")

@@ -116,7 +116,7 @@ class ReferenceDrafter:
         block_size: int,
         num_draft_layers: int,
         anchor_plus_masks: bool = False,
-        head_type: str | None = "vanilla",  # "vanilla" | "rnn" | None (no sequential head)
+        head_type: str | None = "vanilla",  # "vanilla" | "gated" | "rnn" | None (no sequential head)
         confidence: str | None = "with_markov",  # "with_markov" | "hidden_only" | None
     ) -> None:
         cfg = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
@@ -269,19 +269,34 @@ class ReferenceDrafter:
         return out
 
     def rnn_biases(self, prev_tokens: Tensor, hidden: Tensor) -> Tensor:
-        """Eq. 6 unrolled: z_k = [s_{k−1}; W1[x_{k−1}]; h_k] -> (g, c, o); s_0 = 0. Returns [γ, V]."""
+        """Eq. 6 unrolled: z_k = [s_{k−1}; W1[x_{k−1}]; h_k] -> (g, c, o); s_0 = 0. Returns [γ, V].
+        With DeepSpec's bias b (rnn_bias) the three affine maps are W z + b."""
         w1 = self._w("markov_head.markov_w1.weight")
         w2 = self._w("markov_head.markov_w2.weight")  # [V, r]
         joint = self._w("markov_head.joint_proj.weight")  # [3r, 2r + d]
         r = w1.shape[1]
+        b = self.p.get("markov_head.joint_proj.bias", torch.zeros(3 * r, dtype=F64))
         w_gate, w_cand, w_out = joint[:r], joint[r : 2 * r], joint[2 * r :]
+        b_gate, b_cand, b_out = b[:r], b[r : 2 * r], b[2 * r :]
         s = torch.zeros(r, dtype=F64)
         biases = []
         for k in range(len(prev_tokens)):
             z = torch.cat([s, w1[int(prev_tokens[k])], hidden[k]])
-            gate = sigmoid(w_gate @ z)
-            s = gate * s + (1.0 - gate) * torch.tanh(w_cand @ z)
-            biases.append(w2 @ torch.tanh(w_out @ z))
+            gate = sigmoid(w_gate @ z + b_gate)
+            s = gate * s + (1.0 - gate) * torch.tanh(w_cand @ z + b_cand)
+            biases.append(w2 @ torch.tanh(w_out @ z + b_out))
+        return torch.stack(biases)
+
+    def gated_biases(self, prev_tokens: Tensor, hidden: Tensor) -> Tensor:
+        """DeepSpec's gated head: g = σ(W_g [h_k; W1[x_{k−1}]] + b_g), B_k = W2 (g ⊙ W1[x_{k−1}]). [γ, V]."""
+        w1 = self._w("markov_head.markov_w1.weight")
+        w2 = self._w("markov_head.markov_w2.weight")  # [V, r]
+        wg, bg = self._w("markov_head.gate_proj.weight"), self._w("markov_head.gate_proj.bias")  # [r, d + r], [r]
+        biases = []
+        for k in range(len(prev_tokens)):
+            e = w1[int(prev_tokens[k])]
+            gate = sigmoid(wg @ torch.cat([hidden[k], e]) + bg)
+            biases.append(w2 @ (gate * e))
         return torch.stack(biases)
 
     def confidence_logits(self, hidden: Tensor, prev_tokens: Tensor) -> Tensor | None:
@@ -308,6 +323,8 @@ class ReferenceDrafter:
             bias = torch.stack([self.markov_bias(int(t)) for t in prev_tokens])
         elif self.head_type == "rnn":
             bias = self.rnn_biases(prev_tokens, hidden)
+        elif self.head_type == "gated":
+            bias = self.gated_biases(prev_tokens, hidden)
         else:
             bias = torch.zeros_like(base)
         return BlockOutput(hidden, base, bias, base + bias, self.confidence_logits(hidden, prev_tokens))

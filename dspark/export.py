@@ -1,0 +1,290 @@
+"""Export a drafter to the folder layout a serving or training stack loads (`dspark export`).
+
+Every destination's layout lives here, in one function each, with the facts it relies on
+(../shared/INTEROP.md; z-lab's from its `dflash/model.py`). The layer-id convention needs no
+conversion anywhere: DeepSpec and z-lab use ours (id i = output of decoder layer i), and SGLang
+and vLLM add 1 to `target_layer_ids` themselves for DFlash/DSpark, so every file carries our ids.
+
+- **deepspec**: `Qwen3DSparkModel` / `Gemma4DSparkModel` for DSpark and DFlash alike (DFlash:
+  `markov_rank` 0, no head fields); the target config plus flat fields; DeepSpec weight names; the
+  embedding and LM head included (its evaluator loads with plain `from_pretrained`, which would
+  leave missing tensors random). Anchor-first layout only.
+- **sglang**: DSpark (`--speculative-algorithm DSPARK`): `Qwen3DSparkModel`, vanilla, gated and
+  RNN heads, `markov_rank` > 0 required, embedding / LM head ignored (not written). Optional STS
+  and SPS files. DFlash (`DFLASH`): the z-lab layout.
+- **vllm**: `"method": "dspark"`: `Qwen3DSparkModel` / `Gemma4DSparkModel`, DeepSpec names, the
+  vanilla Markov head only; embedding / LM head optional (left out: shared from the target).
+  `"method": "dflash"`: the z-lab layout, `num_speculative_tokens` = block_size − 1.
+- **zlab**: `DFlashDraftModel` (built from Qwen3 layers with q/k norms; a layer whose
+  `layer_types` entry is "sliding_attention" turns causal there, so every entry is
+  "full_attention"), top-level `block_size` = γ + 1 and `num_target_layers`,
+  `dflash_config {target_layer_ids, mask_token_id}`, weights `layers.*`, `fc`, `hidden_norm`,
+  `norm` only. Only an anchor + γ masks DFlash drafter is a z-lab DFlash.
+
+The RNN head without a bias (the paper's Eq. 6) is written with a zero `joint_proj.bias`, since
+DeepSpec and SGLang build the biased head: the outputs are the same.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from dspark.fsutil import replace_dir
+from dspark.modeling.config import OWN_FIELDS, DrafterConfig
+from dspark.modeling.drafter import SHARED_PARAMS, Drafter
+
+DESTINATIONS = ("vllm", "sglang", "deepspec", "zlab")
+SERVE_NAME = "SERVE.md"
+DEEPSPEC_ARCH = {"qwen3": "Qwen3DSparkModel", "gemma4": "Gemma4DSparkModel"}
+DSPARK_HEAD_FIELDS = ("markov_head_type", "confidence_head_with_markov")
+
+
+@dataclass
+class Layout:
+    """What one destination loads: config.json, tensors, and how to launch it (SERVE.md)."""
+
+    config: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+    serve: str
+    files: dict[str, Path] = field(default_factory=dict)  # extra files copied next to the weights
+
+
+class ExportRefused(ValueError):
+    """A destination cannot serve this drafter; the message says why."""
+
+
+def _refuse(destination: str, reason: str) -> None:
+    raise ExportRefused(f"cannot export to {destination}: {reason}")
+
+
+# ------------------------------------------------------------------ config.json of each family
+def deepspec_config(config: DrafterConfig) -> dict[str, Any]:
+    """DeepSpec's config.json: the target config + flat DSpark fields, written as its
+    `build_draft_config` writes them (DFlash: `markov_rank` 0 and no head fields)."""
+    out = config.to_hf_dict()
+    for key in OWN_FIELDS:
+        out.pop(key, None)
+    out["architectures"] = [DEEPSPEC_ARCH[config.family]]
+    out["tie_word_embeddings"] = False  # DeepSpec keeps its own frozen copies of both tables
+    if not config.has_sequential_head:
+        out.pop("markov_head_type", None)
+    if not config.has_confidence_head:
+        out.pop("confidence_head_with_markov", None)
+    return out
+
+
+def zlab_config(config: DrafterConfig) -> dict[str, Any]:
+    """z-lab's DFlashDraftModel config.json (anchor + γ masks, block_size = γ + 1)."""
+    out = config.to_hf_dict()
+    for key in (*OWN_FIELDS, "mask_token_id", "target_layer_ids", "num_anchors", "markov_rank",
+                *DSPARK_HEAD_FIELDS, "enable_confidence_head"):
+        out.pop(key, None)
+    out["architectures"] = ["DFlashDraftModel"]
+    out["layer_types"] = ["full_attention"] * config.num_draft_layers
+    out["block_size"] = config.block_size + 1
+    out["num_target_layers"] = config.num_target_layers
+    out["dflash_config"] = {"mask_token_id": config.mask_token_id, "target_layer_ids": list(config.target_layer_ids)}
+    return out
+
+
+def _tensors(drafter: Drafter, *, include_shared: bool) -> dict[str, torch.Tensor]:
+    """The drafter's tensors under DeepSpec's names (ours are the same), copied to CPU."""
+    state = {name: t.detach().cpu().contiguous().clone() for name, t in drafter.state_dict().items()}
+    head = drafter.markov_head
+    if head is not None and drafter.config.markov_head_type == "rnn" and head.joint_proj.bias is None:
+        state["markov_head.joint_proj.bias"] = torch.zeros(head.joint_proj.out_features, dtype=head.joint_proj.weight.dtype)
+    if include_shared:
+        try:
+            shared = drafter.shared_weights()
+        except RuntimeError:
+            raise ValueError(
+                "this destination needs the embedding and LM head in the folder, and the drafter has none: "
+                "load it with its target (dspark export --target T)"
+            ) from None
+        state.update({name: shared[name].detach().cpu().clone() for name in SHARED_PARAMS})
+    return state
+
+
+def _zlab_tensors(drafter: Drafter) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in _tensors(drafter, include_shared=False).items() if not k.startswith(("markov_head", "confidence_head"))}
+
+
+# ------------------------------------------------------------------ what each destination can serve
+def _check_zlab(config: DrafterConfig, destination: str) -> None:
+    if config.variant != "dflash":
+        _refuse(destination, f"a z-lab DFlash is a DFlash drafter (no sequential or confidence head); this is a {config.variant} drafter")
+    if config.block_layout != "anchor_plus_masks":
+        _refuse(destination, "an anchor-first DFlash is not a z-lab DFlash: z-lab's slot 0 is the anchor and "
+                             "slot k predicts anchor + k (block_layout 'anchor_plus_masks'); renaming would give τ ≈ 1")
+    if config.family != "qwen3":
+        _refuse(destination, f"z-lab's DFlashDraftModel is built from Qwen3 layers (with q/k norms); this drafter is "
+                             f"{config.family} (a Llama-family drafter, e.g. SmolLM2's, has no q/k norms to write)")
+
+
+def _check_anchor_first(config: DrafterConfig, destination: str) -> None:
+    if config.block_layout != "anchor_first":
+        _refuse(destination, "its DSpark/DFlash model is anchor-first (slot k predicts anchor + k + 1); this "
+                             "drafter is 'anchor_plus_masks' (export a DFlash of that layout to zlab)")
+    if config.family not in DEEPSPEC_ARCH:
+        _refuse(destination, f"it has DSpark models for Qwen3 and Gemma4 only ({sorted(DEEPSPEC_ARCH)}), whose layers have "
+                             f"q/k norms; this drafter is {config.family} (a Llama-family drafter, e.g. SmolLM2's, has no q/k norms)")
+
+
+def _deepspec(drafter: Drafter, folder: Path, options: dict) -> Layout:
+    config = drafter.config
+    _check_anchor_first(config, "deepspec")
+    serve = (f"DeepSpec loads this folder with `{DEEPSPEC_ARCH[config.family]}.from_pretrained(\"{folder}\")` "
+             "(embedding and LM head included). Evaluate it with DeepSpec's evaluator, e.g. its eval "
+             f"script with the draft model path set to `{folder}`.\n")
+    return Layout(deepspec_config(config), _tensors(drafter, include_shared=True), serve)
+
+
+def _zlab(drafter: Drafter, folder: Path, options: dict) -> Layout:
+    config = drafter.config
+    _check_zlab(config, "zlab")
+    serve = (
+        "z-lab DFlash (github.com/z-lab/dflash):\n\n```python\nfrom dflash.model import DFlashDraftModel\n"
+        f"draft = DFlashDraftModel.from_pretrained(\"{folder}\")\n```\n\n"
+        + _vllm_dflash_command(folder, config, options) + "\n" + _sglang_dflash_command(folder, config, options)
+    )
+    return Layout(zlab_config(config), _zlab_tensors(drafter), serve)
+
+
+def _vllm_dflash_command(folder: Path, config: DrafterConfig, options: dict) -> str:
+    """vLLM's `dflash` method: num_speculative_tokens = z-lab block_size − 1 = γ."""
+    spec = json.dumps({"method": "dflash", "model": str(folder), "num_speculative_tokens": config.block_size}, separators=(",", ":"))
+    return f"vLLM:\n\n```bash\nvllm serve {options.get('target') or 'TARGET'} --speculative-config '{spec}'\n```\n"
+
+
+def _sglang_dflash_command(folder: Path, config: DrafterConfig, options: dict) -> str:
+    """SGLang's DFLASH: --speculative-num-draft-tokens is z-lab's block_size (γ + 1)."""
+    return (
+        f"SGLang:\n\n```bash\npython -m sglang.launch_server --model-path {options.get('target') or 'TARGET'} "
+        f"--speculative-algorithm DFLASH --speculative-draft-model-path {folder} "
+        f"--speculative-num-draft-tokens {config.block_size + 1}\n```\n"
+    )
+
+
+def _vllm(drafter: Drafter, folder: Path, options: dict) -> Layout:
+    config = drafter.config
+    target = options.get("target") or "TARGET"
+    if config.variant == "dflash" and config.block_layout == "anchor_plus_masks":
+        _check_zlab(config, "vllm (method dflash)")
+        return Layout(zlab_config(config), _zlab_tensors(drafter), _vllm_dflash_command(folder, config, options))
+    _check_anchor_first(config, "vllm (method dspark)")
+    if config.has_sequential_head and config.markov_head_type != "vanilla":
+        _refuse("vllm (method dspark)", f"vLLM's DSpark serves only the vanilla Markov head; this drafter has the "
+                                        f"{config.markov_head_type!r} head (SGLang serves it: --to sglang)")
+    spec = json.dumps({"method": "dspark", "model": str(folder), "num_speculative_tokens": config.block_size}, separators=(",", ":"))
+    serve = (f"vLLM:\n\n```bash\nvllm serve {target} --speculative-config '{spec}'\n```\n\n"
+             "Calibration is online in vLLM (no STS/SPS files).\n")
+    if not config.has_sequential_head:
+        serve += "\nThis is an anchor-first (DeepSpec-style) DFlash: it is served as `dspark` with markov_rank 0.\n"
+    return Layout(deepspec_config(config), _tensors(drafter, include_shared=False), serve)
+
+
+def _sglang(drafter: Drafter, folder: Path, options: dict) -> Layout:
+    config = drafter.config
+    target = options.get("target") or "TARGET"
+    sts, sps = options.get("sts"), options.get("sps")
+    if config.variant == "dflash" and config.block_layout == "anchor_plus_masks":
+        _check_zlab(config, "sglang (DFLASH)")
+        if sts or sps:
+            _refuse("sglang (DFLASH)", "--sts/--sps are files of SGLang's DSPARK confidence scheduling; a DFlash has no confidence head")
+        return Layout(zlab_config(config), _zlab_tensors(drafter), _sglang_dflash_command(folder, config, options))
+    _check_anchor_first(config, "sglang (DSPARK)")
+    if config.family != "qwen3":
+        _refuse("sglang (DSPARK)", f"SGLang's DSPARK loads Qwen3DSparkModel only; this drafter is {config.family}")
+    if not config.has_sequential_head:
+        _refuse("sglang (DSPARK)", "SGLang DSpark needs markov_rank > 0, and an anchor-first DFlash (markov_rank 0) "
+                                   "is not a z-lab DFlash either, so SGLang cannot serve this drafter")
+    layout = Layout(deepspec_config(config), _tensors(drafter, include_shared=False), "")
+    env, flags = "", ""
+    if sts or sps:
+        if sts and not config.has_confidence_head:
+            _refuse("sglang (DSPARK)", "--sts calibrates the confidence head, and this drafter has none")
+        env = "SGLANG_RAGGED_VERIFY_MODE=cap-accept SGLANG_PREP_IN_CUDA_GRAPH=1 "
+    if sts:
+        _check_sts(Path(sts), config.block_size)
+        layout.files["sts.json"] = Path(sts)
+        flags += f" \\\n    --speculative-dspark-confidence-sts-path {folder / 'sts.json'}"
+    if sps:
+        _check_sps(Path(sps))
+        layout.files["sps.json"] = Path(sps)
+        flags += f" \\\n    --speculative-dspark-sps-table-path {folder / 'sps.json'}"
+    layout.serve = (
+        f"SGLang:\n\n```bash\n{env}python -m sglang.launch_server --model-path {target} \\\n"
+        f"    --speculative-algorithm DSPARK --speculative-draft-model-path {folder}{flags}\n```\n"
+    )
+    if env:
+        layout.serve += ("\n`SGLANG_RAGGED_VERIFY_MODE` is static | cap-accept | compact; the non-static modes "
+                         "need `SGLANG_PREP_IN_CUDA_GRAPH=1`.\n")
+    return layout
+
+
+def _check_sts(path: Path, gamma: int) -> None:
+    from dspark.calibration import load_sts_json
+
+    if not path.is_file():
+        raise FileNotFoundError(f"--sts {path} not found")
+    load_sts_json(path, gamma)  # γ finite temperatures > 0, as SGLang requires
+
+
+def _check_sps(path: Path) -> None:
+    from dspark.scheduler import SPSTable
+
+    if not path.is_file():
+        raise FileNotFoundError(f"--sps {path} not found")
+    SPSTable.from_json(path)  # strictly increasing batch tokens, positive steps/s
+
+
+BUILDERS = {"deepspec": _deepspec, "zlab": _zlab, "vllm": _vllm, "sglang": _sglang}
+
+
+# ------------------------------------------------------------------ writing
+def export_drafter(
+    drafter: Drafter,
+    out: str | os.PathLike,
+    to: str,
+    *,
+    target: str | None = None,
+    sts: str | os.PathLike | None = None,
+    sps: str | os.PathLike | None = None,
+) -> Path:
+    """Write `drafter` in the layout destination `to` loads, plus SERVE.md with its launch command.
+
+    `target` (a name or path) fills the target in the commands; `sts`/`sps` (SGLang DSpark only)
+    are checked and copied next to the weights. Raises ExportRefused (a ValueError) naming the
+    reason when the destination cannot serve this drafter. The folder is written atomically.
+    """
+    if to not in BUILDERS:
+        raise ValueError(f"--to {to!r}: choose one of {list(DESTINATIONS)}")
+    if (sts or sps) and to != "sglang":
+        _refuse(to, "--sts/--sps are the files of SGLang's DSPARK confidence scheduling (use --to sglang)")
+    folder = Path(out).resolve()
+    layout = BUILDERS[to](drafter, folder, {"target": target, "sts": sts, "sps": sps})
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
+    try:
+        (tmp / "config.json").write_text(json.dumps(layout.config, indent=2, sort_keys=True) + "\n")
+        save_file(layout.tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        for name, src in layout.files.items():
+            shutil.copyfile(src, tmp / name)
+        header = f"# Serving this drafter ({to})\n\nWritten by `dspark export --to {to}`.\n\n"
+        if not target:
+            header += "Replace TARGET by the target model the drafter was trained for (name or path).\n\n"
+        (tmp / SERVE_NAME).write_text(header + layout.serve)
+        replace_dir(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder

@@ -1,0 +1,151 @@
+"""The drafter folder layouts dspark reads, and how each maps onto `DrafterConfig`.
+
+Facts relied on (../shared/INTEROP.md, checked against the golden fixtures of ../shared/golden):
+
+- **dspark** (`save_drafter`) and **DeepSpec** (`Qwen3DSparkModel.save_pretrained`): the target's
+  config plus flat fields (`block_size`, `mask_token_id`, `target_layer_ids`, `num_target_layers`,
+  `num_anchors`, `markov_rank`, `markov_head_type`, `enable_confidence_head`,
+  `confidence_head_with_markov`). DeepSpec writes `Qwen3DSparkModel` / `Gemma4DSparkModel` for
+  DSpark *and* DFlash (DFlash: `markov_rank` 0, head fields may be absent). Its block layout is
+  anchor-first: slot k predicts anchor + k + 1, all `block_size` slots are drafts.
+- **z-lab DFlash** (`DFlashDraftModel`): `dflash_config {target_layer_ids, mask_token_id}`,
+  top-level `block_size` = γ + 1 (slot 0 is the anchor, not a draft) and `num_target_layers`; no
+  embedding or LM head in the weights. Written by transformers 4.57 (`rope_theta`, `torch_dtype`)
+  or 5.x (`rope_parameters`, `dtype`); transformers' own config classes accept both.
+- **Training output folders**: DeepSpec's checkpoint manager writes `step_<N>/` sub-folders and a
+  `step_latest` link (the link is read, else the highest N); a dspark run folder holds `drafter/`.
+
+The layout is read from `architectures`, never guessed: an unknown architecture is an error naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from dspark.modeling.config import DrafterConfig
+
+CONFIG_NAME = "config.json"
+log = logging.getLogger(__name__)
+
+# architecture -> (layout family, block layout). dspark's own names cover Llama and the DFlash variant.
+DEEPSPEC_ARCHITECTURES = ("Qwen3DSparkModel", "Gemma4DSparkModel")
+OWN_ARCHITECTURES = ("LlamaDSparkModel", "Qwen3DFlashModel", "Gemma4DFlashModel", "LlamaDFlashModel")
+ZLAB_ARCHITECTURE = "DFlashDraftModel"
+ZLAB_DFLASH_CONFIG_FIELDS = ("mask_token_id", "target_layer_ids")
+# Fields that name something dspark cannot build: refused by name instead of ignored.
+REFUSED_FIELDS = {
+    "eagle_config": "an EAGLE-3 drafter (dspark has no Eagle3 drafter yet)",
+    "eagle_aux_hidden_state_layer_ids": "an EAGLE-3 drafter (dspark has no Eagle3 drafter yet)",
+    "ttt_length": "an EAGLE-3 drafter (dspark has no Eagle3 drafter yet)",
+}
+
+
+def resolve_folder(path: str | os.PathLike) -> Path:
+    """The folder holding config.json: `path` itself; else, for a training output folder, its
+    `step_latest` (DeepSpec), else its highest `step_<N>`, else its `drafter/` (a dspark run's final
+    drafter). Which one was chosen is logged (a warning, so that the command line shows it)."""
+    folder = Path(path)
+    if (folder / CONFIG_NAME).is_file() or not folder.is_dir():
+        return folder
+    latest = folder / "step_latest"
+    if (latest / CONFIG_NAME).is_file():
+        log.warning("%s is a training output folder: reading step_latest (-> %s)", folder, latest.resolve().name)
+        return latest
+    steps = [(int(m.group(1)), p) for p in folder.iterdir() if (m := re.fullmatch(r"step_(\d+)", p.name))]
+    steps = [(n, p) for n, p in steps if (p / CONFIG_NAME).is_file()]
+    if steps:
+        n, chosen = max(steps)
+        log.warning("%s is a training output folder without step_latest: reading its highest step, %s", folder, chosen.name)
+        return chosen
+    if (folder / "drafter" / CONFIG_NAME).is_file():
+        log.warning("%s is a dspark run folder: reading its final drafter, %s", folder, folder / "drafter")
+        return folder / "drafter"
+    return folder
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from `path`, with errors naming the file and what is wrong with it."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: a drafter folder holds config.json and model.safetensors")
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not text (corrupted?): {e}") from None
+    if not text.strip():
+        raise ValueError(f"{path} is empty (truncated?): rewrite it from the drafter's checkpoint")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON (truncated or corrupted?): {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} holds a JSON {type(data).__name__}, not an object of config fields")
+    return data
+
+
+def parse_config(d: dict[str, Any], where: str = CONFIG_NAME) -> DrafterConfig:
+    """A `DrafterConfig` from any accepted config.json; errors name the file and the field."""
+    for field, what in REFUSED_FIELDS.items():
+        if field in d:
+            raise ValueError(f"{where}: field {field!r} describes {what}; it cannot be loaded as DSpark/DFlash")
+    if "draft_vocab_size" in d and d["draft_vocab_size"] not in (None, d.get("vocab_size")):
+        raise ValueError(
+            f"{where}: draft_vocab_size={d['draft_vocab_size']} differs from vocab_size={d.get('vocab_size')}: "
+            "a reduced draft vocabulary is not supported"
+        )
+    archs = d.get("architectures") or []
+    if len(archs) != 1:
+        raise ValueError(
+            f"{where}: architectures={archs!r}; expected one of {[*DEEPSPEC_ARCHITECTURES, *OWN_ARCHITECTURES, ZLAB_ARCHITECTURE]} "
+            "(the block layout is read from it, never guessed)"
+        )
+    arch = archs[0]
+    try:
+        if arch == ZLAB_ARCHITECTURE:
+            return _parse_zlab(d)
+        if arch in DEEPSPEC_ARCHITECTURES or arch in OWN_ARCHITECTURES:
+            # DeepSpec never writes block_layout (anchor-first); dspark writes it always.
+            return DrafterConfig.from_hf_dict(d)
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"{where}: malformed field {e}") from None
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    raise ValueError(
+        f"{where}: unknown drafter architecture {arch!r}; dspark reads {list(DEEPSPEC_ARCHITECTURES)} (DeepSpec), "
+        f"{ZLAB_ARCHITECTURE!r} (z-lab DFlash) and its own {list(OWN_ARCHITECTURES)}"
+    )
+
+
+def _parse_zlab(d: dict[str, Any]) -> DrafterConfig:
+    """z-lab DFlash: anchor + γ masks, `block_size` = γ + 1, ids and mask token under `dflash_config`."""
+    dflash = d.get("dflash_config")
+    if not isinstance(dflash, dict):
+        raise ValueError("a DFlashDraftModel config needs a dflash_config object {target_layer_ids, mask_token_id}")
+    unknown = sorted(set(dflash) - set(ZLAB_DFLASH_CONFIG_FIELDS))
+    if unknown:
+        raise ValueError(f"dflash_config has fields dspark does not map: {unknown} (known: {list(ZLAB_DFLASH_CONFIG_FIELDS)})")
+    missing = [k for k in ("block_size", "num_target_layers", "num_hidden_layers", "model_type") if k not in d]
+    missing += [f"dflash_config.{k}" for k in ZLAB_DFLASH_CONFIG_FIELDS if k not in dflash]
+    if missing:
+        raise ValueError(f"a DFlashDraftModel config lacks the fields {missing}")
+    if int(d["block_size"]) < 2:
+        raise ValueError(f"block_size={d['block_size']}: z-lab's block is the anchor + γ ≥ 1 masks, so it must be ≥ 2")
+    dropped = ("architectures", "auto_map", "dflash_config", "block_size", "num_target_layers", "transformers_version")
+    base = {k: v for k, v in d.items() if k not in dropped}
+    return DrafterConfig(
+        base_config=base,
+        target_layer_ids=list(dflash["target_layer_ids"]),
+        num_target_layers=int(d["num_target_layers"]),
+        mask_token_id=int(dflash["mask_token_id"]),
+        num_draft_layers=int(d["num_hidden_layers"]),
+        block_size=int(d["block_size"]) - 1,
+        variant="dflash",
+        block_layout="anchor_plus_masks",
+        markov_rank=0,
+        enable_confidence_head=False,
+        confidence_head_with_markov=False,
+    )
