@@ -56,11 +56,12 @@ class DrafterSpec:
     num_draft_layers: int = 5
     block_layout: str = "anchor_first"  # "anchor_first" (DSpark) | "anchor_plus_masks" (original DFlash)
     markov_rank: int = 256  # Eq. 5, r
-    markov_head_type: str = "vanilla"  # "vanilla" (Eq. 5) | "rnn" (Eq. 6)
+    markov_head_type: str = "vanilla"  # "vanilla" (Eq. 5) | "gated" (DeepSpec, SGLang) | "rnn" (Eq. 6)
     enable_confidence_head: bool = True  # Eq. 7
     confidence_head_with_markov: bool = True
     intermediate_size: int | None = None  # None: the target's
     attn_implementation: str = "auto"  # "auto" (flex on GPU, sdpa on CPU) | "sdpa" | "eager" | "flex"
+    layer_family: str = ""  # "": the target's; "qwen3": Qwen3 layers for a Llama target (what serving engines load)
     dtype: str = "float32"  # parameter dtype of the drafter (master weights stay fp32 when training)
 
 
@@ -246,8 +247,9 @@ _CHOICES = {
     "target.dtype": ("auto", "float32", "bfloat16", "float16"),
     "drafter.variant": ("dspark", "dflash"),
     "drafter.block_layout": ("anchor_first", "anchor_plus_masks"),
-    "drafter.markov_head_type": ("vanilla", "rnn"),
+    "drafter.markov_head_type": ("vanilla", "gated", "rnn"),
     "drafter.attn_implementation": ("auto", "sdpa", "eager", "flex"),
+    "drafter.layer_family": ("", "qwen3"),
     "drafter.dtype": ("float32", "bfloat16"),
     "data.feature_mode": ("cache", "online"),
     "data.cache_precision": ("fp8", "bf16", "fp32"),

@@ -127,7 +127,7 @@ def _check_zlab(config: DrafterConfig, destination: str) -> None:
                              "slot k predicts anchor + k (block_layout 'anchor_plus_masks'); renaming would give τ ≈ 1")
     if config.family != "qwen3":
         _refuse(destination, f"z-lab's DFlashDraftModel is built from Qwen3 layers (with q/k norms); this drafter is "
-                             f"{config.family} (a Llama-family drafter, e.g. SmolLM2's, has no q/k norms to write)")
+                             f"{config.family} (a Llama-family drafter has no q/k norms to write: train it with drafter.layer_family=qwen3)")
 
 
 def _check_anchor_first(config: DrafterConfig, destination: str) -> None:
@@ -136,7 +136,7 @@ def _check_anchor_first(config: DrafterConfig, destination: str) -> None:
                              "drafter is 'anchor_plus_masks' (export a DFlash of that layout to zlab)")
     if config.family not in DEEPSPEC_ARCH:
         _refuse(destination, f"it has DSpark models for Qwen3 and Gemma4 only ({sorted(DEEPSPEC_ARCH)}), whose layers have "
-                             f"q/k norms; this drafter is {config.family} (a Llama-family drafter, e.g. SmolLM2's, has no q/k norms)")
+                             f"q/k norms; this drafter is {config.family} (a Llama-family drafter has no q/k norms: train it with drafter.layer_family=qwen3)")
 
 
 def _deepspec(drafter: Drafter, folder: Path, options: dict) -> Layout:

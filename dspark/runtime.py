@@ -93,6 +93,7 @@ def drafter_config(spec: DrafterSpec, target: TargetModel, num_anchors: int = 51
         confidence_head_with_markov=spec.confidence_head_with_markov and spec.variant == "dspark",
         intermediate_size=spec.intermediate_size,
         attn_implementation=resolve_attention(spec.attn_implementation, torch.device(target.device)),
+        layer_family=spec.layer_family,
     )
 
 

@@ -234,7 +234,7 @@ def test_families_a_destination_lacks_are_refused(tmp_path):
         export_drafter(_drafter("llama"), tmp_path / "out", "deepspec")
     with pytest.raises(ExportRefused, match="Qwen3DSparkModel only"):
         export_drafter(_drafter("gemma4"), tmp_path / "out", "sglang")
-    with pytest.raises(ExportRefused, match="llama.*no q/k norms"):  # SmolLM2's drafters are Llama-family
+    with pytest.raises(ExportRefused, match="llama.*no q/k norms"):  # a drafter with the Llama target's own layers
         export_drafter(_drafter("llama"), tmp_path / "out", "vllm")
     with pytest.raises(ExportRefused, match="llama.*no q/k norms"):
         export_drafter(_drafter("llama", **ZLAB_DFLASH), tmp_path / "out", "zlab")
@@ -276,3 +276,33 @@ def test_cli_on_a_corrupted_safetensors_names_the_file_instead_of_a_traceback(tm
     assert main(["export", str(src), "--to", "vllm", "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert f"{weights} is not a readable safetensors file" in err and "Traceback" not in err
+
+
+# ------------------------------------------------------------------ a Llama target with Qwen3 draft layers
+@pytest.mark.parametrize("to", ["deepspec", "sglang", "vllm"])
+def test_a_llama_target_drafter_with_qwen3_layers_exports_and_loads_back(tmp_path, to):
+    """SmolLM2 is a Llama: its drafter is servable once its layers are Qwen3 layers."""
+    drafter = _drafter("llama", **DSPARK, layer_family="qwen3")
+    assert drafter.config.family == "qwen3" and drafter.layers[0].self_attn.q_norm is not None
+    folder = export_drafter(drafter, tmp_path / "out", to)
+    assert json.loads((folder / "config.json").read_text())["architectures"] == ["Qwen3DSparkModel"]
+    loaded = load_drafter(folder, _target("llama"))
+    _assert_identical(_outputs(loaded, "llama"), _outputs(drafter, "llama"))
+
+
+def test_qwen3_layers_keep_the_llama_rope_and_sizes():
+    llama = _drafter("llama", **DSPARK)
+    qwen = _drafter("llama", **DSPARK, layer_family="qwen3")
+    positions = torch.arange(7)[None]
+    like = torch.zeros(1, 7, 16)
+    for a, b in zip(llama.rotary(like, positions), qwen.rotary(like, positions)):
+        assert torch.equal(a, b)
+    assert llama.config.hidden_size == qwen.config.hidden_size
+
+
+def test_layer_family_is_refused_where_it_would_not_be_exact():
+    with pytest.raises(ValueError, match="layer_family='qwen3' for a gemma4 target"):
+        _drafter("gemma4", **DSPARK, layer_family="qwen3")
+    target = make_tiny_target("llama", attention_bias=True)
+    with pytest.raises(ValueError, match="attention_bias=True"):
+        tiny_drafter_config(target, layer_family="qwen3")

