@@ -242,10 +242,11 @@ def reduce_terms(
         bce = F.binary_cross_entropy_with_logits(z, c_star.to(z.dtype), reduction="none")  # [N, γ]
         conf = weighted_mean(bce)
         loss = loss + weights.conf * conf
-    accept_sum = torch.where(valid, c_star, torch.zeros_like(c_star)).sum(dim=0).float()  # [γ]
+    masked = torch.where(valid, c_star, torch.zeros_like(c_star))  # [N, γ]
+    accept_sum = masked.sum(dim=0).float()  # [γ]
     count = valid.sum(dim=0)  # [γ]
     # cumprod over the masked c*: a slot past the block's supervised prefix ends its product.
-    prefix = torch.where(valid, c_star, torch.zeros_like(c_star)).float().cumprod(dim=1)  # [N, γ]
+    prefix = masked.float().cumprod(dim=1)  # [N, γ]
     return LossOutput(
         loss=loss,
         ce=ce.detach(),
