@@ -11,6 +11,8 @@ Where each piece of the paper lives:
                                     STS (paper Section 3.2.1, SPEC 7.1) and its
                                     SGLang JSON (``temperatures``,
                                     ``ece_before``, ``ece_after``).
+- ``ece_sums``, ``ece_from_sums``  ECE per position as a function of per-request
+                                    sums, for bootstrap intervals over requests.
 - ``calibrate_rounds``, ``save_sts_report``
                                     the `dspark calibrate` recipe: STS fitted
                                     on part of a rounds.jsonl log (split by
@@ -34,6 +36,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
+from dspark.bootstrap import DEFAULT_LEVEL, DEFAULT_RESAMPLES, stratified_ci
 from dspark.jsonutil import to_jsonable
 
 __all__ = [
@@ -44,6 +47,8 @@ __all__ = [
     "prefix_labels",
     "cumulative_confidence",
     "confidence_metrics",
+    "ece_from_sums",
+    "ece_sums",
     "apply_temperatures",
     "default_temperature_grid",
     "fit_sts",
@@ -231,6 +236,35 @@ def _position_metrics(position: int, p: np.ndarray, y: np.ndarray, n_bins: int) 
         "mean_pred": float(p.mean()) if p.size else float("nan"),
         "mean_label": float(y.mean()) if y.size else float("nan"),
     }
+
+
+def ece_sums(conf: Any, accepted: Any, proposed: Any, groups: Any, n_groups: int, n_bins: int = 20) -> np.ndarray:
+    """Per group g (a request) and position k: the sums that ECE_k is a function of,
+    float64 [G, γ, n_bins + 1]: in each bin b of a_k = Π_{i≤k} c_i the signed
+    residual Σ (a_k − 1[first k accepted]) over the group's rounds that verified
+    k, and in the last column their count. Because n_b·|p̄_b − ȳ_b| = |Σ_{i∈b}(p_i − y_i)|,
+    ``ece_from_sums`` of the sum over any set of groups is the ECE of their rounds.
+    groups: [N] ints in [0, n_groups), the group of each round."""
+    c = _as_conf(conf)
+    gamma = c.shape[1]
+    a = np.cumprod(c, axis=1)  # [N, γ]
+    label, valid = prefix_labels(accepted, proposed, gamma)
+    g = np.asarray(groups, dtype=np.int64).ravel()
+    if not (label.shape[0] == c.shape[0] == g.size):
+        raise ValueError(f"conf has {c.shape[0]} rounds, accepted {label.shape[0]}, groups {g.size}")
+    out = np.zeros((n_groups, gamma, n_bins + 1), dtype=np.float64)
+    rows, k = np.nonzero(valid)
+    np.add.at(out, (g[rows], k, _bin_index(a[rows, k], n_bins)), a[rows, k] - label[rows, k])
+    np.add.at(out, (g[rows], k, n_bins), 1.0)
+    return out
+
+
+def ece_from_sums(sums: Any) -> np.ndarray:
+    """ECE per position from ``ece_sums`` summed over groups: [..., γ, n_bins + 1] -> [..., γ]
+    (NaN at a position with no round)."""
+    s = np.asarray(sums, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.abs(s[..., :-1]).sum(axis=-1) / s[..., -1]
 
 
 # ----------------------------------------------------------------------------
@@ -479,6 +513,7 @@ def calibrate_rounds(
     seed: int = 0,
     n_bins: int = 20,
     grid: Optional[Any] = None,
+    resamples: int = DEFAULT_RESAMPLES,
 ) -> tuple[dict[str, Any], list[Mapping[str, Any]]]:
     """Fit STS on part of a round log and measure it on the held-out rest.
 
@@ -492,7 +527,11 @@ def calibrate_rounds(
     (requests and rounds per part, fit_fraction, seed) and ``per_position``:
     for "test" and "fit", ``before`` / ``after`` (``confidence_metrics`` of
     a_k) and ``conditional_before`` / ``conditional_after``
-    (``conditional_metrics`` of c_k). The rows are those the headline metrics
+    (``conditional_metrics`` of c_k). Every ECE of a_k carries ``ece_ci``, a 95 %
+    bootstrap interval over the part's requests (``resamples`` resamples, seeded
+    with ``seed``), and so do ``ece_before`` / ``ece_after`` (``ece_before_ci``,
+    ``ece_after_ci``: one [lo, hi] per position); ``bootstrap`` records
+    resamples, seed and level. The rows are those the headline metrics
     were measured on (the test part, or the fit part when fit_fraction = 1)."""
     with_conf = [r for r in rounds if r.get("confidences") is not None]
     if not with_conf:
@@ -518,6 +557,9 @@ def calibrate_rounds(
             "conditional_before": conditional_metrics(c, m, ell, n_bins),
             "conditional_after": conditional_metrics(calibrated, m, ell, n_bins),
         }
+        for name, values in (("before", c), ("after", calibrated)):
+            for entry, ci in zip(per_position[part][name], _ece_intervals(rows, values, m, ell, n_bins, resamples, seed)):
+                entry["ece_ci"] = ci
     evaluated_on = "test" if test else "fit"
     main = per_position[evaluated_on]
 
@@ -528,8 +570,23 @@ def calibrate_rounds(
         "temperatures": [float(t) for t in temps],
         "ece_before": [p["ece"] for p in main["before"]],
         "ece_after": [p["ece"] for p in main["after"]],
+        "ece_before_ci": [p["ece_ci"] for p in main["before"]],
+        "ece_after_ci": [p["ece_ci"] for p in main["after"]],
         "evaluated_on": evaluated_on,
         "split": {"fit_fraction": float(fit_fraction), "seed": int(seed), "fit_requests": requests(fit),
                   "test_requests": requests(test), "fit_rounds": len(fit), "test_rounds": len(test)},
         "per_position": per_position,
+        "bootstrap": {"resamples": int(resamples), "seed": int(seed), "level": DEFAULT_LEVEL},
     }, (test if test else fit)
+
+
+def _ece_intervals(
+    rows: Sequence[Mapping[str, Any]], conf: np.ndarray, accepted: np.ndarray, proposed: np.ndarray, n_bins: int,
+    resamples: int, seed: int,
+) -> list[list[float]]:
+    """[lo, hi] of the ECE of a_k per position, a bootstrap over the requests of ``rows``."""
+    keys: dict[tuple, int] = {}
+    groups = [keys.setdefault(tuple(r.get(k) for k in ("source", *_REQUEST_KEYS)), len(keys)) for r in rows]
+    sums = ece_sums(conf, accepted, proposed, groups, len(keys), n_bins)  # [requests, γ, n_bins + 1]
+    _, lo, hi = stratified_ci([sums], lambda s: ece_from_sums(s.sum(axis=-3)), resamples=resamples, seed=seed)
+    return [[float(a), float(b)] for a, b in zip(lo, hi)]

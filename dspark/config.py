@@ -140,6 +140,7 @@ class EvalConfig:
     max_new_tokens: int = 2048
     temperature: float = 1.0  # 0 = greedy
     seed: int = 980406  # prompt subset and random draws; DeepSpec's default, so both tools pick the same prompts
+    bootstrap_resamples: int = 1000  # resamples of the requests behind every 95 % interval (seeded with eval.seed)
     block_size: int = 0  # 0 = the drafter's γ
     baseline: bool = True  # also decode with the target alone (speedups)
     label: str = ""  # row label in the report tables ("" = from the drafter's variant)
@@ -262,7 +263,7 @@ _POSITIVE = (
     "train.global_batch_size", "train.micro_batch_size", "generation.batch_size",
     "generation.max_new_tokens", "eval.max_new_tokens", "loss.chunk_rows", "serve.concurrency",
     "serve.max_new_tokens", "profile.context_len", "profile.repeats", "calibrate.bins", "propose.max_new_tokens",
-    "propose.num_blocks",
+    "propose.num_blocks", "eval.bootstrap_resamples",
 )
 _NON_NEGATIVE = (
     "threads", "eval.num_samples", "eval.block_size", "serve.num_prompts", "serve.num_requests",

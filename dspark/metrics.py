@@ -29,6 +29,9 @@ Where each quantity of SPEC 6 lives:
                                against 1[first k accepted], via dspark.calibration
 - ``summarize_rounds``         all of the above for one benchmark or domain
 - ``macro_average``            the Math / Code / Chat / Avg columns of Table 1
+- ``macro_average_array``      the same over a trailing benchmark axis (bootstrap resamples)
+
+Their 95 % bootstrap intervals over requests are in ``dspark.intervals``.
 """
 
 from __future__ import annotations
@@ -98,6 +101,9 @@ DEFAULT_NUM_SAMPLES: dict[str, int] = {
 }
 
 ECE_BINS = 20
+
+# The macro columns of Table 1, in the order ``macro_average_array`` returns them.
+MACRO_KEYS: tuple[str, ...] = ("math", "code", "chat", "avg")
 
 
 def domain_of(benchmark: str) -> str | None:
@@ -300,3 +306,23 @@ def macro_average(values: Mapping[str, float]) -> dict[str, float]:
     out = {domain: mean([*names, *(n for n in extra if domain_of(n) == domain)]) for domain, names in DOMAINS.items()}
     out["avg"] = mean([*BENCHMARKS, *extra])
     return out
+
+
+def macro_average_array(values: Any, names: Sequence[str]) -> np.ndarray:
+    """``macro_average`` of many rows at once: values [..., G] over the benchmarks ``names``
+    -> [..., 4], the columns of ``MACRO_KEYS``. NaN values are skipped; a column
+    with no finite member is NaN; names without a domain are ignored."""
+    v = np.asarray(values, dtype=np.float64)
+    if v.shape[-1] != len(names):
+        raise ValueError(f"values have {v.shape[-1]} benchmarks but names has {len(names)}")
+    domains = [domain_of(n) for n in names]
+    out = []
+    for key in MACRO_KEYS:
+        cols = [i for i, d in enumerate(domains) if d is not None and (key == "avg" or d == key)]
+        picked = v[..., cols]
+        finite = np.isfinite(picked)
+        total = np.where(finite, picked, 0.0).sum(axis=-1)
+        count = finite.sum(axis=-1)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            out.append(np.where(count > 0, total / np.maximum(count, 1), np.nan))
+    return np.stack(out, axis=-1)

@@ -38,7 +38,9 @@ from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
 
+from dspark.bootstrap import DEFAULT_RESAMPLES
 from dspark.calibration import apply_temperatures, round_arrays, save_sts_report
+from dspark.intervals import add_intervals
 from dspark.jsonutil import to_jsonable
 from dspark.markdown import fmt_number, markdown_table
 from dspark.metrics import DISPLAY_NAMES, DOMAINS, TABLE1_ORDER, domain_of, macro_average, summarize_rounds
@@ -78,6 +80,8 @@ def build_report(
     config: Mapping[str, Any] | None = None,
     skipped: Sequence[str] = (),
     temperatures: Any = None,
+    bootstrap_resamples: int | None = None,
+    bootstrap_seed: int | None = None,
 ) -> dict[str, Any]:
     """The report dict from per-request records and per-round records.
 
@@ -85,8 +89,12 @@ def build_report(
     domains (math/code/chat -> metrics pooled over the domain's rounds, plus
     its benchmarks and their macro τ), all (metrics pooled over every round),
     macro (Table 1's Math/Code/Chat/Avg of τ, τ per request and speedup),
-    timings. Metric keys are those of ``dspark.metrics.summarize_rounds``;
+    timings, bootstrap. Metric keys are those of ``dspark.metrics.summarize_rounds``;
     benchmarks also carry tokens, wall times, throughputs and the speedup.
+    The compared numbers carry a 95 % interval ``x_ci`` (``dspark.intervals``), a
+    bootstrap over requests with ``bootstrap_resamples`` resamples (default:
+    config["run"]["eval"]["bootstrap_resamples"], else 1000) seeded with
+    ``bootstrap_seed`` (default: config["seed"], the evaluation's eval.seed, else 0).
     """
     names = list(dict.fromkeys(r["benchmark"] for r in records))
     by_name: dict[str, list[Mapping[str, Any]]] = {n: [] for n in names}
@@ -109,7 +117,7 @@ def build_report(
         key: macro_average({n: b[key] for n, b in benchmarks.items() if b.get(key) is not None})
         for key in ("tau", "tau_per_request", "speedup", "decode_speedup")
     }
-    return {
+    report = {
         "label": label,
         "gamma": gamma,
         "config": dict(config or {}),
@@ -120,6 +128,19 @@ def build_report(
         "macro": macro,
         "timings": _timings(records),
     }
+    resamples, seed = _bootstrap_settings(config or {}, bootstrap_resamples, bootstrap_seed)
+    return add_intervals(report, records, rounds, resamples=resamples, seed=seed, temperatures=temperatures)
+
+
+def _bootstrap_settings(config: Mapping[str, Any], resamples: int | None, seed: int | None) -> tuple[int, int]:
+    """(resamples, seed) of the intervals: the arguments, else eval.bootstrap_resamples and
+    eval.seed as the evaluation recorded them in its config, else 1000 and 0."""
+    if resamples is None:
+        run = config.get("run") or {}
+        resamples = (run.get("eval") or {}).get("bootstrap_resamples", DEFAULT_RESAMPLES)
+    if seed is None:
+        seed = config.get("seed")
+    return int(resamples), int(seed or 0)
 
 
 def _domains(
