@@ -18,6 +18,7 @@ matrix product for all resamples.
 - ``bootstrap_ci_from_indices`` the same on a given resample set (tests, hand checks)
 - ``stratified_ci``            requests resampled within each group (benchmark),
                                for macro averages over benchmarks
+- ``intervals_overlap``        whether two [lo, hi] intervals share a point
 
 Percentile interval (Efron & Tibshirani 1993, ch. 13): lo and hi are the
 (1 − level)/2 and (1 + level)/2 quantiles of the resampled statistic, with
@@ -46,6 +47,7 @@ __all__ = [
     "bootstrap_ci_from_indices",
     "check_settings",
     "counts_from_indices",
+    "intervals_overlap",
     "percentile_interval",
     "resample_counts",
     "stratified_ci",
@@ -194,3 +196,12 @@ def stratified_ci(
     sums = np.stack([np.tensordot(c.astype(np.float64), a, axes=1) for c, a in zip(counts, arrays)], axis=1)
     lo, hi = percentile_interval(_evaluate(statistic, sums), level)  # sums: [R, G, d...]
     return Interval(_scalar(estimate), lo, hi)
+
+
+def intervals_overlap(a: Any, b: Any) -> bool | None:
+    """Whether the closed intervals a = [lo, hi] and b = [lo, hi] share a point; None
+    when either is missing or not finite (e.g. a report written without intervals)."""
+    for pair in (a, b):
+        if pair is None or len(pair) != 2 or any(v is None or not np.isfinite(float(v)) for v in pair):
+            return None
+    return float(a[0]) <= float(b[1]) and float(b[0]) <= float(a[1])

@@ -1,4 +1,5 @@
-"""Markdown for every table the library prints or writes: one number format, one table layout."""
+"""Markdown for every table the library prints or writes: one number format (with its
+interval, ``fmt_ci``), one table layout."""
 
 from __future__ import annotations
 
@@ -24,3 +25,17 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def fmt_ci(x: Any, ci: Any = None, digits: int = 2) -> str:
+    """A number with its interval as "1.14 ± 0.05": ± the half-width (hi − lo)/2 of
+    ``ci`` = [lo, hi], in ``fmt_number``'s format; the plain number when ``ci`` is
+    missing or not finite."""
+    cell = fmt_number(x, digits)
+    if cell == "–" or ci is None or len(ci) != 2 or any(v is None for v in ci):
+        return cell
+    lo, hi = float(ci[0]), float(ci[1])
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return cell
+    return f"{cell} ± {(hi - lo) / 2:.{digits}f}"
+

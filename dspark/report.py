@@ -38,11 +38,11 @@ from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
 
-from dspark.bootstrap import DEFAULT_RESAMPLES
+from dspark.bootstrap import DEFAULT_RESAMPLES, intervals_overlap
 from dspark.calibration import apply_temperatures, round_arrays, save_sts_report
 from dspark.intervals import add_intervals
 from dspark.jsonutil import to_jsonable
-from dspark.markdown import fmt_number, markdown_table
+from dspark.markdown import fmt_ci, fmt_number, markdown_table
 from dspark.metrics import DISPLAY_NAMES, DOMAINS, TABLE1_ORDER, domain_of, macro_average, summarize_rounds
 from dspark.plots import plot_acceptance, plot_figure8, plot_frontier, plot_reliability, plot_sps, reliability_grid
 
@@ -240,21 +240,74 @@ def compare_reports(reports: Mapping[str, Mapping[str, Any] | PathLike]) -> str:
 
     Columns: the nine benchmarks in the paper's order (plus any other
     benchmark a report holds), then Math / Code / Chat / Avg (macro averages
-    of τ). A benchmark a report lacks shows "–"."""
+    of τ), each "τ ± half-width" of its 95 % interval when the report has one.
+    A benchmark a report lacks shows "–". Then, when reports hold speedups,
+    their macro averages; and for two drafters or more, one row per pair saying
+    for each compared number whether the two intervals overlap."""
     loaded = {label: r if isinstance(r, Mapping) else load_report(r) for label, r in reports.items()}
-    extra = [n for r in loaded.values() for n in r["benchmarks"] if n not in TABLE1_ORDER]
-    columns = list(TABLE1_ORDER) + list(dict.fromkeys(extra))
-    header = ["drafter"] + [DISPLAY_NAMES.get(n, n) for n in columns] + ["Math", "Code", "Chat", "Avg"]
-    rows = []
-    for label, report in loaded.items():
-        taus = {n: b.get("tau") for n, b in report["benchmarks"].items()}
-        macro = macro_average({n: t for n, t in taus.items() if t is not None})
-        rows.append(
-            [label]
-            + [fmt_number(taus.get(n)) for n in columns]
-            + [fmt_number(macro[k]) for k in ("math", "code", "chat", "avg")]
-        )
-    return markdown_table(header, rows)
+    columns = _table1_columns(loaded.values())
+    cells = {label: _compared_numbers(report) for label, report in loaded.items()}
+    text = _numbers_table(cells, columns)
+    speed_columns = [c for c in _SPEED_COLUMNS if any(c in numbers for numbers in cells.values())]
+    if speed_columns:
+        text += "\n\nSpeedup vs target-only decoding (macro average over benchmarks):\n\n"
+        text += _numbers_table(cells, speed_columns)
+    if len(loaded) > 1:
+        text += "\n\n" + _overlap_table(cells, columns + speed_columns)
+    return text
+
+
+_SPEED_COLUMNS = ("speedup Avg", "decode speedup Avg")
+
+
+def _table1_columns(reports: Any) -> list[str]:
+    """Table 1's τ columns: the nine benchmarks in the paper's order, any other benchmark, the macro averages."""
+    extra = [n for r in reports for n in r["benchmarks"] if n not in TABLE1_ORDER]
+    return [DISPLAY_NAMES.get(n, n) for n in [*TABLE1_ORDER, *dict.fromkeys(extra)]] + ["Math", "Code", "Chat", "Avg"]
+
+
+def _compared_numbers(report: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """Column name -> (value, [lo, hi] or None) of every number ``compare_reports`` compares."""
+    out = {}
+    taus = {}
+    for name, b in report["benchmarks"].items():
+        if b.get("tau") is not None:
+            taus[name] = b["tau"]
+            out[DISPLAY_NAMES.get(name, name)] = (b["tau"], b.get("tau_ci"))
+    macro = report.get("macro") or {}
+    tau_ci = macro.get("tau_ci") or {}
+    for key, value in macro_average({n: t for n, t in taus.items()}).items():
+        out["Avg" if key == "avg" else key.capitalize()] = (value, tau_ci.get(key))
+    for key, column in zip(("speedup", "decode_speedup"), _SPEED_COLUMNS):
+        value = (macro.get(key) or {}).get("avg")
+        if value is not None and math.isfinite(value):
+            out[column] = (value, (macro.get(f"{key}_ci") or {}).get("avg"))
+    return out
+
+
+def _numbers_table(cells: Mapping[str, Mapping[str, tuple[Any, Any]]], columns: Sequence[str]) -> str:
+    rows = [[label] + [fmt_ci(*numbers.get(c, (None, None))) for c in columns] for label, numbers in cells.items()]
+    return markdown_table(["drafter", *columns], rows)
+
+
+def _overlap_table(cells: Mapping[str, Mapping[str, tuple[Any, Any]]], columns: Sequence[str]) -> str:
+    """One row per pair of drafters: "overlap" or "apart" per compared number ("–" without two
+    intervals; columns with no pair of intervals are left out), and a sentence naming the pairs apart."""
+    words = {True: "overlap", False: "apart", None: "–"}
+    labels = list(cells)
+    pairs = [(a, b) for i, a in enumerate(labels) for b in labels[i + 1:]]
+    verdict = {(a, b, c): intervals_overlap(cells[a].get(c, (None, None))[1], cells[b].get(c, (None, None))[1])
+               for a, b in pairs for c in columns}
+    shown = [c for c in columns if any(verdict[a, b, c] is not None for a, b in pairs)]
+    if not shown:
+        return "No two drafters both carry intervals (reports written before them): overlap is not known."
+    rows = [[f"{a} vs {b}"] + [words[verdict[a, b, c]] for c in shown] for a, b in pairs]
+    apart = [f"{a} vs {b} on {c} ({fmt_ci(*cells[a][c])} vs {fmt_ci(*cells[b][c])})"
+             for a, b in pairs for c in shown if verdict[a, b, c] is False]
+    summary = ("Intervals apart: " + "; ".join(apart) + ".") if apart else "Every compared pair of intervals overlaps."
+    return ("Do the 95 % intervals (bootstrap over requests) overlap? \"apart\": the difference is larger than the "
+            "request-to-request noise; \"overlap\": these requests do not separate the two drafters.\n\n"
+            + markdown_table(["pair", *shown], rows) + "\n\n" + summary)
 
 
 def report_markdown(report: Mapping[str, Any]) -> str:
@@ -264,7 +317,7 @@ def report_markdown(report: Mapping[str, Any]) -> str:
         "",
         "## Accepted length τ per round, bonus token included (Table 1)",
         "",
-        compare_reports({report["label"]: report}),
+        _numbers_table({report["label"]: _compared_numbers(report)}, _table1_columns([report])),
         "",
         "## Per benchmark",
         "",
@@ -289,6 +342,10 @@ def _settings_lines(report: Mapping[str, Any]) -> list[str]:
     ]
     if report.get("skipped"):
         lines += ["", f"Skipped (file missing): {', '.join(report['skipped'])}."]
+    boot = report.get("bootstrap")
+    if boot:
+        lines += ["", f"x ± h: h is the half-width of the {100 * boot['level']:g} % interval of a bootstrap over "
+                      f"requests, resampled within each benchmark ({boot['resamples']} resamples, seed {boot['seed']})."]
     return lines
 
 
@@ -302,11 +359,12 @@ def _benchmark_table(report: Mapping[str, Any]) -> str:
     rows = []
     for name, b in list(report["benchmarks"].items()) + [("all", report["all"])]:
         row = [DISPLAY_NAMES.get(name, name), fmt_number(b["num_requests"]), fmt_number(b["num_rounds"]),
-               fmt_number(b["tokens"]), fmt_number(b["tau"]), fmt_number(b["tau_per_request"]),
-               fmt_number(b["verify_rate"]), fmt_number(b["acceptance_rate"]), fmt_number(b["tokens_per_s"], 1)]
+               fmt_number(b["tokens"]), fmt_ci(b["tau"], b.get("tau_ci")),
+               fmt_ci(b["tau_per_request"], b.get("tau_per_request_ci")), fmt_number(b["verify_rate"]),
+               fmt_ci(b["acceptance_rate"], b.get("acceptance_rate_ci")), fmt_number(b["tokens_per_s"], 1)]
         if has_base:
-            row += [fmt_number(b.get("baseline_tokens_per_s"), 1), fmt_number(b.get("speedup")),
-                    fmt_number(b.get("decode_speedup"))]
+            row += [fmt_number(b.get("baseline_tokens_per_s"), 1), fmt_ci(b.get("speedup"), b.get("speedup_ci")),
+                    fmt_ci(b.get("decode_speedup"), b.get("decode_speedup_ci"))]
         rows.append(row)
     return markdown_table(header, rows)
 
@@ -318,13 +376,19 @@ def _position_tables(report: Mapping[str, Any]) -> list[str]:
 
     def table(key: str) -> str:
         return markdown_table(["", *positions], [[DISPLAY_NAMES.get(n, n.capitalize() if n in DOMAINS else n)]
-                                                 + [fmt_number(x, 3) for x in e[key]] for n, e in groups])
+                                                 + [fmt_ci(x, ci, 3) for x, ci in zip(e[key], _cis(e, key))]
+                                                 for n, e in groups])
 
     return ["", "## Conditional acceptance per position (paper Fig. 2)", "",
             "P(k accepted | 1..k−1 accepted, k verified); domains pool their rounds.", "",
             table("conditional_acceptance"),
             "", "## Prefix survival P(m ≥ k)", "",
             table("prefix_survival")]
+
+
+def _cis(entry: Mapping[str, Any], key: str) -> list[Any]:
+    """The per-position intervals of a list metric (Nones when the report has none)."""
+    return entry.get(f"{key}_ci") or [None] * len(entry[key])
 
 
 def _confidence_lines(pooled: Mapping[str, Any]) -> list[str]:
@@ -339,10 +403,10 @@ def _confidence_lines(pooled: Mapping[str, Any]) -> list[str]:
     rows = []
     for k, c in enumerate(conf):
         row = [str(c["position"]), fmt_number(c["count"]), fmt_number(c["mean_pred"], 3),
-               fmt_number(c["mean_label"], 3), fmt_number(c["ece"], 4), fmt_number(c["auroc"], 3),
+               fmt_number(c["mean_label"], 3), fmt_ci(c["ece"], c.get("ece_ci"), 4), fmt_number(c["auroc"], 3),
                fmt_number(c["brier"], 4)]
         if calibrated:
-            row += [fmt_number(calibrated[k]["ece"], 4), fmt_number(calibrated[k]["brier"], 4)]
+            row += [fmt_ci(calibrated[k]["ece"], calibrated[k].get("ece_ci"), 4), fmt_number(calibrated[k]["brier"], 4)]
         rows.append(row)
     return [
         "a_k = Π_{i≤k} c_i against 1[first k accepted], over rounds that verified k; ECE with 20 bins.",
@@ -377,7 +441,7 @@ def calibration_markdown(report: Mapping[str, Any]) -> str:
         b, a = part["before"][k], part["after"][k]
         cb, ca = part["conditional_before"][k], part["conditional_after"][k]
         rows.append([fmt_number(k + 1), fmt_number(b["count"]), fmt_number(t, 3),
-                     fmt_number(b["ece"], 4), fmt_number(a["ece"], 4),
+                     fmt_ci(b["ece"], b.get("ece_ci"), 4), fmt_ci(a["ece"], a.get("ece_ci"), 4),
                      fmt_number(b["auroc"], 3), fmt_number(a["auroc"], 3),
                      fmt_number(cb["auroc"], 3), fmt_number(ca["auroc"], 3),
                      fmt_number(b["brier"], 4), fmt_number(a["brier"], 4)])

@@ -147,6 +147,7 @@ def test_a_string_field_takes_the_text_as_it_is():
         ({"target.device": "tpu"}, ["target.device", "auto"]),
         ({"calibrate.fit_fraction": 1.0}, ["calibrate.fit_fraction", "[0, 1)"]),
         ({"eval.num_samples": -1}, ["eval.num_samples", ">= 0"]),
+        ({"eval.bootstrap_resamples": 0}, ["eval.bootstrap_resamples", "> 0"]),
     ],
 )
 def test_bad_values_of_the_run_sections_name_the_key(values, words):

@@ -178,6 +178,14 @@ def test_confidence_quality_uses_only_rounds_with_confidences(tmp_path, clock):
 # ------------------------------------------------------------------ the files
 
 
+# GSM8K's two requests have τ sums (6 over 2 rounds) and (1 over 1): a resample of them draws
+# both (τ 7/3, p = 1/2), the first twice (3, p = 1/4) or the second twice (1, p = 1/4), so its 95 %
+# interval is [1, 3] (± 1.00); MBPP and Alpaca have one request each (± 0); the Avg (τ_GSM8K + 3 + 2) / 3
+# spans [2, 8/3] (± 0.33).
+DSPARK_ROW = ("| DSpark | 2.33 ± 1.00 | – | – | 3.00 ± 0.00 | – | – | – | 2.00 ± 0.00 | – | 2.33 ± 1.00 | 3.00 ± 0.00 "
+              "| 2.00 ± 0.00 | 2.44 ± 0.33 |")
+
+
 def test_files_hold_rounds_requests_strict_json_markdown_and_plots(tmp_path, clock):
     run(tmp_path, clock, sts_temperatures=[1.0, 1.0, 1.0])
     out = tmp_path / "out"
@@ -201,7 +209,7 @@ def test_files_hold_rounds_requests_strict_json_markdown_and_plots(tmp_path, clo
     assert report["benchmarks"]["mbpp"]["tau"] == pytest.approx(3.0)
     md = (out / "report.md").read_text()
     assert TABLE1_HEADER in md
-    assert "| DSpark | 2.33 | – | – | 3.00 | – | – | – | 2.00 | – | 2.33 | 3.00 | 2.00 | 2.44 |" in md
+    assert DSPARK_ROW in md
     assert "Conditional acceptance per position" in md and "ECE after STS" in md
     for name in ("acceptance.png", "reliability.png"):
         assert (out / name).read_bytes()[:8] == PNG_MAGIC
@@ -326,7 +334,7 @@ def test_compare_reports_puts_one_row_per_drafter_in_table_1_order(tmp_path, clo
     dflash = {"benchmarks": {"gsm8k": {"tau": 2.0}, "humaneval": {"tau": 1.5}}}
     table = compare_reports({"DSpark": dspark, "DFlash": dflash}).splitlines()
     assert table[0] == TABLE1_HEADER
-    assert table[2] == "| DSpark | 2.33 | – | – | 3.00 | – | – | – | 2.00 | – | 2.33 | 3.00 | 2.00 | 2.44 |"
+    assert table[2] == DSPARK_ROW
     assert table[3] == "| DFlash | 2.00 | – | – | – | 1.50 | – | – | – | – | 2.00 | 1.50 | – | 1.75 |"
     assert compare_reports({"DSpark": tmp_path / "out"}).splitlines()[2] == table[2]  # from report.json's folder
 
