@@ -545,21 +545,8 @@ def calibrate_rounds(
     conf, accepted, proposed = round_arrays(fit)
     temps = fit_sts(conf, accepted, proposed, grid=grid, n_bins=n_bins)
 
-    per_position: dict[str, Any] = {}
-    for part, rows in (("fit", fit), ("test", test)):
-        if not rows:
-            continue
-        c, m, ell = round_arrays(rows)
-        calibrated = apply_temperatures(c, temps)
-        per_position[part] = {
-            "before": confidence_metrics(c, m, ell, n_bins),
-            "after": confidence_metrics(calibrated, m, ell, n_bins),
-            "conditional_before": conditional_metrics(c, m, ell, n_bins),
-            "conditional_after": conditional_metrics(calibrated, m, ell, n_bins),
-        }
-        for name, values in (("before", c), ("after", calibrated)):
-            for entry, ci in zip(per_position[part][name], _ece_intervals(rows, values, m, ell, n_bins, resamples, seed)):
-                entry["ece_ci"] = ci
+    per_position = {part: _part_metrics(rows, temps, n_bins, resamples, seed)
+                     for part, rows in (("fit", fit), ("test", test)) if rows}
     evaluated_on = "test" if test else "fit"
     main = per_position[evaluated_on]
 
@@ -578,6 +565,24 @@ def calibrate_rounds(
         "per_position": per_position,
         "bootstrap": {"resamples": int(resamples), "seed": int(seed), "level": DEFAULT_LEVEL},
     }, (test if test else fit)
+
+
+def _part_metrics(
+    rows: Sequence[Mapping[str, Any]], temps: np.ndarray, n_bins: int, resamples: int, seed: int
+) -> dict[str, Any]:
+    """before / after / conditional_before / conditional_after of one part; a_k's ECE with its ece_ci."""
+    c, m, ell = round_arrays(rows)
+    calibrated = apply_temperatures(c, temps)
+    out = {
+        "before": confidence_metrics(c, m, ell, n_bins),
+        "after": confidence_metrics(calibrated, m, ell, n_bins),
+        "conditional_before": conditional_metrics(c, m, ell, n_bins),
+        "conditional_after": conditional_metrics(calibrated, m, ell, n_bins),
+    }
+    for name, values in (("before", c), ("after", calibrated)):
+        for entry, ci in zip(out[name], _ece_intervals(rows, values, m, ell, n_bins, resamples, seed)):
+            entry["ece_ci"] = ci
+    return out
 
 
 def _ece_intervals(
