@@ -126,7 +126,7 @@ def _interval_from_counts(aggregates: np.ndarray, statistic: Statistic, counts: 
     if counts.shape[1] != aggregates.shape[0]:
         raise ValueError(f"resample counts cover {counts.shape[1]} requests but there are {aggregates.shape[0]}")
     estimate = _evaluate(statistic, aggregates.sum(axis=0))
-    resampled = _evaluate(statistic, np.tensordot(counts.astype(np.float64), aggregates, axes=1))  # [R, ...]
+    resampled = _evaluate(statistic, np.tensordot(np.asarray(counts, dtype=np.float64), aggregates, axes=1))  # [R, ...]
     lo, hi = percentile_interval(resampled, level)
     return Interval(_scalar(estimate), lo, hi)
 
@@ -193,7 +193,7 @@ def stratified_ci(
         if c.shape[1] != a.shape[0]:
             raise ValueError(f"resample counts cover {c.shape[1]} requests but a group has {a.shape[0]}")
     estimate = _evaluate(statistic, np.stack([a.sum(axis=0) for a in arrays], axis=0))
-    sums = np.stack([np.tensordot(c.astype(np.float64), a, axes=1) for c, a in zip(counts, arrays)], axis=1)
+    sums = np.stack([np.tensordot(np.asarray(c, dtype=np.float64), a, axes=1) for c, a in zip(counts, arrays)], axis=1)
     lo, hi = percentile_interval(_evaluate(statistic, sums), level)  # sums: [R, G, d...]
     return Interval(_scalar(estimate), lo, hi)
 

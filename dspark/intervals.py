@@ -178,7 +178,9 @@ class _Intervals:
     def __init__(self, aggregates: Mapping[str, BenchmarkAggregates], resamples: int, seed: int) -> None:
         self.aggregates = aggregates
         rng = np.random.default_rng(seed)
-        self.counts = {name: resample_counts(a.num_requests, resamples, rng) for name, a in aggregates.items()}
+        # float64 once: every statistic multiplies these counts with its aggregates.
+        self.counts = {name: resample_counts(a.num_requests, resamples, rng).astype(np.float64)
+                       for name, a in aggregates.items()}
 
     def ci(self, names: Sequence[str], aggregate: str, statistic: Callable[[np.ndarray], np.ndarray]) -> Any:
         """[lo, hi] (or one per element) of ``statistic`` over ``names``; None where a benchmark lacks the aggregate."""
@@ -241,7 +243,7 @@ def add_intervals(
             entry["tau_macro_ci"] = ci["avg"]
     intervals.annotate(report["all"], list(aggregates))
     names = list(report["benchmarks"])
-    for key in list(report["macro"]):
+    for key in [k for k in report["macro"] if k in _STATISTICS]:
         aggregate, statistic = _STATISTICS[key]
         ci = intervals.macro(names, aggregate, statistic)
         if ci is not None:

@@ -5,6 +5,7 @@ Oracles: hand-computed quantiles of a fixed resample set; a brute-force bootstra
 the request records themselves and calls the plain metric functions; the exact τ of a synthetic
 geometric acceptance process (coverage)."""
 
+import copy
 import math
 
 import numpy as np
@@ -20,6 +21,7 @@ from dspark.bootstrap import (
     stratified_ci,
 )
 from dspark.calibration import calibrate_rounds, confidence_metrics, ece, ece_from_sums, ece_sums, prefix_labels
+from dspark.intervals import add_intervals
 from dspark.jsonutil import to_jsonable
 from dspark.metrics import macro_average, macro_average_array, tau_pooled
 from dspark.report import build_report
@@ -198,6 +200,8 @@ def test_report_adds_ci_siblings_and_keeps_every_other_value():
     assert "ece_ci" in report["all"]["confidence"][0] and "ece_ci" in report["all"]["confidence_calibrated"][2]
     assert set(report["macro"]["tau_ci"]) == {"math", "code", "chat", "avg"}
     assert report["domains"]["math"]["tau_macro_ci"] == report["macro"]["tau_ci"]["math"]
+    again = add_intervals(copy.deepcopy(report), records, rounds, resamples=40, seed=7, temperatures=[1.0, 2.0, 0.5])
+    assert to_jsonable(again) == to_jsonable(report)  # seeded, and a second pass over a report changes nothing
 
 
 # ------------------------------------------------------------------ coverage
