@@ -306,7 +306,8 @@ def _overlap_table(cells: Mapping[str, Mapping[str, tuple[Any, Any]]], columns: 
              for a, b in pairs for c in shown if verdict[a, b, c] is False]
     summary = ("Intervals apart: " + "; ".join(apart) + ".") if apart else "Every compared pair of intervals overlaps."
     return ("Do the 95 % intervals (bootstrap over requests) overlap? \"apart\": the difference is larger than the "
-            "request-to-request noise; \"overlap\": these requests do not separate the two drafters.\n\n"
+            "request-to-request noise; \"overlap\": this check does not separate the two drafters (a conservative "
+            "check: overlapping 95 % intervals can still hide a real difference).\n\n"
             + markdown_table(["pair", *shown], rows) + "\n\n" + summary)
 
 
