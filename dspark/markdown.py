@@ -38,4 +38,3 @@ def fmt_ci(x: Any, ci: Any = None, digits: int = 2) -> str:
     if not (math.isfinite(lo) and math.isfinite(hi)):
         return cell
     return f"{cell} ± {(hi - lo) / 2:.{digits}f}"
-
