@@ -387,3 +387,26 @@ def test_eval_runs_an_eagle3_drafter_on_a_tiny_target(tmp_path):
                       out_dir=tmp_path / "out", progress=False, warmup=False)
     text = json.dumps(report)
     assert "Eagle3" in text and (tmp_path / "out" / "report.json").is_file()
+
+
+def test_dspark_propose_shows_eagle3_blocks_along_a_sequence():
+    from dspark.proposals import proposals_along
+
+    target = make_tiny_target("qwen3")
+    drafter = tiny_eagle3(target)
+    seq = torch.randint(2, target.vocab_size, (14,), generator=torch.Generator().manual_seed(9)).tolist()
+    views = proposals_along(target, drafter, seq, [5, 9])
+    with torch.no_grad():
+        feats = target(torch.tensor([seq])).features
+        ref = drafter.propose_from_features(feats[:, :5], torch.tensor([seq[5]]), input_ids=torch.tensor([seq[:5]]),
+                                            temperature=0.0)
+    assert views[0].draft_tokens == ref.tokens[0].tolist() and len(views[1].draft_tokens) == 4
+
+
+def test_export_refuses_an_eagle3_drafter_by_name(tmp_path):
+    from dspark.export import ExportRefused, export_drafter
+
+    drafter = tiny_eagle3(make_tiny_target("qwen3"))
+    for to in ("vllm", "sglang", "deepspec", "zlab"):
+        with pytest.raises(ExportRefused, match="Eagle3"):
+            export_drafter(drafter, tmp_path / to, to)
