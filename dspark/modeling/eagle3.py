@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dspark.modeling.config import DrafterConfig, resolve_attention_dims
-from dspark.modeling.drafter import SHARED_PARAMS, Proposal
+from dspark.modeling.drafter import Proposal
 from dspark.modeling.layers import GatedMLP, RMSNorm, Rotary, apply_rope, attention
 from dspark.ops import vocab_logits
 from dspark.sampling import sample_categorical
@@ -149,14 +149,14 @@ class Eagle3Drafter(nn.Module):
         super().__init__()
         if config.variant != "eagle3":
             raise ValueError(f"Eagle3Drafter needs variant='eagle3', got {config.variant!r}")
+        if config.num_draft_layers != 1:
+            raise ValueError(f"num_draft_layers={config.num_draft_layers}: an Eagle3 drafter has exactly 1 layer")
         self.config = config
         d, m = config.hidden_size, len(config.target_layer_ids)
         eps = float(config.base_config.get("rms_norm_eps", 1e-6))
         self._shared: dict[str, Tensor] = {}
         self.fc = nn.Linear(m * d, d, bias=False)
-        self.layers = nn.ModuleList(Eagle3Layer(config) for _ in range(config.num_draft_layers))
-        if config.num_draft_layers != 1:
-            raise ValueError(f"num_draft_layers={config.num_draft_layers}: an Eagle3 drafter has exactly 1 layer")
+        self.layers = nn.ModuleList([Eagle3Layer(config)])
         self.norm = RMSNorm(d, eps)
         self.rotary = Rotary(config)
         self.draft_vocab: Any = None  # a DraftVocab (reduced vocabulary) or None (the full vocabulary)
@@ -451,4 +451,4 @@ def _grow(ctx: Eagle3Context, need: int, gamma: int) -> None:
     ctx.tokens = torch.cat([ctx.tokens, ctx.tokens.new_full((ctx.tokens.shape[0], grow), -1)], dim=1)
 
 
-__all__ = ["SHARED_PARAMS", "Eagle3Context", "Eagle3Drafter", "ttt_attention"]
+__all__ = ["Eagle3Context", "Eagle3Drafter", "ttt_attention"]
