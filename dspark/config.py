@@ -47,12 +47,14 @@ class DrafterSpec:
     """The drafter's architecture (SPEC 3). Sizes not given here are the target's.
 
     A "dflash" drafter has no sequential or confidence head whatever the head
-    fields say (`dflash_of` writes them out as DeepSpec trains DFlash)."""
+    fields say (`dflash_of` writes them out as DeepSpec trains DFlash). An "eagle3"
+    drafter (SPEC 8) is one autoregressive layer trained by training-time test;
+    `eagle3_of` derives it from a DSpark config."""
 
     target_layer_ids: list[int] = field(default_factory=lambda: [1, 9, 17, 25, 33])  # i = output of decoder layer i
     mask_token_id: int = 151669
-    variant: str = "dspark"  # "dspark" | "dflash"
-    block_size: int = 7  # γ
+    variant: str = "dspark"  # "dspark" | "dflash" | "eagle3"
+    block_size: int = 7  # γ (Eagle3: drafts per round, one forward each)
     num_draft_layers: int = 5
     block_layout: str = "anchor_first"  # "anchor_first" (DSpark) | "anchor_plus_masks" (original DFlash)
     markov_rank: int = 256  # Eq. 5, r
@@ -63,6 +65,9 @@ class DrafterSpec:
     attn_implementation: str = "auto"  # "auto" (flex on GPU, sdpa on CPU) | "sdpa" | "eager" | "flex"
     layer_family: str = ""  # "": the target's; "qwen3": Qwen3 layers for a Llama target (what serving engines load)
     dtype: str = "float32"  # parameter dtype of the drafter (master weights stay fp32 when training)
+    eagle3_preset: str = "eagle3"  # "eagle3" (standard: Llama layer, vLLM / SGLang) | "eagle3_deepspec" (q/k norms)
+    ttt_length: int = 7  # Eagle3 training-time-test steps
+    step_loss_decay: float = 0.8  # Eagle3: step s of the TTT loss weighs decay^s
 
 
 @dataclass
@@ -101,6 +106,9 @@ class LossConfig:
     loss_decay_gamma: float = 4.0  # Eq. 8
     chunk_rows: int = 64
     fused: bool = True  # LM-head gradients in the forward pass (no recomputation); False: generic chunked loss
+    # Eagle3: DeepSpec's conventions (loss mask read two positions before the predicted token, every
+    # step divided by B·S) instead of ours (the predicted token's own mask, a weighted mean).
+    eagle3_parity: bool = False
 
 
 @dataclass
@@ -243,10 +251,49 @@ def dflash_of(config: Config) -> Config:
                                drafter=drafter, loss=loss)
 
 
+EAGLE3_PRESETS = ("eagle3", "eagle3_deepspec")
+
+
+def standard_eagle3_layer_ids(num_target_layers: int) -> list[int]:
+    """The 3 layers standard EAGLE-3 fuses, [1, N/2 − 1, N − 4] in our output-of-layer convention
+    (../shared/INTEROP.md)."""
+    n = num_target_layers
+    if n < 6:
+        raise ValueError(f"num_target_layers={n}: standard EAGLE-3 layer ids [1, N/2-1, N-4] need N >= 6")
+    return [1, n // 2 - 1, n - 4]
+
+
+def eagle3_of(config: Config, preset: str = "eagle3_deepspec", num_target_layers: int | None = None) -> Config:
+    """The Eagle3 baseline of a DSpark config (SPEC 8): the same target, data and optimiser, one
+    autoregressive draft layer trained by training-time test over 7 steps with step decay 0.8, CE only.
+
+    preset "eagle3_deepspec" keeps the DSpark config's target layers (DeepSpec's variant, the
+    paper's baseline); "eagle3" is the standard EAGLE-3 and fuses [1, N/2 − 1, N − 4], for which
+    `num_target_layers` (N) is required."""
+    if preset not in EAGLE3_PRESETS:
+        raise ValueError(f"preset={preset!r} is not one of {EAGLE3_PRESETS}")
+    ids = list(config.drafter.target_layer_ids)
+    if preset == "eagle3":
+        if num_target_layers is None:
+            raise ValueError("eagle3_of(config, 'eagle3') needs num_target_layers: the standard preset fuses "
+                             "layers [1, N/2-1, N-4] of an N-layer target")
+        ids = standard_eagle3_layer_ids(num_target_layers)
+    drafter = dataclasses.replace(
+        config.drafter, variant="eagle3", eagle3_preset=preset, target_layer_ids=ids, num_draft_layers=1,
+        ttt_length=7, step_loss_decay=0.8, markov_rank=0, enable_confidence_head=False,
+        confidence_head_with_markov=False, layer_family="",
+    )
+    loss = dataclasses.replace(config.loss, ce_weight=1.0, tv_weight=0.0, conf_weight=0.0)
+    name = config.name.replace("dspark", "eagle3") if "dspark" in config.name else f"eagle3_{config.name}"
+    return dataclasses.replace(config, name=name, out_dir=config.out_dir.replace("dspark", "eagle3"),
+                               drafter=drafter, loss=loss)
+
+
 # ----------------------------------------------------------------- validation
 _CHOICES = {
     "target.dtype": ("auto", "float32", "bfloat16", "float16"),
-    "drafter.variant": ("dspark", "dflash"),
+    "drafter.variant": ("dspark", "dflash", "eagle3"),
+    "drafter.eagle3_preset": EAGLE3_PRESETS,
     "drafter.block_layout": ("anchor_first", "anchor_plus_masks"),
     "drafter.markov_head_type": ("vanilla", "gated", "rnn"),
     "drafter.attn_implementation": ("auto", "sdpa", "eager", "flex"),
@@ -263,7 +310,7 @@ _POSITIVE = (
     "train.global_batch_size", "train.micro_batch_size", "generation.batch_size",
     "generation.max_new_tokens", "eval.max_new_tokens", "loss.chunk_rows", "serve.concurrency",
     "serve.max_new_tokens", "profile.context_len", "profile.repeats", "calibrate.bins", "propose.max_new_tokens",
-    "propose.num_blocks", "eval.bootstrap_resamples",
+    "propose.num_blocks", "eval.bootstrap_resamples", "drafter.ttt_length",
 )
 _NON_NEGATIVE = (
     "threads", "eval.num_samples", "eval.block_size", "serve.num_prompts", "serve.num_requests",
@@ -296,6 +343,8 @@ def validate(config: Config) -> None:
             f"drafter.target_layer_ids={ids} must be non-empty, strictly increasing, each >= -1 "
             "(-1 = embedding output, i = output of decoder layer i)"
         )
+    if not 0 < config.drafter.step_loss_decay <= 1:
+        raise ValueError(f"drafter.step_loss_decay must lie in (0, 1], got {config.drafter.step_loss_decay}")
     if config.train.global_batch_size % config.train.micro_batch_size:
         raise ValueError(
             f"train.global_batch_size={config.train.global_batch_size} must be a multiple of "

@@ -191,7 +191,7 @@ class SpeculativeRequest:
         with self.clock("prefill"):
             self.cache, out = _prefill(target, prompt_ids)
             self.ctx = drafter.new_context(1, target.device, capacity=self.prompt_len + max_new_tokens)
-            drafter.extend_context(self.ctx, out.features)  # context positions 0..P-1
+            _extend_context(drafter, self.ctx, out.features, prompt_ids)  # context positions 0..P-1
             self.anchor = sample_token(out.logits[:, -1], temperature, generator)  # x_0, [1]
             self.tokens.append(int(self.anchor))
 
@@ -260,7 +260,7 @@ class SpeculativeRequest:
 
         with self.clock("bookkeeping"):  # keep x_0..x_m, drop the rejected drafts
             self.target.crop_cache(self.cache, self.prompt_len + len(self.tokens) - 1)
-            self.drafter.extend_context(self.ctx, out.features[:, : m + 1])
+            _extend_context(self.drafter, self.ctx, out.features[:, : m + 1], x[:, : m + 1])
             self.anchor = next_token
         return record
 
@@ -315,6 +315,16 @@ def _prefill(target: TargetModel, prompt_ids: Sequence[int]) -> tuple[Any, Any]:
     cache = target.new_cache()
     ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=target.device)  # [1, P]
     return cache, target(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+
+
+def _extend_context(drafter: Any, ctx: Any, features: Tensor, tokens: Sequence[int] | Tensor) -> None:
+    """Append the features of new context positions; a drafter that pairs each feature row with the
+    token after it (Eagle3: `reads_tokens`) also gets the tokens at those positions."""
+    if getattr(drafter, "reads_tokens", False):
+        ids = torch.as_tensor(tokens, dtype=torch.long, device=features.device).reshape(1, -1)
+        drafter.extend_context(ctx, features, input_ids=ids)
+    else:
+        drafter.extend_context(ctx, features)
 
 
 def _first_eos(tokens: list[int], eos: set[int]) -> int | None:

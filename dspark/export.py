@@ -270,6 +270,10 @@ def export_drafter(
         raise ValueError(f"--to {to!r}: choose one of {list(DESTINATIONS)}")
     if (sts or sps) and to != "sglang":
         _refuse(to, "--sts/--sps are the files of SGLang's DSPARK confidence scheduling (use --to sglang)")
+    if drafter.config.variant == "eagle3":  # never written as a DSpark/DFlash layout by mistake
+        _refuse(to, "an Eagle3 drafter: its export layouts (LlamaForCausalLMEagle3 for vLLM / SGLang) are not built "
+                    "yet; its own folder (dspark train output) is DeepSpec's Qwen3Eagle3Model layout for the "
+                    "eagle3_deepspec preset on a Qwen3 target")
     folder = Path(out).resolve()
     layout = BUILDERS[to](drafter, folder, {"target": target, "sts": sts, "sps": sps})
     folder.parent.mkdir(parents=True, exist_ok=True)

@@ -63,7 +63,9 @@ def proposals_along(
     for p in anchor_positions:
         if not 1 <= p < len(sequence):
             raise ValueError(f"anchor position {p} outside the sequence (1..{len(sequence) - 1})")
-        prop = drafter.propose_from_features(features[:, :p], ids[:, p], temperature=temperature, generator=generator)
+        tokens = {"input_ids": ids[:, :p]} if getattr(drafter, "reads_tokens", False) else {}  # Eagle3
+        prop = drafter.propose_from_features(features[:, :p], ids[:, p], temperature=temperature, generator=generator,
+                                             **tokens)
         views.append(
             BlockView(
                 anchor_position=p,

@@ -8,7 +8,7 @@ import os
 import torch
 
 from dspark.config import Config, DrafterSpec
-from dspark.modeling import Drafter, DrafterConfig
+from dspark.modeling import Drafter, DrafterConfig, Eagle3Drafter, make_drafter
 from dspark.target import TargetModel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -94,19 +94,22 @@ def drafter_config(spec: DrafterSpec, target: TargetModel, num_anchors: int = 51
         intermediate_size=spec.intermediate_size,
         attn_implementation=resolve_attention(spec.attn_implementation, torch.device(target.device)),
         layer_family=spec.layer_family,
+        eagle3_preset=spec.eagle3_preset,
+        ttt_length=spec.ttt_length,
+        step_loss_decay=spec.step_loss_decay,
     )
 
 
-def build_drafter(config: Config, target: TargetModel, seed: int | None = None) -> Drafter:
+def build_drafter(config: Config, target: TargetModel, seed: int | None = None) -> Drafter | Eagle3Drafter:
     """A freshly initialised drafter attached to `target` (seeded by config.seed), in
     `config.drafter.dtype` (the training master weights)."""
     torch.manual_seed(config.seed if seed is None else seed)
-    drafter = Drafter(drafter_config(config.drafter, target, config.data.num_anchors))
+    drafter = make_drafter(drafter_config(config.drafter, target, config.data.num_anchors))
     drafter.to(device=target.device, dtype=DTYPES[config.drafter.dtype])
     return drafter.attach_target(target)
 
 
-def load_models(config: Config) -> tuple[TargetModel, Drafter, str]:
+def load_models(config: Config) -> tuple[TargetModel, Drafter | Eagle3Drafter, str]:
     """The target and the drafter that `propose`, `eval` and `simulate` decode with, and where
     the drafter comes from: the trained folder `eval.draft`, or else a fresh drafter built from
     `config.drafter` (untrained). Both run in the target's dtype (fp32 for an fp16 target's

@@ -46,9 +46,8 @@ from dspark.config import Config
 from dspark.data.anchors import sample_anchors
 from dspark.data.dataset import SampleSource, collate
 from dspark.fsutil import atomic_write_text, replace_dir
-from dspark.loss import LossWeights
 from dspark.modeling import Drafter, load_drafter, save_drafter
-from dspark.train_step import METRIC_SUMS, DraftLossModule, ratio_metrics
+from dspark.train_step import METRIC_SUMS, DraftLossModule, build_loss_module, ratio_metrics
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +140,8 @@ def shard_fsdp(module: DraftLossModule, device: torch.device) -> None:
         fully_shard(layer, mesh=mesh)
         # The drafter projects the context K/V through layer.context_kv(), outside the
         # layer's forward(): FSDP must gather the layer's parameters for that call too.
-        register_fsdp_forward_method(layer, "context_kv")
+        if hasattr(layer, "context_kv"):  # an Eagle3 layer has no injected context
+            register_fsdp_forward_method(layer, "context_kv")
     fully_shard(module, mesh=mesh)
 
 
@@ -192,8 +192,7 @@ class Trainer:
             raise ValueError("the training set is empty")
         total = tc.max_steps or max(1, math.ceil(tc.epochs * len(train_data) / tc.global_batch_size))
         self.schedule = Schedule(len(train_data), tc.global_batch_size, self.world, self.rank, config.seed, total)
-        lw = LossWeights(ce=config.loss.ce_weight, tv=config.loss.tv_weight, conf=config.loss.conf_weight, decay_gamma=config.loss.loss_decay_gamma)
-        self.module = DraftLossModule(drafter, target, lw, config.loss.chunk_rows, fused=config.loss.fused)
+        self.module = build_loss_module(drafter, target, config.loss)  # Eagle3: the TTT loss
         self.model: nn.Module = self.module
         # Under FSDP the drafter's parameters are DTensor shards: use drafter_state_dict()
         # for whole tensors.

@@ -106,6 +106,17 @@ class DraftLossModule(nn.Module):
         )
 
 
+def build_loss_module(drafter: nn.Module, target: Any, loss: Any) -> nn.Module:
+    """The micro-step module of a drafter: the TTT loss for an Eagle3 drafter (dspark.eagle3_loss),
+    else the DSpark block loss. `loss` is the config's LossConfig."""
+    if drafter.config.variant == "eagle3":
+        from dspark.eagle3_loss import Eagle3LossModule
+
+        return Eagle3LossModule(drafter, target, parity=loss.eagle3_parity, chunk_rows=max(loss.chunk_rows, 256))
+    weights = LossWeights(ce=loss.ce_weight, tv=loss.tv_weight, conf=loss.conf_weight, decay_gamma=loss.loss_decay_gamma)
+    return DraftLossModule(drafter, target, weights, loss.chunk_rows, fused=loss.fused)
+
+
 # The metric sums ratio_metrics reads (what evaluation reduces across ranks).
 METRIC_SUMS = ("ce", "tv", "conf", "weight", "accept_sum", "count", "prefix_sum", "blocks")
 

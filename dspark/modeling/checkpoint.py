@@ -24,12 +24,18 @@ from safetensors.torch import save_file
 from dspark.fsutil import replace_dir
 from dspark.modeling.config import DrafterConfig
 from dspark.modeling.drafter import SHARED_PARAMS, Drafter
+from dspark.modeling.eagle3 import Eagle3Drafter
 from dspark.modeling.formats import CONFIG_NAME, parse_config, read_json, resolve_folder
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 
 log = logging.getLogger(__name__)
+
+
+def make_drafter(config: DrafterConfig) -> Drafter | Eagle3Drafter:
+    """A freshly initialised drafter of the config's variant: Eagle3 or the DSpark/DFlash backbone."""
+    return Eagle3Drafter(config) if config.variant == "eagle3" else Drafter(config)
 
 
 def save_drafter(
@@ -162,7 +168,7 @@ def load_drafter(
         config = config.replace(**config_overrides)
     if target is not None:
         check_against_target(config, target, folder)
-    drafter = Drafter(config)
+    drafter = make_drafter(config)
     _check_shapes(drafter, state, folder)
     expected = set(drafter.state_dict())
     missing = sorted(expected - set(state))

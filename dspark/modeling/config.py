@@ -25,11 +25,17 @@ FAMILY_OF_MODEL_TYPE = {
     "gemma4": "gemma4",
     "gemma4_text": "gemma4",
 }
-VARIANTS = ("dspark", "dflash")
+VARIANTS = ("dspark", "dflash", "eagle3")
+# Eagle3 presets (SPEC 8, ../shared/INTEROP.md): "eagle3" is the standard EAGLE-3 that vLLM / SGLang
+# serve (Llama-style layer, no q/k norms, 3 fused layers, reduced draft vocabulary); "eagle3_deepspec"
+# is DeepSpec's Qwen3Eagle3Model (q/k norms, the 5 DSpark layers, full vocabulary), the paper's baseline.
+EAGLE3_PRESETS = ("eagle3", "eagle3_deepspec")
 BLOCK_LAYOUTS = ("anchor_first", "anchor_plus_masks")
 SEQUENTIAL_HEADS = ("vanilla", "gated", "rnn")
 # Fields only dspark writes (DeepSpec has none of them; each has a default reproducing DeepSpec).
-OWN_FIELDS = ("dspark_variant", "block_layout", "target_num_hidden_layers", "rnn_bias")
+OWN_FIELDS = ("dspark_variant", "block_layout", "target_num_hidden_layers", "rnn_bias", "eagle3_preset")
+# Fields DeepSpec writes for its Eagle3 (Qwen3Eagle3Model) on top of the target config.
+EAGLE3_FIELDS = ("ttt_length", "step_loss_decay", "draft_num_hidden_layers", "target_model_name_or_path")
 
 # Fields DeepSpec writes on top of the target config.
 _DSPARK_FIELDS = (
@@ -103,6 +109,10 @@ class DrafterConfig:
     confidence_head_with_markov: bool = True
     intermediate_size: int | None = None  # None: the target's
     attn_implementation: str = "sdpa"  # "sdpa" | "eager" | "flex"
+    # Eagle3 only (variant "eagle3"): the preset, the training-time-test horizon and its step decay.
+    eagle3_preset: str = "eagle3"
+    ttt_length: int = 7
+    step_loss_decay: float = 0.8
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -171,6 +181,13 @@ class DrafterConfig:
             raise ValueError(f"num_draft_layers must be >= 1, got {self.num_draft_layers}")
         if self.markov_rank < 0:
             raise ValueError(f"markov_rank must be >= 0, got {self.markov_rank}")
+        if self.variant == "eagle3":
+            if self.eagle3_preset not in EAGLE3_PRESETS:
+                raise ValueError(f"eagle3_preset={self.eagle3_preset!r} is not one of {EAGLE3_PRESETS}")
+            if self.ttt_length < 1:
+                raise ValueError(f"ttt_length must be >= 1, got {self.ttt_length}")
+            if not 0 < self.step_loss_decay <= 1:
+                raise ValueError(f"step_loss_decay must lie in (0, 1], got {self.step_loss_decay}")
         if self.attn_implementation not in ("sdpa", "eager", "flex"):
             raise ValueError(
                 f"attn_implementation={self.attn_implementation!r}; use 'sdpa', 'eager' or 'flex'"
@@ -236,6 +253,8 @@ class DrafterConfig:
         if self.intermediate_size is not None:
             out["intermediate_size"] = self.intermediate_size
         arch_prefix = {"qwen3": "Qwen3", "gemma4": "Gemma4", "llama": "Llama"}[self.family]
+        if self.variant == "eagle3":
+            return self._eagle3_hf_dict(out, arch_prefix)
         out["architectures"] = [f"{arch_prefix}{'DSpark' if self.variant == 'dspark' else 'DFlash'}Model"]
         is_dspark = self.variant == "dspark"
         out.update(
@@ -255,6 +274,50 @@ class DrafterConfig:
         )
         out.update(self.extra)
         return out
+
+    def _eagle3_hf_dict(self, out: dict[str, Any], arch_prefix: str) -> dict[str, Any]:
+        """DeepSpec's Qwen3Eagle3Model fields (so a Qwen3 "eagle3_deepspec" folder is DeepSpec's
+        layout) plus ours: the preset and γ (`block_size`, the drafts per round)."""
+        out["architectures"] = [f"{arch_prefix}Eagle3Model"]
+        out.update(
+            target_layer_ids=list(self.target_layer_ids),
+            num_target_layers=self.num_target_layers,
+            ttt_length=self.ttt_length,
+            step_loss_decay=self.step_loss_decay,
+            draft_num_hidden_layers=self.num_draft_layers,
+            block_size=self.block_size,
+            dspark_variant="eagle3",
+            eagle3_preset=self.eagle3_preset,
+            target_num_hidden_layers=self.num_target_layers,
+        )
+        out.update(self.extra)
+        return out
+
+    @classmethod
+    def from_eagle3_hf_dict(cls, d: dict[str, Any]) -> "DrafterConfig":
+        """Parse an Eagle3 config.json written by us or by DeepSpec (`Qwen3Eagle3Model`, which has
+        no `eagle3_preset`: it is DeepSpec's variant)."""
+        missing = [k for k in ("model_type", "hidden_size", "vocab_size", "target_layer_ids") if k not in d]
+        if missing:
+            raise ValueError(f"Eagle3 config.json lacks the fields {missing}")
+        drop = (*_DSPARK_FIELDS, *EAGLE3_FIELDS, *OWN_FIELDS)
+        base = {k: v for k, v in d.items() if k not in drop}
+        ids = list(d["target_layer_ids"])
+        return cls(
+            base_config=base,
+            target_layer_ids=ids,
+            num_target_layers=int(d.get("num_target_layers", d.get("target_num_hidden_layers", max(ids) + 1))),
+            mask_token_id=0,  # unused: an Eagle3 draft step feeds real tokens, never a mask
+            num_draft_layers=int(d.get("draft_num_hidden_layers", d.get("num_hidden_layers", 1))),
+            block_size=int(d.get("block_size", d.get("ttt_length", 7))),
+            variant="eagle3",
+            markov_rank=0,
+            enable_confidence_head=False,
+            confidence_head_with_markov=False,
+            eagle3_preset=str(d.get("eagle3_preset", "eagle3_deepspec")),
+            ttt_length=int(d.get("ttt_length", 7)),
+            step_loss_decay=float(d.get("step_loss_decay", 0.8)),
+        )
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> "DrafterConfig":
@@ -300,7 +363,7 @@ class DrafterConfig:
 
         d = self.to_hf_dict()
         model_type = d.pop("model_type")
-        for key in ("architectures", *_DSPARK_FIELDS, *OWN_FIELDS):
+        for key in ("architectures", *_DSPARK_FIELDS, *OWN_FIELDS, *EAGLE3_FIELDS):
             d.pop(key, None)
         if self.family == "gemma4":
             model_type = "gemma4_text"

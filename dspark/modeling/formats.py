@@ -12,6 +12,14 @@ Facts relied on (../shared/INTEROP.md, checked against the golden fixtures of ..
   top-level `block_size` = γ + 1 (slot 0 is the anchor, not a draft) and `num_target_layers`; no
   embedding or LM head in the weights. Written by transformers 4.57 (`rope_theta`, `torch_dtype`)
   or 5.x (`rope_parameters`, `dtype`); transformers' own config classes accept both.
+- **Eagle3** (`Qwen3Eagle3Model`, DeepSpec's `save_pretrained`): the target's config plus
+  `target_layer_ids` (exactly 5 in DeepSpec, output-of-layer ids like ours), `num_target_layers`,
+  `ttt_length`, `step_loss_decay`, `draft_num_hidden_layers`; weights `fc` [H, 5H], `layers.0.*` with
+  q/k/v reading 2H and q/k norms, `layers.0.hidden_norm`, `norm`, full-vocabulary `lm_head`, no d2t.
+  dspark writes the same fields plus `eagle3_preset` and `block_size` (γ of a drafting round); its
+  `Llama…`/`Gemma4Eagle3Model` names are its own. A folder without `eagle3_preset` is DeepSpec's
+  variant. The serving engines' EAGLE-3 layout (`LlamaForCausalLMEagle3`: `midlayer.*`, `d2t`,
+  `eagle_config`) is not read here.
 - **Training output folders**: DeepSpec's checkpoint manager writes `step_<N>/` sub-folders and a
   `step_latest` link (the link is read, else the highest N); a dspark run folder holds `drafter/`.
 
@@ -35,13 +43,15 @@ log = logging.getLogger(__name__)
 # architecture -> (layout family, block layout). dspark's own names cover Llama and the DFlash variant.
 DEEPSPEC_ARCHITECTURES = ("Qwen3DSparkModel", "Gemma4DSparkModel")
 OWN_ARCHITECTURES = ("LlamaDSparkModel", "Qwen3DFlashModel", "Gemma4DFlashModel", "LlamaDFlashModel")
+EAGLE3_ARCHITECTURES = ("Qwen3Eagle3Model", "LlamaEagle3Model", "Gemma4Eagle3Model")  # the first is DeepSpec's
 ZLAB_ARCHITECTURE = "DFlashDraftModel"
 ZLAB_DFLASH_CONFIG_FIELDS = ("mask_token_id", "target_layer_ids")
 # Fields that name something dspark cannot build: refused by name instead of ignored.
 REFUSED_FIELDS = {
-    "eagle_config": "an EAGLE-3 drafter (dspark has no Eagle3 drafter yet)",
-    "eagle_aux_hidden_state_layer_ids": "an EAGLE-3 drafter (dspark has no Eagle3 drafter yet)",
-    "ttt_length": "an EAGLE-3 drafter (dspark has no Eagle3 drafter yet)",
+    "eagle_config": "a serving engine's EAGLE-3 drafter (LlamaForCausalLMEagle3 layout; dspark reads Eagle3 "
+                    f"folders of {list(EAGLE3_ARCHITECTURES)})",
+    "eagle_aux_hidden_state_layer_ids": "a serving engine's EAGLE-3 drafter (LlamaForCausalLMEagle3 layout; "
+                                        f"dspark reads Eagle3 folders of {list(EAGLE3_ARCHITECTURES)})",
 }
 
 
@@ -91,13 +101,18 @@ def parse_config(d: dict[str, Any], where: str = CONFIG_NAME) -> DrafterConfig:
     """A `DrafterConfig` from any accepted config.json; errors name the file and the field."""
     for field, what in REFUSED_FIELDS.items():
         if field in d:
-            raise ValueError(f"{where}: field {field!r} describes {what}; it cannot be loaded as DSpark/DFlash")
+            raise ValueError(f"{where}: field {field!r} describes {what}; it cannot be loaded")
+    archs = d.get("architectures") or []
+    if len(archs) == 1 and archs[0] in EAGLE3_ARCHITECTURES:
+        return _parse_eagle3(d, where)
+    if "ttt_length" in d:
+        raise ValueError(f"{where}: field 'ttt_length' describes an Eagle3 drafter, but architectures={archs!r} is not "
+                         f"one of {list(EAGLE3_ARCHITECTURES)}")
     if "draft_vocab_size" in d and d["draft_vocab_size"] not in (None, d.get("vocab_size")):
         raise ValueError(
             f"{where}: draft_vocab_size={d['draft_vocab_size']} differs from vocab_size={d.get('vocab_size')}: "
             "a reduced draft vocabulary is not supported"
         )
-    archs = d.get("architectures") or []
     if len(archs) != 1:
         raise ValueError(
             f"{where}: architectures={archs!r}; expected one of {[*DEEPSPEC_ARCHITECTURES, *OWN_ARCHITECTURES, ZLAB_ARCHITECTURE]} "
@@ -118,6 +133,16 @@ def parse_config(d: dict[str, Any], where: str = CONFIG_NAME) -> DrafterConfig:
         f"{where}: unknown drafter architecture {arch!r}; dspark reads {list(DEEPSPEC_ARCHITECTURES)} (DeepSpec), "
         f"{ZLAB_ARCHITECTURE!r} (z-lab DFlash) and its own {list(OWN_ARCHITECTURES)}"
     )
+
+
+def _parse_eagle3(d: dict[str, Any], where: str) -> DrafterConfig:
+    """DeepSpec's Qwen3Eagle3Model or dspark's own Eagle3 folder (`DrafterConfig.from_eagle3_hf_dict`)."""
+    try:
+        return DrafterConfig.from_eagle3_hf_dict(d)
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"{where}: malformed field {e}") from None
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
 
 
 def _parse_zlab(d: dict[str, Any]) -> DrafterConfig:

@@ -1,0 +1,193 @@
+"""The Eagle3 training-time-test loss (SPEC 8) and the module the trainer runs for an Eagle3 drafter.
+
+Step s at position i predicts x_{i+s+2}; its teacher is the target's distribution there,
+p_t = softmax(LMHead(h^target_{i+s+1})) (soft labels), and its term is the soft cross entropy
+CE_s(i) = −Σ_v p_t(v) log softmax(z_s(i))_v. The total is
+
+    L = Σ_s decay^s · Σ_{(b,i) supervised at s} CE_s(i) / D
+
+Two conventions (`parity`):
+
+- default (ours): (b, i) is supervised at step s when the predicted token's own loss mask is 1,
+  loss_mask[i+s+2] (as DSpark reads its labels' mask), and D = Σ_s decay^s · n_s, the weighted
+  number of supervised entries (a weighted mean);
+- parity=True (DeepSpec's `compute_eagle3_loss`): supervised when loss_mask[i+s] = 1, two positions
+  before the predicted token, with the last valid position's mask cleared, and every step divided
+  by all B·S positions, D = B·S (DeepSpec's local_mean); the total is not divided by Σ decay^s.
+
+With a draft vocabulary (`drafter.draft_vocab`) the teacher is restricted to it and renormalised;
+positions whose target argmax lies outside are dropped (`DraftVocab.restrict`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from dspark.ops import vocab_logits
+
+
+def supervision_mask(loss_mask: Tensor, steps: int, *, parity: bool = False, lengths: Tensor | None = None) -> Tensor:
+    """Bool [T, B, S]: whether step s at position i is trained.
+
+    Default: loss_mask[i+s+2] (the predicted token's own mask; False past the end). parity:
+    pm0[i+s], pm0 = loss_mask with position lengths[b]−1 cleared (lengths default S), as DeepSpec."""
+    B, S = loss_mask.shape
+    m = loss_mask > 0
+    if parity:
+        last = (torch.full((B,), S, device=m.device) if lengths is None else lengths.to(m.device)) - 1
+        m = m.clone()
+        m[torch.arange(B, device=m.device), last.clamp_min(0)] = False
+        shift = 0
+    else:
+        shift = 2
+    out = torch.zeros(steps, B, S, dtype=torch.bool, device=m.device)
+    for s in range(steps):
+        k = s + shift
+        if k < S:
+            out[s, :, : S - k] = m[:, k:]
+    return out
+
+
+@dataclass
+class Eagle3LossOutput:
+    loss: Tensor  # Σ_s decay^s Σ CE (the numerator; divide by `denominator`)
+    denominator: Tensor  # D of the convention
+    ce_sum: Tensor  # [T] Σ CE per step
+    count: Tensor  # [T] supervised entries per step
+    accept_sum: Tensor  # [T] Σ Σ_v min(p_draft, p_target): the expected acceptance per step
+    correct: Tensor  # [T] entries whose draft argmax equals the teacher's
+    prefix_sum: Tensor  # Σ over chains of Σ_s Π_{s' ≤ s} accept_{s'} · mask_{s'}
+    chains: Tensor  # chains (positions) supervised at step 0
+
+
+def teacher_logits(final_hidden: Tensor, lm_head: Tensor, softcap: float | None) -> Tensor:
+    """The target's logits from its final (normed) hidden states: [..., d] -> [..., V]."""
+    logits = vocab_logits(final_hidden.to(lm_head.dtype), lm_head)
+    return torch.tanh(logits / softcap) * softcap if softcap else logits
+
+
+def _chunk_terms(drafter: Any, h: Tensor, t_hidden: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per-row (CE, accept, correct, keep) of draft hidden rows h [n, d] against teacher rows [n, d]."""
+    with torch.no_grad():
+        w = drafter.shared_weights()["lm_head.weight"]
+        p_t = torch.softmax(teacher_logits(t_hidden, w, drafter.config.final_logit_softcapping).float(), -1)
+        keep = torch.ones(p_t.shape[0], dtype=torch.bool, device=p_t.device)
+        if drafter.draft_vocab is not None:
+            p_t, keep = drafter.draft_vocab.restrict(p_t)
+    logp = F.log_softmax(drafter.compute_logits(h).float(), dim=-1)
+    ce = -(p_t * logp).sum(-1) * keep
+    with torch.no_grad():
+        accept = torch.minimum(logp.exp(), p_t).sum(-1) * keep
+        correct = (logp.argmax(-1) == p_t.argmax(-1)) & keep
+    return ce, accept, correct.float(), keep
+
+
+def eagle3_loss(
+    drafter: Any,
+    step_hidden: list[Tensor],
+    final_hidden: Tensor,
+    loss_mask: Tensor,
+    *,
+    parity: bool = False,
+    lengths: Tensor | None = None,
+    chunk_rows: int = 1024,
+) -> Eagle3LossOutput:
+    """The TTT loss of one micro-batch. step_hidden: T × [B, S, d] pre-norm draft outputs
+    (`Eagle3Drafter.forward`); final_hidden [B, S, d] the target's; loss_mask [B, S].
+
+    Only supervised rows reach the LM head, `chunk_rows` at a time, each chunk's logits
+    recomputed in the backward pass (activation checkpointing) rather than kept."""
+    T = len(step_hidden)
+    B, S = loss_mask.shape
+    device = final_hidden.device
+    sup = supervision_mask(loss_mask, T, parity=parity, lengths=lengths)  # [T, B, S]
+    decay = drafter.config.step_loss_decay
+    loss = torch.zeros((), device=device)
+    ce_sum, count, accept_sum, correct = (torch.zeros(T, device=device) for _ in range(4))
+    accept_map = torch.zeros(T, B, S, device=device)
+    for s, h in enumerate(step_hidden):
+        b, i = sup[s].nonzero(as_tuple=True)
+        if b.numel() == 0:
+            continue
+        rows_h, rows_t = h[b, i], final_hidden[b, i + s + 1]  # [N, d]
+        ce_parts, acc_parts = [], []
+        for r0 in range(0, rows_h.shape[0], chunk_rows):
+            chunk = (rows_h[r0 : r0 + chunk_rows], rows_t[r0 : r0 + chunk_rows])
+            if torch.is_grad_enabled() and rows_h.requires_grad:
+                ce, acc, cor, keep = checkpoint(_chunk_terms, drafter, *chunk, use_reentrant=False)
+            else:
+                ce, acc, cor, keep = _chunk_terms(drafter, *chunk)
+            ce_parts.append(ce)
+            acc_parts.append(acc)
+            correct[s] += cor.sum()
+            count[s] += keep.sum()
+        ce, acc = torch.cat(ce_parts), torch.cat(acc_parts)
+        ce_sum[s] = ce.detach().sum()
+        accept_sum[s] = acc.sum()
+        accept_map[s, b, i] = acc
+        loss = loss + decay**s * ce.sum()
+    weights = decay ** torch.arange(T, device=device, dtype=torch.float32)
+    denominator = torch.tensor(float(B * S), device=device) if parity else (weights * count).sum()
+    chain_ok = sup[0]
+    survive = torch.cumprod(accept_map * sup.float(), dim=0)  # [T, B, S]: Π_{s' ≤ s} accept·mask
+    prefix_sum = (survive.sum(0) * chain_ok).sum()
+    return Eagle3LossOutput(loss, denominator, ce_sum, count, accept_sum, correct, prefix_sum, chain_ok.sum().float())
+
+
+class Eagle3LossModule(nn.Module):
+    """The Eagle3 drafter and its TTT loss as one module (what DDP wraps), with the metric sums the
+    trainer reduces: ce/tv/conf are weighted sums over `weight` = D, `accept_sum`/`count` per step,
+    `prefix_sum`/`blocks` DeepSpec's τ_prob over chains."""
+
+    def __init__(self, drafter: nn.Module, target: Any, *, parity: bool = False, chunk_rows: int = 1024) -> None:
+        super().__init__()
+        self.drafter = drafter
+        self.parity = parity
+        self.chunk_rows = chunk_rows
+        self._target = [target]  # not a submodule: frozen, never synced or saved
+
+    def forward(self, batch: dict[str, Tensor], anchors: Tensor | None = None, keep: Tensor | None = None
+                ) -> tuple[Tensor, dict[str, Tensor]]:
+        """Returns (Σ_s decay^s Σ CE over this micro-batch, detached metric sums); anchors are unused."""
+        input_ids, loss_mask = batch["input_ids"], batch["loss_mask"]
+        if "features" in batch:
+            features, final_hidden = batch["features"], batch["final_hidden"]
+        else:
+            out = self._target[0](input_ids, return_logits=False)
+            features, final_hidden = out.features, out.last_hidden
+        lengths = _lengths(batch)
+        hidden = self.drafter(features, input_ids)
+        out = eagle3_loss(self.drafter, hidden, final_hidden, loss_mask, parity=self.parity, lengths=lengths,
+                          chunk_rows=self.chunk_rows)
+        decay = self.drafter.config.step_loss_decay
+        w = decay ** torch.arange(len(hidden), device=input_ids.device, dtype=torch.float32)
+        metrics = {
+            "ce": out.loss.detach(),
+            "tv": (w * (out.count - out.accept_sum)).sum(),
+            "conf": torch.zeros((), device=input_ids.device),
+            "weight": out.denominator,
+            "accept_sum": out.accept_sum,
+            "count": out.count,
+            "prefix_sum": out.prefix_sum,
+            "blocks": out.chains,
+            "anchors": out.chains,
+            "tokens": (loss_mask > 0).sum().float(),
+        }
+        return out.loss, metrics
+
+
+def _lengths(batch: dict[str, Tensor]) -> Tensor:
+    """Real (unpadded) length per row: attention_mask's sum when the batch has one, else one past
+    the last loss-masked position (padding is right padding with loss_mask 0)."""
+    if "attention_mask" in batch:
+        return batch["attention_mask"].sum(-1)
+    m = batch["loss_mask"] > 0
+    S = m.shape[1]
+    last = torch.where(m, torch.arange(S, device=m.device), -1).max(-1).values
+    return torch.where(last >= 0, last + 1, torch.full_like(last, S))
