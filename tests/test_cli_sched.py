@@ -140,6 +140,41 @@ def test_eval_with_algorithm1_reads_the_sps_and_sts_files(tmp_path):
                  tokenizer=CharTokenizer())
 
 
+def test_scheduled_eval_reports_speed_mean_length_and_draft_cost_in_target_steps(tmp_path):
+    """report["scheduled"] against the records: draft cost = draft seconds per drafted round over the
+    target-only step (forward + sampling seconds per forward); skipped rounds are marked in rounds.jsonl."""
+    target = make_tiny_target("llama")
+    drafter = random_drafter(target, gamma=3)
+    files = write_benchmarks(tmp_path / "data", {"gsm8k": ["g0", "g1", "g2"], "mbpp": ["m0", "m1"]})
+    report = evaluate(target, drafter, files, scheduler="algorithm1+skip", sps=SPS, concurrency=2,
+                      max_new_tokens=16, seed=0, progress=False, warmup=False, tokenizer=CharTokenizer(),
+                      eos_token_ids=[0], out_dir=tmp_path / "out")
+    records = [json.loads(line) for line in (tmp_path / "out" / "requests.jsonl").read_text().splitlines()]
+    rounds = [json.loads(line) for line in (tmp_path / "out" / "rounds.jsonl").read_text().splitlines()]
+    s = report["scheduled"]
+    drafted = [r for r in rounds if r["drafted"]]
+    assert all(r["proposed"] == 0 and r["confidences"] is None for r in rounds if not r["drafted"])
+    step = (sum(r["baseline_timings"]["decode"] + r["baseline_timings"]["sample"] for r in records)
+            / sum(r["baseline_tokens"] - 1 for r in records))
+    draft = sum(r["timings"]["draft"] for r in records) / len(drafted)
+    assert s["policy"] == "algorithm1+skip" and s["concurrency"] == 2
+    assert s["target_step_basis"] == "target-only decode" and s["target_step_s"] == pytest.approx(step)
+    assert s["draft_cost_steps"] == pytest.approx(draft / step)
+    assert s["mean_verified"] == pytest.approx(np.mean([r["proposed"] for r in rounds]))
+    assert s["skipped_rounds"] == len(rounds) - len(drafted) and s["speedup"] == report["all"]["speedup"]
+    assert s["round_cost_steps"] > s["draft_cost_steps"] > 0
+    assert "## Scheduled verification" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_scheduled_eval_without_baseline_measures_the_step_on_the_sps_table(tmp_path):
+    target = make_tiny_target("llama")
+    report = evaluate(target, random_drafter(target, gamma=3), write_benchmarks(tmp_path / "d", {"gsm8k": ["g0"]}),
+                      scheduler="static1", sps=SPS, max_new_tokens=8, progress=False, warmup=False, baseline=False,
+                      tokenizer=CharTokenizer(), eos_token_ids=[0])
+    assert report["scheduled"]["target_step_basis"] == "SPS(1)"
+    assert report["scheduled"]["target_step_s"] == pytest.approx(1 / SPS(1))
+
+
 # --------------------------------------------------------------------------- the CLI on SmolLM2
 @pytest.fixture
 def reuse_smollm2(monkeypatch, smollm2_target):
