@@ -57,6 +57,7 @@ __all__ = [
     "report_markdown",
     "results_markdown",
     "scheduled_markdown",
+    "scheduling_table",
     "scheduled_summary",
     "write_outputs",
     "write_profile",
@@ -401,20 +402,27 @@ def _target_step(records: Sequence[Mapping[str, Any]], sps_step_s: float | None)
     return math.nan, "none"
 
 
+_SCHEDULED_HEADER = ["policy", "R", "tok/s", "target-only tok/s", "speedup", "decode speedup", "τ",
+                     "mean verified ℓ", "skipped", "draft ms/round", "draft cost (steps)", "round cost (steps)"]
+
+
+def scheduling_table(summaries: Sequence[Mapping[str, Any]]) -> str:
+    """One markdown row per scheduled evaluation (``report["scheduled"]`` of each): speed against
+    target-only decoding, τ, mean verified length, share of skipped drafts, draft and round costs."""
+    rows = [[str(s["policy"]), str(s["concurrency"]), fmt_number(s["tokens_per_s"], 1),
+             fmt_number(s["baseline_tokens_per_s"], 1), fmt_number(s["speedup"]), fmt_number(s["decode_speedup"]),
+             fmt_number(s["tau"]), fmt_number(s["mean_verified"]), fmt_number(s["skip_rate"]),
+             fmt_number(1e3 * s["draft_s_per_round"], 1), fmt_number(s["draft_cost_steps"]),
+             fmt_number(s["round_cost_steps"])] for s in summaries]
+    return markdown_table(_SCHEDULED_HEADER, rows)
+
+
 def scheduled_markdown(scheduled: Mapping[str, Any]) -> list[str]:
     """The lines of report.md's "Scheduled verification" section (``scheduled_summary``)."""
-    s = scheduled
-    header = ["policy", "R", "tok/s", "target-only tok/s", "speedup", "decode speedup", "τ", "mean verified ℓ",
-              "skipped", "draft ms/round", "draft cost (steps)", "round cost (steps)"]
-    row = [str(s["policy"]), str(s["concurrency"]), fmt_number(s["tokens_per_s"], 1),
-           fmt_number(s["baseline_tokens_per_s"], 1), fmt_number(s["speedup"]), fmt_number(s["decode_speedup"]),
-           fmt_number(s["tau"]), fmt_number(s["mean_verified"]), fmt_number(s["skip_rate"]),
-           fmt_number(1e3 * s["draft_s_per_round"], 1), fmt_number(s["draft_cost_steps"]),
-           fmt_number(s["round_cost_steps"])]
     return ["", "## Scheduled verification", "",
-            f"Costs in target steps at B = 1 (t = {fmt_number(1e3 * s['target_step_s'], 2)} ms, from "
-            f"{s['target_step_basis']}); decode speedup ≈ τ / round cost, and a round with no draft would "
-            "cost round − draft steps.", "", markdown_table(header, [row])]
+            f"Costs in target steps at B = 1 (t = {fmt_number(1e3 * scheduled['target_step_s'], 2)} ms, from "
+            f"{scheduled['target_step_basis']}); decode speedup ≈ τ / round cost, and a round with no draft would "
+            "cost round − draft steps.", "", scheduling_table([scheduled])]
 
 
 def calibration_markdown(report: Mapping[str, Any]) -> str:
