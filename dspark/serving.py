@@ -104,7 +104,8 @@ class SimResult:
       batch_tokens = Σ_steps B; live_time_s = Σ_steps live · step time (for per-user speed);
       drafted / skipped = request-steps that drafted / took a plain target step (``plan``);
       draft_s = Σ measured seconds of the drafts; draft_clock = how the clock charged them
-      ("none", "fraction <f>" or "measured"); target_step_s = 1 / SPS(1) (NaN without a table).
+      ("none", "fraction <f>" or "measured"); target_step_s = 1 / SPS(1) and target_only_throughput
+      = R · SPS(R), what R requests decoding with the target alone reach (NaN without a table).
     requests: one dict per request admitted, in admission order: index, tag, prompt_tokens,
       tokens (count), rounds (count), finished; once finished also finished_by_eos,
       timings (its own phases) and result (its DecodeResult).
@@ -130,6 +131,7 @@ class SimResult:
     draft_s: float = 0.0
     draft_clock: str = "none"
     target_step_s: float = math.nan
+    target_only_throughput: float = math.nan
     wall_s: float = 0.0
     requests: list[dict[str, Any]] = field(default_factory=list)
     rounds: list[dict[str, Any]] = field(default_factory=list)
@@ -209,6 +211,8 @@ class SimResult:
             "target_step_s": self.target_step_s,
             "draft_cost_steps": self.draft_cost_steps,
             "draft_clock": self.draft_clock,
+            "target_only_throughput": self.target_only_throughput,
+            "vs_target_only": self.throughput / self.target_only_throughput,
             "requests_admitted": len(self.requests),
             "requests_finished": self.requests_finished,
             "wall_s": self.wall_s,
@@ -273,7 +277,8 @@ def run_requests(
                                   clock=PhaseClock(device))
 
     result = SimResult(policy=policy.name, concurrency=concurrency, draft_clock=clock,
-                       target_step_s=math.nan if sps is None else 1.0 / _speed(sps, 1))
+                       target_step_s=math.nan if sps is None else 1.0 / _speed(sps, 1),
+                       target_only_throughput=math.nan if sps is None else concurrency * _speed(sps, concurrency))
     started = time.perf_counter()
     slots = _Slots(concurrency, iter(jobs), start, stop_after_finished, result)
     while True:

@@ -208,6 +208,7 @@ def test_a_step_in_which_nobody_drafts_pays_no_draft_overhead():
                    max_new_tokens=6, temperature=1.0, num_requests=3, draft_overhead=0.5)
     assert sim.drafted == 0 and sim.draft_s == 0 and sim.tau == 1.0
     assert sim.throughput == pytest.approx(3 * DECAYING(3))  # plain steps, no (1 + 0.5) factor
+    assert sim.summary()["vs_target_only"] == pytest.approx(1.0)
     assert all(len(request["result"].tokens) == 6 for request in sim.requests)
 
 
