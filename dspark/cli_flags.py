@@ -13,7 +13,8 @@ import argparse
 from dataclasses import dataclass
 from typing import Any
 
-POLICY_HELP = "algorithm1, async[:K0], static1, static[:ℓ], threshold:<a> (cumulative a_j), first-below:<t> (per c_j)"
+POLICY_HELP = ("algorithm1, algorithm1+skip[:M] (also skips drafting when a block will not pay), async[:K0], "
+               "static1, static[:ℓ], threshold:<a> (cumulative a_j), first-below:<t> (per c_j)")
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,8 @@ FLAGS: dict[str, Flag] = {
     "--concurrency": Flag("requests decoded in lockstep (eval: one R; simulate: R values, e.g. 1,4,16,64)"),
     "--num-requests": Flag("stop after this many finished requests (0: max(prompts, R)); prompts are cycled"),
     "--no-cycle": Flag("serve every prompt once; the slots drain at the end", kind="false"),
-    "--draft-overhead": Flag("drafter time as a fraction of the verification step (0: ignored)"),
+    "--draft-overhead": Flag("drafter time on the simulated clock: a fraction of the verification step "
+                             "(0: ignored) or 'measured' (the drafting seconds measured at each step)"),
     "--batch-tokens": Flag("B values, e.g. 1,2,4,8 (default 1..512, powers of 2)", kind="list"),
     "--context-len": Flag("tokens already in the KV cache"),
     "--tokens-per-request": Flag("time B/q rows of q tokens with their own caches (0: one sequence of B tokens)"),

@@ -168,7 +168,9 @@ class ServeConfig:
     num_requests: int = 0  # simulate: stop after this many finished requests (0 = max(prompts, R))
     cycle: bool = True  # simulate: cycle the prompts so every slot stays busy
     max_new_tokens: int = 128  # simulate
-    draft_overhead: float = 0.0  # simulate: drafter time as a fraction of a verification step
+    # simulate: drafting on the SPS clock: a fraction of a verification step (0 = ignored), or
+    # "measured" (each step also pays the drafting seconds measured in it; see dspark.serving)
+    draft_overhead: float | str = 0.0
     out: str = ""  # simulate: "" = <out_dir>/simulate
 
 
@@ -314,7 +316,7 @@ _POSITIVE = (
 )
 _NON_NEGATIVE = (
     "threads", "eval.num_samples", "eval.block_size", "serve.num_prompts", "serve.num_requests",
-    "serve.draft_overhead", "profile.tokens_per_request", "profile.warmup", "eval.temperature",
+    "profile.tokens_per_request", "profile.warmup", "eval.temperature",
     "propose.temperature",
 )
 
@@ -332,6 +334,10 @@ def validate(config: Config) -> None:
         value = get_key(config, key)
         if value < 0:
             raise ValueError(f"{key} must be >= 0, got {value}")
+    overhead = config.serve.draft_overhead
+    if isinstance(overhead, str) and overhead != "measured" or not isinstance(overhead, str) and overhead < 0:
+        raise ValueError(f"serve.draft_overhead={overhead!r} must be a number >= 0 (a fraction of the step) "
+                         "or 'measured' (the drafting time measured in each step)")
     for key in ("serve.concurrencies", "profile.batch_tokens"):
         if any(v < 1 for v in get_key(config, key)):
             raise ValueError(f"{key} must hold integers >= 1, got {get_key(config, key)}")

@@ -13,7 +13,11 @@ With ``scheduler=...`` (``dspark eval --scheduler``) the requests of each
 benchmark run through the serving simulator's stepping loop
 (``dspark.serving.run_requests``): ``concurrency`` requests in lockstep, a
 verification-length policy choosing ℓ for all of them from their confidences,
-so rounds.jsonl and τ come out of the same code path as ``dspark simulate``.
+so rounds.jsonl and τ come out of the same code path as ``dspark simulate``;
+``report["scheduled"]`` (``dspark.report.scheduled_summary``) then holds tokens/s
+against target-only decoding, the mean verified length and the measured drafting
+cost per round in target steps, and rounds.jsonl marks the rounds that did not
+draft (``drafted``: false, under ``algorithm1+skip``).
 The policy is a ``dspark.serving.make_policy`` spec such as "algorithm1",
 "async", "static1", "threshold:0.5", or a Policy; it sees every live request's
 confidences (calibrated with ``sts_temperatures``), and rounds.jsonl records
@@ -50,7 +54,7 @@ from dspark.data.render import render_prompt
 from dspark.decoding import speculative_generate, target_generate
 from dspark.fsutil import atomic_write_text
 from dspark.metrics import round_tau
-from dspark.report import build_report, write_outputs
+from dspark.report import build_report, scheduled_summary, write_outputs
 from dspark.scheduler import SPSTable
 from dspark.serving import Job, SimResult, make_policy, run_requests
 
@@ -398,7 +402,8 @@ def _scheduled_benchmark(
     sim = _serve(run, jobs, desc=name)
     rounds = [{**_round_row(*row["tag"], row["round"], row["proposed"], row["accepted"], row["confidences"],
                             row["eos_accepted"]),
-               "step": row["step"], "batch_tokens": row["batch_tokens"]} for row in sim.rounds]
+               "step": row["step"], "batch_tokens": row["batch_tokens"], "drafted": row["drafted"]}
+              for row in sim.rounds]
     rounds.sort(key=lambda r: (r["request"], r["round"]))
     return _scheduled_records(run, sim, jobs), rounds, sim.summary()
 
@@ -444,6 +449,9 @@ def _finish_report(
                           config=_run_settings(run, gamma, run_config), skipped=run.skipped, temperatures=run.temps)
     if run.scheduler is not None:
         report["serving"] = serving  # per benchmark on this rank: simulated Θ, τ, mean ℓ (dspark.serving)
+        report["scheduled"] = scheduled_summary(  # speed vs target-only, mean ℓ, draft cost in target steps
+            records, rounds, report["all"], policy=_policy_name(run.scheduler), concurrency=run.concurrency,
+            sps_step_s=None if run.sps is None else 1.0 / float(run.sps(1)))
     report["timings"]["wall_s"] = time.perf_counter() - run.started
     if out_dir is not None and run.rank == 0:
         write_outputs(out_dir, report, records, rounds, temperatures=run.temps)
@@ -475,10 +483,13 @@ def _run_settings(run: _Run, gamma: int, run_config: Any) -> dict[str, Any]:
     }
 
 
+def _policy_name(scheduler: Any) -> str:
+    return scheduler if isinstance(scheduler, str) else getattr(scheduler, "name", type(scheduler).__name__)
+
+
 def _scheduler_name(scheduler: Any, concurrency: int, choose_length: Any) -> str | None:
     if scheduler is not None:
-        name = scheduler if isinstance(scheduler, str) else getattr(scheduler, "name", type(scheduler).__name__)
-        return f"{name} (serving loop, R = {concurrency})"
+        return f"{_policy_name(scheduler)} (serving loop, R = {concurrency})"
     if choose_length is not None:
         return getattr(choose_length, "__name__", type(choose_length).__name__)
     return None

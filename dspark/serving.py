@@ -14,14 +14,22 @@ simulated seconds.
 What is real and what is modelled:
 
 - real: every draft token, every confidence, every acceptance decision, so τ
-  and the lengths the policy picks are those of the actual models;
-- modelled: time. A step costs (1 + draft_overhead) / SPS(B), i.e. the
-  drafter's own time is ignored by default (``draft_overhead = 0``) or taken
-  as a constant fraction of the verification step; prefills are not charged
-  (as in decode-throughput measurements), and the tokens they emit (x_0) are
-  not counted in Θ. Verification runs per request here (batch 1), so the wall
-  clock of the simulation says nothing about serving speed; only the SPS
-  clock does.
+  and the lengths the policy picks are those of the actual models; every
+  draft is timed (``SimResult.draft_s``), so the drafting cost per round in
+  target steps, t_d · SPS(1), is reported whatever the clock charges;
+- modelled: time. Verification costs 1 / SPS(B). Drafting costs, by
+  ``draft_overhead``: a number f ≥ 0 charges a step in which some request
+  drafted (1 + f) / SPS(B), i.e. drafting as a fraction of the step (0, the
+  default, ignores it); ``"measured"`` charges 1 / SPS(B) plus the drafting
+  seconds measured at that step, summed over the requests that drafted (this
+  process drafts them one at a time at batch 1, so at R > 1 this is the cost
+  of unbatched drafting, an upper bound for a batched drafter; at R = 1 it is
+  exactly what a round costs). A step in which no request drafted (every one
+  skipped, ``algorithm1+skip``) is a plain target step: 1 / SPS(B). Prefills
+  are not charged (as in decode-throughput measurements), and the tokens they
+  emit (x_0) are not counted in Θ. Verification runs per request here (batch
+  1), so the wall clock of the simulation says nothing about serving speed;
+  only the SPS clock does.
 
 Concurrency: R slots. A request that finishes frees its slot and the next
 request takes it at the next step. ``simulate`` either cycles the prompt
@@ -33,25 +41,12 @@ the end, so the last steps have fewer than R live requests). Every request
 draws from its own generator, seeded by its index, so its tokens do not
 depend on the order in which requests are stepped.
 
-Policies (``make_policy``; a spec string, or any callable
-``(request_ids, confidences [R, γ]) -> lengths [R]``):
-
-- ``algorithm1``        Algorithm 1 with the early-stopping break
-                        (``scheduler.schedule_prefix``), lossless;
-- ``async``             the production variant of Section 5.2
-                        (``scheduler.AsyncPrefixScheduler``): capacity K from
-                        the confidences of two steps earlier by an
-                        unconstrained search, top-K admission by the current
-                        a_{r,j}; ``async:K0`` sets the capacity used while no
-                        request has a two-step-old draft (default 0);
-- ``static1``           ℓ = 1 for every request (MTP-1-like);
-- ``static``            ℓ = γ (verify every draft); ``static:<ℓ>`` any fixed ℓ;
-- ``threshold:<a>``     ℓ_r = #{j : a_{r,j} ≥ a}, on the cumulative a (``scheduler.threshold_lengths``);
-- ``first-below:<t>``   DeepSpec's rule: stop before the first c_{r,j} < t
-                        (``scheduler.first_below_lengths``; DeepSpec uses raw c: no STS).
-
-Every one of them decides whether x_{r,k} is verified without looking at
-x_{r,k} itself, so decoding stays lossless (SPEC 7.2, 7.3).
+Policies: ``dspark.policies.make_policy`` (re-exported here) makes one from a
+spec string (algorithm1, algorithm1+skip, async, static1, static, threshold,
+first-below) or a callable ``(request_ids, confidences [R, γ]) -> lengths [R]``.
+A policy with a ``plan`` (``algorithm1+skip``) first says which requests draft
+at this step; the others take a plain target step (``dspark.skipping.target_step``:
+ℓ = 0, one token, no draft time) and add 1 token to B.
 
 The budget reported per request-step is mean ℓ_r (draft tokens sent to the
 target) and mean (1 + ℓ_r) (target tokens per request, the quantity of the
@@ -74,105 +69,13 @@ import torch
 
 from dspark.calibration import apply_temperatures
 from dspark.decoding import PhaseClock, SpeculativeRequest
-from dspark.scheduler import (
-    AsyncPrefixScheduler,
-    SPSTable,
-    first_below_lengths,
-    schedule_prefix,
-    threshold_lengths,
-)
+from dspark.policies import POLICY_HELP, LengthFn, Policy, make_policy
+from dspark.scheduler import SPSTable
+from dspark.skipping import target_step
 
 __all__ = ["Job", "Policy", "POLICY_HELP", "SimResult", "make_policy", "run_requests", "simulate", "simulate_grid"]
 
-# (request ids of the R live requests, confidences [R, γ]) -> lengths int [R] in 0..γ
-LengthFn = Callable[[Sequence[Hashable], np.ndarray], Any]
-
-POLICY_HELP = "algorithm1, async[:K0], static1, static[:ℓ], threshold:<a> (cumulative a_j), first-below:<t> (per c_j)"
-
-
-# ---------------------------------------------------------------------------
-# Policies
-# ---------------------------------------------------------------------------
-
-
-@dataclass
-class Policy:
-    """A verification-length policy: ``policy(request_ids, confidences)`` -> lengths int64 [R].
-
-    name: the spec it was made from (for tables and logs).
-    needs_confidences: whether it reads the confidences (the drafter must
-        have a confidence head); static policies read only their shape.
-    choose: the function; ``confidences`` is float64 [R, γ] (calibrated when
-        STS temperatures are given, NaN when the drafter has none).
-    """
-
-    name: str
-    needs_confidences: bool
-    choose: LengthFn
-
-    def __call__(self, request_ids: Sequence[Hashable], confidences: np.ndarray) -> np.ndarray:
-        return self.choose(request_ids, confidences)
-
-
-def make_policy(spec: str | Policy | LengthFn, sps: SPSTable | None = None) -> Policy:
-    """A fresh Policy from a spec string (see the module docstring) or a callable.
-
-    Stateful policies (``async``) keep per-request history, so make one per run.
-    ``sps`` is required by ``algorithm1`` and ``async``."""
-    if isinstance(spec, Policy):
-        return spec
-    if callable(spec):
-        return Policy(getattr(spec, "__name__", type(spec).__name__), True, spec)
-    if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(f"policy must be a non-empty string ({POLICY_HELP}) or a callable, got {spec!r}")
-    name = spec.strip()
-    kind, _, arg = name.partition(":")
-    kind = kind.lower()
-
-    def needs_sps() -> SPSTable:
-        if sps is None:
-            raise ValueError(f"policy {name!r} needs an SPS table (--sps FILE from `dspark profile-sps`)")
-        return sps
-
-    if kind == "algorithm1" and not arg:
-        table = needs_sps()
-        return Policy(name, True, lambda ids, c: schedule_prefix(c, table, early_stop=True))
-    if kind == "async":
-        default = _parse_number(arg, name, int) if arg else 0
-        if default < 0:
-            raise ValueError(f"policy {name!r}: the default capacity K0 must be >= 0")
-        scheduler = AsyncPrefixScheduler(needs_sps(), default_capacity=default)
-        return Policy(name, True, lambda ids, c: scheduler.step(ids, c))
-    if kind == "static1" and not arg:
-        return Policy(name, False, lambda ids, c: np.full(c.shape[0], min(1, c.shape[1]), dtype=np.int64))
-    if kind == "static":
-        if not arg:
-            return Policy(name, False, lambda ids, c: np.full(c.shape[0], c.shape[1], dtype=np.int64))
-        ell = _parse_number(arg, name, int)
-        if ell < 0:
-            raise ValueError(f"policy {name!r}: ℓ must be >= 0")
-
-        def static(ids: Sequence[Hashable], c: np.ndarray) -> np.ndarray:
-            if ell > c.shape[1]:
-                raise ValueError(f"policy {name!r} asks for ℓ = {ell} but the drafter's block size γ is {c.shape[1]}")
-            return np.full(c.shape[0], ell, dtype=np.int64)
-
-        return Policy(name, False, static)
-    if kind in ("threshold", "first-below") and arg:
-        threshold = _parse_number(arg, name, float)
-        if not 0.0 <= threshold <= 1.0:
-            raise ValueError(f"policy {name!r}: the threshold must be in [0, 1]")
-        cut = threshold_lengths if kind == "threshold" else first_below_lengths
-        return Policy(name, True, lambda ids, c: cut(c, threshold))
-    raise ValueError(f"unknown policy {spec!r}; choose from {POLICY_HELP}")
-
-
-def _parse_number(text: str, name: str, kind: type) -> Any:
-    try:
-        return kind(text)
-    except ValueError:
-        raise ValueError(f"policy {name!r}: cannot read {text!r} as {kind.__name__}") from None
-
+MEASURED = "measured"  # draft_overhead: charge each step the drafting time measured in it
 
 # ---------------------------------------------------------------------------
 # Results
@@ -198,14 +101,18 @@ class SimResult:
       tokens = tokens emitted by verification (x_0 of each prefill excluded);
       request_steps = Σ_steps live requests (= rounds); accepted = Σ m; proposed = Σ ℓ;
       eos_rounds = rounds that accepted an EOS draft (no token after it: τ = m);
-      batch_tokens = Σ_steps B; live_time_s = Σ_steps live · step time (for per-user speed).
+      batch_tokens = Σ_steps B; live_time_s = Σ_steps live · step time (for per-user speed);
+      drafted / skipped = request-steps that drafted / took a plain target step (``plan``);
+      draft_s = Σ measured seconds of the drafts; draft_clock = how the clock charged them
+      ("none", "fraction <f>" or "measured"); target_step_s = 1 / SPS(1) and target_only_throughput
+      = R · SPS(R), what R requests decoding with the target alone reach (NaN without a table).
     requests: one dict per request admitted, in admission order: index, tag, prompt_tokens,
       tokens (count), rounds (count), finished; once finished also finished_by_eos,
       timings (its own phases) and result (its DecodeResult).
     rounds: one dict per round (step, request, tag, round, proposed, accepted, eos_accepted, emitted,
       confidences (raw c_1..c_γ or None), expected_accepted (Σ_{j≤ℓ} a_j of the
       confidences the policy saw, None without), batch_tokens).
-    step_log: one dict per step (step, live, batch_tokens, step_time_s, tokens).
+    step_log: one dict per step (step, live, drafted, batch_tokens, draft_s, step_time_s, tokens).
     """
 
     policy: str
@@ -219,6 +126,12 @@ class SimResult:
     eos_rounds: int = 0
     batch_tokens: int = 0
     live_time_s: float = 0.0
+    drafted: int = 0
+    skipped: int = 0
+    draft_s: float = 0.0
+    draft_clock: str = "none"
+    target_step_s: float = math.nan
+    target_only_throughput: float = math.nan
     wall_s: float = 0.0
     requests: list[dict[str, Any]] = field(default_factory=list)
     rounds: list[dict[str, Any]] = field(default_factory=list)
@@ -255,6 +168,21 @@ class SimResult:
         return self.tokens / self.live_time_s if self.live_time_s > 0 else math.nan
 
     @property
+    def draft_s_per_round(self) -> float:
+        """Measured seconds of one draft (mean over the rounds that drafted)."""
+        return self.draft_s / self.drafted if self.drafted else math.nan
+
+    @property
+    def draft_cost_steps(self) -> float:
+        """The drafting cost of a round in target steps: measured draft seconds · SPS(1)."""
+        return self.draft_s_per_round / self.target_step_s
+
+    @property
+    def skip_rate(self) -> float:
+        """Share of request-steps that did not draft (a plain target step)."""
+        return self.skipped / self.request_steps if self.request_steps else math.nan
+
+    @property
     def requests_finished(self) -> int:
         return sum(1 for r in self.requests if r["finished"])
 
@@ -275,6 +203,16 @@ class SimResult:
             "request_steps": self.request_steps,
             "accepted": self.accepted,
             "proposed": self.proposed,
+            "drafted_rounds": self.drafted,
+            "skipped_rounds": self.skipped,
+            "skip_rate": self.skip_rate,
+            "draft_s": self.draft_s,
+            "draft_s_per_round": self.draft_s_per_round,
+            "target_step_s": self.target_step_s,
+            "draft_cost_steps": self.draft_cost_steps,
+            "draft_clock": self.draft_clock,
+            "target_only_throughput": self.target_only_throughput,
+            "vs_target_only": self.throughput / self.target_only_throughput,
             "requests_admitted": len(self.requests),
             "requests_finished": self.requests_finished,
             "wall_s": self.wall_s,
@@ -307,27 +245,26 @@ def run_requests(
     temperature: float = 1.0,
     eos_token_ids: Iterable[int] = (),
     stop_after_finished: int | None = None,
-    draft_overhead: float = 0.0,
+    draft_overhead: float | str = 0.0,
     on_step: Callable[[SimResult], None] | None = None,
 ) -> SimResult:
     """Serve ``jobs`` with ``concurrency`` slots under ``policy``; the stepping loop of the simulator.
 
     Requests are admitted in the order of ``jobs`` whenever a slot is free
-    (prefill on admission). Each step: every live request drafts, the policy
-    picks ℓ_r for all of them from the confidences (calibrated with
-    ``sts_temperatures`` when given), every request verifies ℓ_r drafts, the
-    step is charged (1 + draft_overhead) / SPS(B) with B = Σ_r (1 + ℓ_r)
-    (no charge and a NaN clock without ``sps``), finished requests leave.
+    (prefill on admission). Each step: the requests the policy's ``plan``
+    picks (all, without one) draft, the policy picks ℓ_r for all of them from
+    the confidences (calibrated with ``sts_temperatures`` when given), every
+    request verifies ℓ_r drafts (the others take a plain target step), the
+    step is charged by the SPS clock with B = Σ_r (1 + ℓ_r) and
+    ``draft_overhead`` (a fraction, or "measured": module docstring; no charge
+    and a NaN clock without ``sps``), finished requests leave.
     Stops when ``jobs`` is exhausted and every request has finished, or as
     soon as ``stop_after_finished`` requests have finished (for an endless
     ``jobs`` iterator). ``on_step`` is called with the result after each step.
     """
     if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
         raise ValueError(f"concurrency must be an int >= 1, got {concurrency!r}")
-    if not math.isfinite(draft_overhead) or draft_overhead < 0:
-        raise ValueError(
-            f"draft_overhead must be a finite number >= 0 (a fraction of the step time), got {draft_overhead!r}"
-        )
+    clock, overhead = _draft_clock(draft_overhead)
     policy = make_policy(policy, sps)
     temps = None if sts_temperatures is None else np.asarray(sts_temperatures, dtype=np.float64).ravel()
     eos = [int(t) for t in eos_token_ids]
@@ -339,14 +276,16 @@ def run_requests(
                                   temperature=temperature, eos_token_ids=eos, generator=generator,
                                   clock=PhaseClock(device))
 
-    result = SimResult(policy=policy.name, concurrency=concurrency)
+    result = SimResult(policy=policy.name, concurrency=concurrency, draft_clock=clock,
+                       target_step_s=math.nan if sps is None else 1.0 / _speed(sps, 1),
+                       target_only_throughput=math.nan if sps is None else concurrency * _speed(sps, concurrency))
     started = time.perf_counter()
     slots = _Slots(concurrency, iter(jobs), start, stop_after_finished, result)
     while True:
         slots.admit()
         if not slots.live or slots.stopped():
             break
-        _step(slots.live, policy, temps, sps, draft_overhead, result)
+        _step(slots.live, policy, temps, sps, overhead, result)
         slots.retire()
         if on_step is not None:
             on_step(result)
@@ -410,57 +349,99 @@ def _step(
     policy: Policy,
     temps: np.ndarray | None,
     sps: SPSTable | None,
-    draft_overhead: float,
+    draft_overhead: float | str,
     result: SimResult,
 ) -> None:
-    """One lockstep step: every live request drafts, ``policy`` picks the lengths ℓ_r of all of
-    them at once, every request verifies its ℓ_r drafts; the step goes into ``result``."""
-    for entry in live:
-        entry.request.draft()
-    raw = [entry.request.confidences for entry in live]
-    gamma = live[0].request.gamma
-    conf = _confidence_matrix(raw, gamma, temps, policy)  # [R, γ]
-    lengths = _checked_lengths(policy([e.index for e in live], conf), len(live), gamma, policy.name)
+    """One lockstep step: the requests ``policy.plan`` picks (every one without a plan) draft,
+    ``policy`` picks the lengths ℓ_r of all of them at once, every request verifies its ℓ_r
+    drafts (the others take a plain target step); the step goes into ``result``."""
+    ids = [entry.index for entry in live]
+    drafting = np.ones(len(live), dtype=bool) if policy.plan is None else np.asarray(policy.plan(ids), dtype=bool)
+    if drafting.shape != (len(live),):
+        raise ValueError(f"policy {policy.name!r}: plan must return {len(live)} booleans, got {drafting!r}")
+    draft_times = [_timed_draft(entry.request, policy) for entry, d in zip(live, drafting) if d]
+    lengths, a, raw = _lengths(live, drafting, policy, temps)
     batch = int(len(live) + lengths.sum())
-    step_time = _step_time(sps, batch, draft_overhead)
-    a = np.cumprod(conf, axis=1)  # [R, γ], NaN without confidences
+    step_time = _step_time(sps, batch, draft_overhead, draft_times)
 
     step_tokens = 0
     for row, (entry, ell) in enumerate(zip(live, lengths.tolist())):
+        if not drafting[row]:
+            step_tokens += _verify(entry, None, None, batch, result)
+            continue
         expected = float(a[row, :ell].sum()) if raw[row] is not None else None
         step_tokens += _verify(entry, ell, expected, batch, result)
-    _account_step(result, len(live), int(lengths.sum()), batch, step_time, step_tokens)
+    _account_step(result, live=len(live), drafted=len(draft_times), proposed=int(lengths.sum()), batch=batch,
+                  draft_s=sum(draft_times), step_time=step_time, tokens=step_tokens)
 
 
-def _verify(entry: _Live, ell: int, expected: float | None, batch: int, result: SimResult) -> int:
-    """Verify ℓ drafts of one live request and log the round; returns the number of tokens emitted.
+def _timed_draft(request: SpeculativeRequest, policy: Policy) -> float:
+    """Draft one request; returns the seconds its clock measured (handed to ``policy.on_draft_time``)."""
+    totals = request.clock.totals
+    before = totals.get("draft", 0.0)
+    request.draft()
+    seconds = totals.get("draft", 0.0) - before
+    if policy.on_draft_time is not None:
+        policy.on_draft_time(seconds)
+    return seconds
+
+
+def _lengths(
+    live: list[_Live], drafting: np.ndarray, policy: Policy, temps: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray, list[list[float] | None]]:
+    """(ℓ int64 [R], a = cumprod of the confidences the policy saw [R, γ], raw c rows or None).
+
+    Requests that did not draft show the policy a row of zeros and must get ℓ = 0."""
+    rows = len(live)
+    raw: list[list[float] | None] = [None] * rows
+    if not drafting.any():  # a plain target step for everyone: nothing to schedule
+        return np.zeros(rows, dtype=np.int64), np.zeros((rows, 1)), raw
+    drafted = np.flatnonzero(drafting)
+    for row in drafted:
+        raw[row] = live[row].request.confidences
+    gamma = live[drafted[0]].request.gamma
+    conf = np.zeros((rows, gamma))  # [R, γ]
+    conf[drafted] = _confidence_matrix([raw[row] for row in drafted], gamma, temps, policy)
+    lengths = _checked_lengths(policy([e.index for e in live], conf), rows, gamma, policy.name)
+    if lengths[~drafting].any():
+        raise ValueError(f"policy {policy.name!r} gave ℓ > 0 to a request that did not draft at this step")
+    return lengths, np.cumprod(conf, axis=1), raw
+
+
+def _verify(entry: _Live, ell: int | None, expected: float | None, batch: int, result: SimResult) -> int:
+    """Verify ℓ drafts of one live request (ℓ None: a plain target step, no draft) and log the round;
+    returns the number of tokens emitted.
 
     ``expected``: Σ_{j≤ℓ} a_j of the confidences the policy saw (None without them)."""
     request = entry.request
     before = len(request.tokens)
-    record = request.verify(ell)
+    record = target_step(request) if ell is None else request.verify(ell)
     emitted = len(request.tokens) - before
     result.accepted += record.accepted
     result.eos_rounds += record.eos_accepted
     result.rounds.append({
         "step": result.steps, "request": entry.index, "tag": entry.job.tag,
-        "round": len(request.rounds) - 1, "proposed": record.proposed, "accepted": record.accepted,
-        "eos_accepted": record.eos_accepted, "emitted": emitted, "confidences": record.confidences, "expected_accepted": expected,
-        "batch_tokens": batch,
+        "round": len(request.rounds) - 1, "drafted": ell is not None, "proposed": record.proposed,
+        "accepted": record.accepted, "eos_accepted": record.eos_accepted, "emitted": emitted,
+        "confidences": record.confidences, "expected_accepted": expected, "batch_tokens": batch,
     })
     result.requests[entry.index].update(tokens=len(request.tokens), rounds=len(request.rounds))
     return emitted
 
 
-def _account_step(result: SimResult, live: int, proposed: int, batch: int, step_time: float, tokens: int) -> None:
+def _account_step(result: SimResult, *, live: int, drafted: int, proposed: int, batch: int, draft_s: float,
+                  step_time: float, tokens: int) -> None:
     """Add one step to the run's counters, its SPS clock and its step log."""
-    result.step_log.append({"step": result.steps, "live": live, "batch_tokens": batch,
-                            "step_time_s": step_time, "tokens": tokens})
+    result.step_log.append({"step": result.steps, "live": live, "drafted": drafted, "batch_tokens": batch,
+                            "draft_s": draft_s, "step_time_s": step_time, "tokens": tokens})
     result.steps += 1
     result.sim_time_s += step_time
     result.live_time_s += step_time * live
     result.tokens += tokens
     result.request_steps += live
+    result.drafted += drafted
+    result.skipped += live - drafted
+    result.draft_s += draft_s
     result.proposed += proposed
     result.batch_tokens += batch
 
@@ -501,9 +482,21 @@ def _checked_lengths(lengths: Any, rows: int, gamma: int, name: str) -> np.ndarr
     return out
 
 
-def _step_time(sps: SPSTable | None, batch: int, draft_overhead: float) -> float:
-    if sps is None:
-        return math.nan
+def _draft_clock(draft_overhead: float | str) -> tuple[str, float | str]:
+    """(label, value) of a ``draft_overhead``: a fraction f >= 0 or "measured" (module docstring)."""
+    if isinstance(draft_overhead, str):
+        if draft_overhead.strip().lower() != MEASURED:
+            raise ValueError(f"draft_overhead must be a number >= 0 (a fraction of the step time) or "
+                             f"{MEASURED!r} (the measured drafting time), got {draft_overhead!r}")
+        return MEASURED, MEASURED
+    if isinstance(draft_overhead, bool) or not isinstance(draft_overhead, (int, float)) \
+            or not math.isfinite(draft_overhead) or draft_overhead < 0:
+        raise ValueError(f"draft_overhead must be a finite number >= 0 (a fraction of the step time) or "
+                         f"{MEASURED!r}, got {draft_overhead!r}")
+    return ("none" if draft_overhead == 0 else f"fraction {float(draft_overhead):g}"), float(draft_overhead)
+
+
+def _speed(sps: SPSTable, batch: int) -> float:
     speed = float(sps(batch))
     if not speed > 0:
         raise ValueError(
@@ -511,7 +504,20 @@ def _step_time(sps: SPSTable | None, batch: int, draft_overhead: float) -> float
             f"{sps.max_batch_tokens}; profile larger batches (dspark profile-sps --batch-tokens ...) "
             "or lower the concurrency"
         )
-    return (1.0 + draft_overhead) / speed
+    return speed
+
+
+def _step_time(sps: SPSTable | None, batch: int, draft_overhead: float | str, draft_times: Sequence[float]) -> float:
+    """Simulated seconds of one step: 1 / SPS(B), plus the drafting ``draft_overhead`` says when
+    some request drafted (module docstring)."""
+    if sps is None:
+        return math.nan
+    verify = 1.0 / _speed(sps, batch)
+    if not draft_times:
+        return verify
+    if draft_overhead == MEASURED:
+        return verify + float(sum(draft_times))
+    return (1.0 + float(draft_overhead)) * verify
 
 
 def job_seed(seed: int, index: int) -> int:
@@ -534,7 +540,7 @@ def simulate(
     eos_token_ids: Iterable[int] = (),
     cycle: bool = True,
     num_requests: int | None = None,
-    draft_overhead: float = 0.0,
+    draft_overhead: float | str = 0.0,
     on_step: Callable[[SimResult], None] | None = None,
 ) -> SimResult:
     """Simulate serving ``prompts`` (token-id lists) at concurrency R under ``policy``.

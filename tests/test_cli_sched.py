@@ -140,6 +140,64 @@ def test_eval_with_algorithm1_reads_the_sps_and_sts_files(tmp_path):
                  tokenizer=CharTokenizer())
 
 
+def test_scheduled_eval_reports_speed_mean_length_and_draft_cost_in_target_steps(tmp_path):
+    """report["scheduled"] against the records: draft cost = draft seconds per drafted round over the
+    target-only step (forward + sampling seconds per forward); skipped rounds are marked in rounds.jsonl."""
+    target = make_tiny_target("llama")
+    drafter = random_drafter(target, gamma=3)
+    files = write_benchmarks(tmp_path / "data", {"gsm8k": ["g0", "g1", "g2"], "mbpp": ["m0", "m1"]})
+    report = evaluate(target, drafter, files, scheduler="algorithm1+skip", sps=SPS, concurrency=2,
+                      max_new_tokens=16, seed=0, progress=False, warmup=False, tokenizer=CharTokenizer(),
+                      eos_token_ids=[0], out_dir=tmp_path / "out")
+    records = [json.loads(line) for line in (tmp_path / "out" / "requests.jsonl").read_text().splitlines()]
+    rounds = [json.loads(line) for line in (tmp_path / "out" / "rounds.jsonl").read_text().splitlines()]
+    s = report["scheduled"]
+    drafted = [r for r in rounds if r["drafted"]]
+    assert all(r["proposed"] == 0 and r["confidences"] is None for r in rounds if not r["drafted"])
+    step = (sum(r["baseline_timings"]["decode"] + r["baseline_timings"]["sample"] for r in records)
+            / sum(r["baseline_tokens"] - 1 for r in records))
+    draft = sum(r["timings"]["draft"] for r in records) / len(drafted)
+    assert s["policy"] == "algorithm1+skip" and s["concurrency"] == 2
+    assert s["target_step_basis"] == "target-only decode" and s["target_step_s"] == pytest.approx(step)
+    assert s["draft_cost_steps"] == pytest.approx(draft / step)
+    assert s["mean_verified"] == pytest.approx(np.mean([r["proposed"] for r in rounds]))
+    assert s["skipped_rounds"] == len(rounds) - len(drafted) and s["speedup"] == report["all"]["speedup"]
+    assert s["round_cost_steps"] > s["draft_cost_steps"] > 0
+    assert "## Scheduled verification" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_scheduled_summary_and_table_equal_hand_computed_costs():
+    """Target step t = (0.9 + 0.1 + 0.45 + 0.05) s / (10 + 5) forwards = 0.1 s. Draft: 0.6 s over 4 drafted
+    rounds = 0.15 s = 1.5 steps; a round: 2.6 s over 6 rounds = 4.33 steps; mean ℓ = 6 / 6."""
+    from dspark.report import scheduled_summary, scheduling_table
+
+    records = [
+        {"timings": {"prefill": 1.0, "draft": 0.2, "verify": 0.6, "accept": 0.1, "bookkeeping": 0.1, "total": 2.0},
+         "baseline_tokens": 11, "baseline_timings": {"prefill": 1.0, "decode": 0.9, "sample": 0.1}},
+        {"timings": {"prefill": 1.0, "draft": 0.4, "verify": 1.0, "accept": 0.2, "total": 2.6},
+         "baseline_tokens": 6, "baseline_timings": {"prefill": 1.0, "decode": 0.45, "sample": 0.05}},
+    ]
+    rounds = [{"proposed": p, "drafted": d} for p, d in
+              zip([2, 1, 0, 3, 0, 0], [True, True, True, True, False, False])]
+    pooled = {"tokens_per_s": 10.0, "baseline_tokens_per_s": 20.0, "speedup": 0.5, "decode_speedup": 0.45, "tau": 1.2}
+    s = scheduled_summary(records, rounds, pooled, policy="algorithm1+skip", concurrency=1, sps_step_s=0.5)
+    assert s["target_step_s"] == pytest.approx(0.1) and s["target_step_basis"] == "target-only decode"
+    assert s["draft_s_per_round"] == pytest.approx(0.15) and s["draft_cost_steps"] == pytest.approx(1.5)
+    assert s["round_cost_steps"] == pytest.approx(2.6 / 6 / 0.1)
+    assert (s["mean_verified"], s["skipped_rounds"], s["skip_rate"]) == (1.0, 2, pytest.approx(1 / 3))
+    assert "| algorithm1+skip | 1 | 10.0 | 20.0 | 0.50 | 0.45 | 1.20 | 1.00 | 0.33 | 150.0 | 1.50 | 4.33 |" \
+        in scheduling_table([s])
+
+
+def test_scheduled_eval_without_baseline_measures_the_step_on_the_sps_table(tmp_path):
+    target = make_tiny_target("llama")
+    report = evaluate(target, random_drafter(target, gamma=3), write_benchmarks(tmp_path / "d", {"gsm8k": ["g0"]}),
+                      scheduler="static1", sps=SPS, max_new_tokens=8, progress=False, warmup=False, baseline=False,
+                      tokenizer=CharTokenizer(), eos_token_ids=[0])
+    assert report["scheduled"]["target_step_basis"] == "SPS(1)"
+    assert report["scheduled"]["target_step_s"] == pytest.approx(1 / SPS(1))
+
+
 # --------------------------------------------------------------------------- the CLI on SmolLM2
 @pytest.fixture
 def reuse_smollm2(monkeypatch, smollm2_target):
@@ -177,11 +235,14 @@ def test_eval_and_simulate_commands_run_end_to_end_on_smollm2(reuse_smollm2, tmp
     assert rounds and all(len(r["confidences"]) == 7 and 0 <= r["proposed"] <= 7 for r in rounds)
 
     assert main(["simulate", "--config", str(SMOLLM2_CONFIG), "--num-prompts", "2", "--concurrency", "1,2",
-                 "--policy", "algorithm1,async", "static1", "--out", str(tmp_path / "sim"), *common]) == 0
+                 "--policy", "algorithm1,async", "static1", "algorithm1+skip", "--draft-overhead", "measured",
+                 "--out", str(tmp_path / "sim"), *common]) == 0
     data = json.loads((tmp_path / "sim" / "results.json").read_text())
     cells = [(r["policy"], r["concurrency"]) for r in data["results"]]
-    assert cells == [(p, r) for p in ("algorithm1", "async", "static1") for r in (1, 2)]
+    assert cells == [(p, r) for p in ("algorithm1", "async", "static1", "algorithm1+skip") for r in (1, 2)]
     assert all(r["throughput"] > 0 and r["tau"] >= 1 for r in data["results"])
+    assert all(r["draft_clock"] == "measured" and r["draft_cost_steps"] > 0 for r in data["results"])
+    assert data["config"]["draft_overhead"] == "measured"
     assert data["config"]["sts_temperatures"] == [1.2] * 7
     for name in ("results.md", "rounds.jsonl", "figure8.png", "frontier.png"):
         assert (tmp_path / "sim" / name).is_file()

@@ -152,7 +152,7 @@ def test_each_served_request_is_speculative_generate_with_its_own_seed():
 
 
 # --------------------------------------------------------------------------- lossless under every policy
-POLICIES = ["algorithm1", "async", "async:3", "static1", "static", "static:0", "threshold:0.5"]
+POLICIES = ["algorithm1", "algorithm1+skip", "async", "async:3", "static1", "static", "static:0", "threshold:0.5"]
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -332,7 +332,9 @@ def test_results_files_hold_the_table_the_rounds_and_figure_8(tmp_path):
     assert data["results"][0]["throughput"] == pytest.approx(results[0].throughput)
     lines = (tmp_path / "rounds.jsonl").read_text().splitlines()
     assert len(lines) == sum(len(r.rounds) for r in results)
-    assert "| static1 | 2 |" in (tmp_path / "results.md").read_text()
+    table = (tmp_path / "results.md").read_text()
+    assert "| static1 | 2 |" in table and "draft cost (steps)" in table and "Drafting on the SPS clock: none" in table
+    assert data["results"][0]["draft_cost_steps"] == pytest.approx(results[0].draft_s_per_round * DECAYING(1))
     for png in ("figure8.png", "frontier.png"):
         assert (tmp_path / png).read_bytes()[:8] == PNG_MAGIC
 
