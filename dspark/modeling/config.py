@@ -103,6 +103,8 @@ class DrafterConfig:
     confidence_head_with_markov: bool = True
     intermediate_size: int | None = None  # None: the target's
     attn_implementation: str = "sdpa"  # "sdpa" | "eager" | "flex"
+    # k > 0: the drafter predicts over k target ids (dspark.modeling.vocab); 0: the full vocabulary.
+    draft_vocab_size: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -125,6 +127,11 @@ class DrafterConfig:
     @property
     def vocab_size(self) -> int:
         return int(self.base_config["vocab_size"])
+
+    @property
+    def output_vocab_size(self) -> int:
+        """Rows of the drafter's LM head and of the Markov head's W2: k, or V without a draft vocabulary."""
+        return self.draft_vocab_size or self.vocab_size
 
     @property
     def has_sequential_head(self) -> bool:
@@ -169,6 +176,10 @@ class DrafterConfig:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_draft_layers < 1:
             raise ValueError(f"num_draft_layers must be >= 1, got {self.num_draft_layers}")
+        if not 0 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(
+                f"draft_vocab_size={self.draft_vocab_size} must lie in [0, {self.vocab_size}] (0 = the full vocabulary)"
+            )
         if self.markov_rank < 0:
             raise ValueError(f"markov_rank must be >= 0, got {self.markov_rank}")
         if self.attn_implementation not in ("sdpa", "eager", "flex"):
@@ -253,6 +264,8 @@ class DrafterConfig:
             target_num_hidden_layers=self.num_target_layers,
             rnn_bias=self.rnn_bias,
         )
+        if self.draft_vocab_size:  # vLLM's field; absent = the full vocabulary, as before
+            out["draft_vocab_size"] = self.draft_vocab_size
         out.update(self.extra)
         return out
 
@@ -276,6 +289,9 @@ class DrafterConfig:
         num_target_layers = int(d.get("num_target_layers", d.get("target_num_hidden_layers", max(d["target_layer_ids"]) + 1)))
         for key in OWN_FIELDS:
             base.pop(key, None)
+        draft_vocab_size = int(base.pop("draft_vocab_size", 0) or 0)
+        if draft_vocab_size == int(d["vocab_size"]):  # vLLM's "no reduction" spelling
+            draft_vocab_size = 0
         return cls(
             base_config=base,
             target_layer_ids=list(d["target_layer_ids"]),
@@ -291,6 +307,7 @@ class DrafterConfig:
             enable_confidence_head=bool(d.get("enable_confidence_head", False)),
             confidence_head_with_markov=bool(d.get("confidence_head_with_markov", False)),
             rnn_bias=bool(d.get("rnn_bias", True)),
+            draft_vocab_size=draft_vocab_size,
         )
 
     def rope_config(self):
@@ -300,7 +317,7 @@ class DrafterConfig:
 
         d = self.to_hf_dict()
         model_type = d.pop("model_type")
-        for key in ("architectures", *_DSPARK_FIELDS, *OWN_FIELDS):
+        for key in ("architectures", "draft_vocab_size", *_DSPARK_FIELDS, *OWN_FIELDS):
             d.pop(key, None)
         if self.family == "gemma4":
             model_type = "gemma4_text"
