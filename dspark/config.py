@@ -63,6 +63,10 @@ class DrafterSpec:
     attn_implementation: str = "auto"  # "auto" (flex on GPU, sdpa on CPU) | "sdpa" | "eager" | "flex"
     layer_family: str = ""  # "": the target's; "qwen3": Qwen3 layers for a Llama target (what serving engines load)
     dtype: str = "float32"  # parameter dtype of the drafter (master weights stay fp32 when training)
+    # Draft vocabulary (dspark.modeling.vocab): the drafter predicts over the k most frequent target ids
+    # of the training data (`dspark vocab` writes them); 0 = the full target vocabulary.
+    draft_vocab_size: int = 0
+    draft_vocab: str = ""  # the vocabulary file ("" = <data_dir>/draft_vocab_<k>.safetensors)
 
 
 @dataclass
@@ -76,6 +80,10 @@ class DataConfig:
     data_dir: str = ""  # where regenerated answers and the cache live ("" = <out_dir>/data)
     feature_mode: str = "cache"  # "cache" (dspark cache) | "online" (target runs in the step)
     cache_precision: str = "bf16"  # "bf16" (DeepSpec's) | "fp8" (0.47x the bytes, see README "Commands") | "fp32"
+    # How `dspark vocab` counts tokens for the draft vocabulary: "hard" (the supervised tokens, EAGLE-3's),
+    # "soft" (the target's probabilities summed over supervised positions), "hard+soft" (hard counts
+    # first, topped up from soft ones).
+    vocab_counts: str = "hard+soft"
 
 
 @dataclass
@@ -253,6 +261,7 @@ _CHOICES = {
     "drafter.dtype": ("float32", "bfloat16"),
     "data.feature_mode": ("cache", "online"),
     "data.cache_precision": ("fp8", "bf16", "fp32"),
+    "data.vocab_counts": ("hard", "soft", "hard+soft"),
     "generation.backend": ("transformers", "openai"),
     "train.mixed_precision": ("bf16", "no"),
     "train.distributed": ("ddp", "fsdp"),
@@ -267,7 +276,7 @@ _POSITIVE = (
 _NON_NEGATIVE = (
     "threads", "eval.num_samples", "eval.block_size", "serve.num_prompts", "serve.num_requests",
     "serve.draft_overhead", "profile.tokens_per_request", "profile.warmup", "eval.temperature",
-    "propose.temperature",
+    "propose.temperature", "drafter.draft_vocab_size",
 )
 
 

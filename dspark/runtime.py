@@ -94,6 +94,7 @@ def drafter_config(spec: DrafterSpec, target: TargetModel, num_anchors: int = 51
         intermediate_size=spec.intermediate_size,
         attn_implementation=resolve_attention(spec.attn_implementation, torch.device(target.device)),
         layer_family=spec.layer_family,
+        draft_vocab_size=spec.draft_vocab_size,
     )
 
 

@@ -92,11 +92,6 @@ def parse_config(d: dict[str, Any], where: str = CONFIG_NAME) -> DrafterConfig:
     for field, what in REFUSED_FIELDS.items():
         if field in d:
             raise ValueError(f"{where}: field {field!r} describes {what}; it cannot be loaded as DSpark/DFlash")
-    if "draft_vocab_size" in d and d["draft_vocab_size"] not in (None, d.get("vocab_size")):
-        raise ValueError(
-            f"{where}: draft_vocab_size={d['draft_vocab_size']} differs from vocab_size={d.get('vocab_size')}: "
-            "a reduced draft vocabulary is not supported"
-        )
     archs = d.get("architectures") or []
     if len(archs) != 1:
         raise ValueError(
@@ -104,6 +99,13 @@ def parse_config(d: dict[str, Any], where: str = CONFIG_NAME) -> DrafterConfig:
             "(the block layout is read from it, never guessed)"
         )
     arch = archs[0]
+    # dspark and DeepSpec-named folders carry a draft vocabulary as `draft_vocab_size` + `d2t`
+    # (dspark.modeling.vocab); the z-lab layout has no LM head of its own, so none there.
+    if arch == ZLAB_ARCHITECTURE and d.get("draft_vocab_size") not in (None, d.get("vocab_size")):
+        raise ValueError(
+            f"{where}: draft_vocab_size={d['draft_vocab_size']} differs from vocab_size={d.get('vocab_size')}: "
+            "a reduced draft vocabulary is not supported in the z-lab DFlash layout"
+        )
     try:
         if arch == ZLAB_ARCHITECTURE:
             return _parse_zlab(d)
