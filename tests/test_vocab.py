@@ -250,3 +250,22 @@ def test_training_a_tiny_drafter_with_a_draft_vocabulary_runs(tmp_path):
     assert tuple(drafter.shared_weights()["lm_head.weight"].shape) == (48, 64)
     assert not drafter.shared_weights()["lm_head.weight"].requires_grad
     assert load_drafter(result.out_dir / "drafter", target).vocab == vocab
+
+
+def test_export_writes_what_vllm_reads_and_refuses_destinations_without_d2t(tmp_path):
+    from dspark.export import ExportRefused, export_drafter
+
+    target = make_tiny_target("qwen3")
+    drafter = Drafter(tiny_drafter_config(target, draft_vocab_size=40)).attach_target(target)
+    vocab = DraftVocab.from_target_ids(torch.arange(1, 160, 4), target.vocab_size)
+    drafter.set_vocab(vocab)
+    folder = export_drafter(drafter, tmp_path / "vllm", "vllm")
+    config = json.loads((folder / "config.json").read_text())
+    tensors = load_file(str(folder / "model.safetensors"))
+    assert config["draft_vocab_size"] == 40 and config["vocab_size"] == target.vocab_size
+    assert torch.equal(tensors["d2t"], vocab.d2t)  # target id = draft id + d2t[draft id]
+    assert torch.equal(tensors["lm_head.weight"], target.lm_head_weight()[vocab.draft_ids])
+    assert tuple(tensors["markov_head.markov_w2.weight"].shape) == (40, 8)
+    for destination in ("sglang", "deepspec"):
+        with pytest.raises(ExportRefused, match="draft vocabulary"):
+            export_drafter(drafter, tmp_path / destination, destination)
