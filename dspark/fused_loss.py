@@ -365,11 +365,9 @@ def fused_dspark_loss(
     """The DSpark loss (Eq. 8-12) fused with the LM head, for drafter-shaped logits.
 
     Same result as :func:`dspark.loss.dspark_loss` with ``draft_logits_fn`` returning
-    softcap(h W_lmᵀ) + latent W2ᵀ and ``target_logits_fn`` softcap(h_t W_lmᵀ),
-    but each chunk's gradient w.r.t. (hidden, latent, w2) is computed in the
-    forward pass from the closed forms of the module docstring and kept (sizes
-    [N, γ, d], [N, γ, r], [V, r]); backward multiplies them by the incoming
-    scalar instead of recomputing both logits.
+    softcap(h W_lmᵀ) + latent W2ᵀ and ``target_logits_fn`` softcap(h_t W_lmᵀ), but each
+    chunk's gradient w.r.t. (hidden, latent, w2) is computed in the forward pass from the
+    closed forms of the module docstring and kept; backward scales them, recomputing nothing.
 
     Args:
         hidden: [N, γ, d] draft hidden states h_1..h_γ (with grad), any float dtype.
@@ -385,10 +383,8 @@ def fused_dspark_loss(
         chunk_rows: supervised positions are processed ``chunk_rows·γ`` at a
             time; peak memory grows with chunk_rows·γ·V (3 fp32 [chunk_rows·γ, V]
             buffers, 4 with softcap).
-        vocab: a draft vocabulary of k ids: ``lm_head_weight`` is then its k rows [k, d], ``w2``
-            [k, r], and ``target_lm_head_weight`` the full [V, d] head p^t comes from
-            (restriction and dropped positions: dspark.loss docstring).
-        target_lm_head_weight: [V, d], given iff ``vocab`` is.
+        vocab, target_lm_head_weight: a draft vocabulary of k ids (``lm_head_weight`` [k, d], ``w2``
+            [k, r]) and the full [V, d] head p^t comes from (dspark.loss docstring), or both None.
 
     Returns:
         :class:`LossOutput`; ``loss`` has gradients for hidden, latent, w2 and
@@ -405,9 +401,8 @@ def fused_dspark_loss(
     tv_coef = weights.tv * w / den  # [γ]
     objective, ce_terms, tv_terms, tv_c_star = _FusedCeTv.apply(
         hidden, latent, w2, lm_head_weight, target_hidden.detach(), safe_labels, valid,
-        ce_coef, tv_coef, None if softcap is None else float(softcap), chunk_rows,
-        torch.is_grad_enabled(), vocab, None if target_lm_head_weight is None else target_lm_head_weight.detach(),
-    )
+        ce_coef, tv_coef, None if softcap is None else float(softcap), chunk_rows, torch.is_grad_enabled(),
+        vocab, None if target_lm_head_weight is None else target_lm_head_weight.detach())
     c_star = (1.0 - 0.5 * tv_c_star).clamp(0.0, 1.0)  # [N, γ], Eq. 8 (detached: no graph)
     return reduce_terms(ce_terms, tv_terms, c_star, confidence_logits, valid, weights, denominator,
                         ce_tv_loss=objective)
