@@ -272,3 +272,16 @@ def test_export_writes_what_vllm_reads_and_refuses_destinations_without_d2t(tmp_
     for destination in ("sglang", "deepspec"):
         with pytest.raises(ExportRefused, match="draft vocabulary"):
             export_drafter(drafter, tmp_path / destination, destination)
+
+
+def test_the_lm_head_rows_are_gathered_once_and_follow_a_new_vocabulary():
+    target = make_tiny_target("llama")
+    drafter = Drafter(tiny_drafter_config(target, draft_vocab_size=10)).attach_target(target)
+    drafter.set_vocab(DraftVocab.from_target_ids(torch.arange(10, 20), 128))
+    rows = drafter.shared_weights()["lm_head.weight"]
+    with torch.no_grad():
+        drafter.d2t.copy_(drafter.d2t.clone())  # an in-place rewrite of the same ids (as DDP's buffer sync)
+    assert drafter.shared_weights()["lm_head.weight"] is rows
+    assert torch.equal(rows, target.lm_head_weight()[10:20])
+    drafter.set_vocab(DraftVocab.from_target_ids(torch.arange(30, 40), 128))
+    assert torch.equal(drafter.shared_weights()["lm_head.weight"], target.lm_head_weight()[30:40])

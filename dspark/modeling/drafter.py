@@ -156,10 +156,11 @@ class Drafter(nn.Module):
         """The draft vocabulary (None: the full target vocabulary)."""
         if not self.config.draft_vocab_size:
             return None
-        key = (self.d2t.data_ptr(), self.d2t._version, self.d2t.device)
+        # Keyed on the content (k integers), not the tensor's version: DDP rewrites buffers in place
+        # every step, and a rebuilt vocabulary would re-gather the LM head rows each time.
         cached = self.__dict__.get("_vocab")
-        if cached is None or cached[0] != key:
-            cached = (key, DraftVocab.from_d2t(self.d2t, self.config.vocab_size))
+        if cached is None or cached[0].device != self.d2t.device or not torch.equal(cached[0], self.d2t):
+            cached = (self.d2t.clone(), DraftVocab.from_d2t(self.d2t, self.config.vocab_size))
             self.__dict__["_vocab"] = cached
         return cached[1]
 
@@ -181,12 +182,12 @@ class Drafter(nn.Module):
         w = self._shared["lm_head.weight"]
         if w.shape[0] == self.config.draft_vocab_size:
             return w
-        key = (w.data_ptr(), w.dtype, self.d2t._version, self.d2t.data_ptr())
+        key, vocab = (w.data_ptr(), w.dtype, w.device), self.vocab
         cached = self.__dict__.get("_head_rows")
-        if cached is None or cached[0] != key:
-            cached = (key, self.vocab.head_weight(w))
+        if cached is None or cached[0] != key or cached[1] is not vocab:
+            cached = (key, vocab, vocab.head_weight(w))
             self.__dict__["_head_rows"] = cached
-        return cached[1]
+        return cached[2]
 
     def target_lm_head_weight(self) -> Tensor:
         """The target's full LM head [V, d], which the loss reads p^t from (also with a draft vocabulary)."""
