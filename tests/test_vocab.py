@@ -285,3 +285,18 @@ def test_the_lm_head_rows_are_gathered_once_and_follow_a_new_vocabulary():
     assert torch.equal(rows, target.lm_head_weight()[10:20])
     drafter.set_vocab(DraftVocab.from_target_ids(torch.arange(30, 40), 128))
     assert torch.equal(drafter.shared_weights()["lm_head.weight"], target.lm_head_weight()[30:40])
+
+
+def test_fused_and_chunked_restricted_losses_agree_with_a_softcap():
+    ids, h, t, w_lm, lat, w2, labels, valid, conf = _loss_case(seed=5)
+    vocab, cap, weights = DraftVocab(ids, w_lm.shape[0]), 2.0, LossWeights()
+    softcap = lambda x: torch.tanh(x / cap) * cap  # noqa: E731
+    ours = [x.clone().requires_grad_() for x in (h, lat, w2)]
+    fused = fused_dspark_loss(ours[0], vocab.head_weight(w_lm), t, labels, valid, conf, weights, latent=ours[1],
+                              w2=ours[2], softcap=cap, vocab=vocab, target_lm_head_weight=w_lm)
+    theirs = [x.clone().requires_grad_() for x in (h, lat, w2)]
+    chunked = dspark_loss(lambda a, b: softcap(theirs[0][a:b] @ w_lm[ids].T) + theirs[1][a:b] @ theirs[2].T,
+                          lambda a, b: softcap(t[a:b] @ w_lm.T), labels, valid, conf, weights, vocab=vocab)
+    assert fused.loss.item() == pytest.approx(chunked.loss.item(), rel=1e-10)
+    for a, b in zip(torch.autograd.grad(fused.loss, ours), torch.autograd.grad(chunked.loss, theirs)):
+        assert torch.allclose(a, b, rtol=1e-8, atol=1e-12)
