@@ -31,7 +31,13 @@ The machine is shared and noisy: timings are interleaved (chunked and naive
 alternate, in alternating order) and only medians and paired ratios are
 reported.
 
+A second section (``--draft-vocab``) times the fused step with a draft vocabulary of k ids
+(dspark.modeling.vocab; k = 8,192 and 32,768 where k < V) against the full-vocabulary fused step
+of the same drafter and batch: its draft side is k-sized, its target side still projects onto
+all V ids once (argmax and mass for EAGLE-3's restriction). "SQ" is a size with Qwen3's V.
+
 Run:  .venv/bin/python bench/train_step.py [--sizes S2 S3 S4] [--quick] [--threads 1]
+      .venv/bin/python bench/train_step.py --draft-vocab [--vocab-sizes S3 SQ]
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ from dspark.data.anchors import block_labels, sample_anchors, target_positions
 from dspark.fused_loss import fused_dspark_loss
 from dspark.loss import LossWeights, dspark_loss, naive_dspark_loss
 from dspark.modeling import Drafter, DrafterConfig
+from dspark.modeling.vocab import DraftVocab
 
 TARGET_LAYER_IDS = [1, 9, 17, 25, 33]  # Qwen3-4B/8B defaults (SPEC 2); the target has 36 layers
 GAMMA = 7
@@ -237,6 +244,100 @@ def bench_size(size: TrainSize, repeats: int, device: torch.device) -> dict[str,
     }
 
 
+# ------------------------------------------------------------------ draft vocabulary section
+VOCAB_KS = (8192, 32768)
+VOCAB_SIZES = {**SIZES, "SQ": TrainSize("SQ", 256, 2, 4, 2, 151936, 512, 64, 64, repeats=2)}
+
+
+def with_draft_vocab(drafter: Drafter, k: int, seed: int = 0) -> Drafter:
+    """The same drafter with a draft vocabulary of k random ids (the Markov head's W2 rows for them)."""
+    config = drafter.config.replace(draft_vocab_size=k)
+    ids = torch.sort(torch.randperm(config.vocab_size, generator=torch.Generator().manual_seed(seed))[:k]).values
+    vocab = DraftVocab(ids, config.vocab_size)
+    small = Drafter(config).to(drafter.fc.weight.device)
+    state = dict(drafter.state_dict())
+    state["markov_head.markov_w2.weight"] = state["markov_head.markov_w2.weight"][ids.to(state["markov_head.markov_w2.weight"].device)]
+    small.load_state_dict({**small.state_dict(), **state})
+    shared = drafter.shared_weights()
+    return small.attach_shared(shared["embed_tokens.weight"], shared["lm_head.weight"]).set_vocab(vocab).train()
+
+
+def vocab_step(drafter: Drafter, batch: dict[str, Tensor], weights: LossWeights) -> Tensor:
+    """The fused step as DraftLossModule runs it, with or without the drafter's draft vocabulary."""
+    drafter.zero_grad(set_to_none=True)
+    input_ids, anchors, keep = batch["input_ids"], batch["anchors"], batch["keep"]
+    final_hidden = batch["final_hidden"]
+    B, S = input_ids.shape
+    labels, valid, prev = block_labels(input_ids, batch["loss_mask"], anchors, keep, GAMMA)
+    hidden = drafter(batch["features"], input_ids, anchors, keep)
+    tpos = target_positions(anchors, GAMMA, S)
+    t_hidden = final_hidden.gather(1, tpos.reshape(B, -1, 1).expand(-1, -1, final_hidden.shape[-1])).reshape(-1, GAMMA, final_hidden.shape[-1])
+    h_flat, prev_flat = hidden.reshape(-1, GAMMA, hidden.shape[-1]), prev.reshape(-1, GAMMA)
+    conf = drafter.confidence_logits(h_flat, prev_flat)
+    head, vocab = drafter.markov_head, drafter.vocab
+    out = fused_dspark_loss(
+        h_flat, drafter.shared_weights()["lm_head.weight"], t_hidden, labels.reshape(-1, GAMMA), valid.reshape(-1, GAMMA),
+        conf, weights, latent=head.block_latent(prev_flat, h_flat), w2=head.markov_w2.weight, chunk_rows=CHUNK_ROWS,
+        vocab=vocab, target_lm_head_weight=None if vocab is None else drafter.target_lm_head_weight(),
+    )
+    out.loss.backward()
+    return out.loss.detach()
+
+
+def bench_draft_vocab(size: TrainSize, repeats: int, device: torch.device) -> list[dict[str, float]]:
+    """Per k < V: median step times and peak memory of the k-vocabulary step and the full one."""
+    full, batch = build(size, device)
+    weights = LossWeights()
+    drafters = {"full": full, **{k: with_draft_vocab(full, k) for k in VOCAB_KS if k < size.vocab}}
+    peak, times = {}, {name: [] for name in drafters}
+    for name, drafter in drafters.items():  # warm-up = the memory-tracked step
+        if device.type == "cuda":
+            sync(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_allocated(device)
+            vocab_step(drafter, batch, weights)
+            sync(device)
+            peak[name] = torch.cuda.max_memory_allocated(device) - before
+        else:
+            mode = LiveBytes()
+            with mode:
+                vocab_step(drafter, batch, weights)
+            peak[name] = mode.peak
+    names = list(drafters)
+    for rep in range(repeats):
+        for name in names[rep % len(names):] + names[: rep % len(names)]:
+            sync(device)
+            start = time.perf_counter()
+            vocab_step(drafters[name], batch, weights)
+            sync(device)
+            times[name].append(time.perf_counter() - start)
+    rows = []
+    for k in names[1:]:
+        rows.append({
+            "k": k, "full_s": statistics.median(times["full"]), "vocab_s": statistics.median(times[k]),
+            "time_ratio": statistics.median(a / b for a, b in zip(times[k], times["full"])),
+            "full_mb": peak["full"] / 2**20, "vocab_mb": peak[k] / 2**20, "mem_ratio": peak[k] / peak["full"],
+        })
+    return rows
+
+
+def main_draft_vocab(names: list[str], repeats: int | None, device: torch.device, threads: int) -> None:
+    print(f"== fused DSpark train step with a draft vocabulary of k ids vs the full vocabulary "
+          f"(same drafter and batch), γ={GAMMA}, {device.type}, threads {threads}")
+    header = f"{'size':<6}{'V':>9}{'k':>8}{'full s':>10}{'k s':>10}{'time k/full':>13}{'full MB':>10}{'k MB':>10}{'mem k/full':>12}"
+    print(header)
+    print("-" * len(header))
+    for name in names:
+        size = VOCAB_SIZES[name]
+        rows = bench_draft_vocab(size, repeats or size.repeats, device)
+        if not rows:
+            print(f"{name:<6}{size.vocab:>9,}  (no k in {VOCAB_KS} below V)")
+        for r in rows:
+            print(f"{name:<6}{size.vocab:>9,}{r['k']:>8,}{r['full_s']:>10.3f}{r['vocab_s']:>10.3f}{r['time_ratio']:>13.3f}"
+                  f"{r['full_mb']:>10.1f}{r['vocab_mb']:>10.1f}{r['mem_ratio']:>12.3f}")
+    print("time k/full: paired median ratio of step times; mem: peak bytes allocated by the step.")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", nargs="+", choices=sorted(SIZES), default=["S2", "S3"],
@@ -245,6 +346,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=None, help="timed steps per variant (default: per size)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: stabler on a shared box)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--draft-vocab", action="store_true", help="run the draft-vocabulary section instead")
+    p.add_argument("--vocab-sizes", nargs="+", choices=sorted(VOCAB_SIZES), default=["S3", "S4", "SQ"],
+                   help="sizes of the draft-vocabulary section")
     return p.parse_args(argv)
 
 
@@ -252,6 +356,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    if args.draft_vocab:
+        main_draft_vocab(args.vocab_sizes, args.repeats, device, args.threads)
+        return
     sizes = [QUICK] if args.quick else [SIZES[name] for name in args.sizes]
     memory = "torch.cuda.max_memory_allocated" if device.type == "cuda" else "live tensor bytes (dispatch mode)"
     print(f"== DSpark train step (forward + backward, optimizer excluded), batch 1 sequence, γ={GAMMA}, "

@@ -83,6 +83,23 @@ def cmd_cache(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_vocab(args: argparse.Namespace) -> int:
+    from dspark.data.vocab_counts import write_draft_vocab
+    from dspark.runtime import load_target
+
+    config = _config(args)
+    ks = sorted({1024, 2048, 4096, 8192, 16384, 32768, config.drafter.draft_vocab_size})
+    path, info = write_draft_vocab(config, load_target(config), ks=ks)
+    cov, n = info["coverage"], info["supervised_tokens"]
+    print(f"draft vocabulary of {config.drafter.draft_vocab_size} ids ({info['mode']} counts) in {path}")
+    print(f"coverage: {cov['train']:.2%} of {n['train']} training tokens ({info['distinct_train_ids']} distinct ids), "
+          f"{cov['held-out']:.2%} of {n['held-out']} held-out tokens")
+    print("\n| counts | k | train | held-out |\n|---|---:|---:|---:|")
+    for row in info.get("table", []):
+        print(f"| {row['mode']} | {row['k']} | {row['train']:.2%} | {row['held-out']:.2%} |")
+    return 0
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     import torch
 
@@ -96,6 +113,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     target = load_target(config)
     train_src, eval_src = training_sources(config, target)
     drafter = build_drafter(config, target)
+    if config.drafter.draft_vocab_size:
+        from dspark.data.vocab_counts import vocab_path
+        from dspark.modeling.vocab import DraftVocab
+
+        drafter.set_vocab(DraftVocab.load(vocab_path(config)))
     trainer = Trainer(config, target, drafter, train_src, eval_src)
     if rank == 0:
         print(f"training {config.name}: {len(train_src)} train / {len(eval_src)} held-out samples, "

@@ -66,6 +66,10 @@ FLAGS: dict[str, Flag] = {
     "--no-cache": Flag("stop after rendering (online feature mode: the target runs in the training step)",
                        kind="const:online"),
     "--out": Flag("where to write the outputs"),
+    "--vocab-size": Flag("k, the draft vocabulary's number of ids (0: the full vocabulary)"),
+    "--counts": Flag("how tokens are counted: hard (supervised tokens), soft (the target's probabilities), "
+                     "hard+soft (hard first, topped up from soft)"),
+    "--vocab": Flag("the draft vocabulary file (default <data_dir>/draft_vocab_<k>.safetensors)"),
 }
 
 _MODEL = {"--target": "target.name_or_path", "--device": "target.device", "--dtype": "target.dtype",
@@ -83,6 +87,9 @@ COMMANDS: dict[str, tuple[str, dict[str, str]]] = {
     "prepare": ("regenerate answers with the target, render them, build the feature cache",
                 {**_MODEL, "--no-cache": "data.feature_mode"}),
     "cache": ("build the target feature cache (or --estimate its size)", dict(_MODEL)),
+    "vocab": ("count the training tokens and write the draft vocabulary, with its coverage",
+              {**_MODEL, "--vocab-size": "drafter.draft_vocab_size", "--counts": "data.vocab_counts",
+               "--vocab": "drafter.draft_vocab"}),
     "train": ("train a drafter (torchrun for several processes)", {**_MODEL, "--resume": "train.resume"}),
     "eval": ("accepted length τ on the nine benchmarks (torchrun shards prompts)",
              {**_MODEL, **_PROMPTS, "--num-samples": "eval.num_samples", "--max-new-tokens": "eval.max_new_tokens",

@@ -68,6 +68,10 @@ class DrafterSpec:
     eagle3_preset: str = "eagle3"  # "eagle3" (standard: Llama layer, vLLM / SGLang) | "eagle3_deepspec" (q/k norms)
     ttt_length: int = 7  # Eagle3 training-time-test steps
     step_loss_decay: float = 0.8  # Eagle3: step s of the TTT loss weighs decay^s
+    # Draft vocabulary (dspark.modeling.vocab): the drafter predicts over the k most frequent target ids
+    # of the training data (`dspark vocab` writes them); 0 = the full target vocabulary.
+    draft_vocab_size: int = 0
+    draft_vocab: str = ""  # the vocabulary file ("" = <data_dir>/draft_vocab_<k>.safetensors)
 
 
 @dataclass
@@ -81,6 +85,10 @@ class DataConfig:
     data_dir: str = ""  # where regenerated answers and the cache live ("" = <out_dir>/data)
     feature_mode: str = "cache"  # "cache" (dspark cache) | "online" (target runs in the step)
     cache_precision: str = "bf16"  # "bf16" (DeepSpec's) | "fp8" (0.47x the bytes, see README "Commands") | "fp32"
+    # How `dspark vocab` counts tokens for the draft vocabulary: "hard" (the supervised tokens, EAGLE-3's),
+    # "soft" (the target's probabilities summed over supervised positions), "hard+soft" (hard counts
+    # first, topped up from soft ones).
+    vocab_counts: str = "hard+soft"
 
 
 @dataclass
@@ -303,6 +311,7 @@ _CHOICES = {
     "drafter.dtype": ("float32", "bfloat16"),
     "data.feature_mode": ("cache", "online"),
     "data.cache_precision": ("fp8", "bf16", "fp32"),
+    "data.vocab_counts": ("hard", "soft", "hard+soft"),
     "generation.backend": ("transformers", "openai"),
     "train.mixed_precision": ("bf16", "no"),
     "train.distributed": ("ddp", "fsdp"),
@@ -317,7 +326,7 @@ _POSITIVE = (
 _NON_NEGATIVE = (
     "threads", "eval.num_samples", "eval.block_size", "serve.num_prompts", "serve.num_requests",
     "profile.tokens_per_request", "profile.warmup", "eval.temperature",
-    "propose.temperature",
+    "propose.temperature", "drafter.draft_vocab_size",
 )
 
 

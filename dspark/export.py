@@ -21,6 +21,11 @@ and vLLM add 1 to `target_layer_ids` themselves for DFlash/DSpark, so every file
   `dflash_config {target_layer_ids, mask_token_id}`, weights `layers.*`, `fc`, `hidden_norm`,
   `norm` only. Only an anchor + γ masks DFlash drafter is a z-lab DFlash.
 
+A drafter with a draft vocabulary (dspark.modeling.vocab) goes to vLLM only: its `dspark` and
+`dflash` methods read `draft_vocab_size` from config.json and need both `lm_head.weight` (the k
+rows) and `d2t` (draft→target offsets; `t2d` is written too and ignored there). DeepSpec's DSpark
+has no d2t, SGLang's DSPARK and DFLASH and z-lab's DFlash take the target's full LM head: refused.
+
 The RNN head without a bias (the paper's Eq. 6) is written with a zero `joint_proj.bias`, since
 DeepSpec and SGLang build the biased head: the outputs are the same.
 """
@@ -118,6 +123,24 @@ def _zlab_tensors(drafter: Drafter) -> dict[str, torch.Tensor]:
     return {k: v for k, v in _tensors(drafter, include_shared=False).items() if not k.startswith(("markov_head", "confidence_head"))}
 
 
+def _with_draft_head(drafter: Drafter, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """vLLM with a draft vocabulary: the LM head's k rows next to `d2t` (from the state)."""
+    if drafter.vocab is None:
+        return tensors
+    try:
+        head = drafter.shared_weights()["lm_head.weight"]
+    except RuntimeError:
+        raise ValueError("a draft vocabulary's LM head rows go into the folder, and the drafter has no LM head: "
+                         "load it with its target (dspark export --target T)") from None
+    return {**tensors, "lm_head.weight": head.detach().cpu().contiguous().clone()}
+
+
+def _refuse_draft_vocab(config: DrafterConfig, destination: str, why: str) -> None:
+    if config.draft_vocab_size:
+        _refuse(destination, f"this drafter has a draft vocabulary of {config.draft_vocab_size} ids and {why}; "
+                             "vLLM serves it (--to vllm)")
+
+
 # ------------------------------------------------------------------ what each destination can serve
 def _check_zlab(config: DrafterConfig, destination: str) -> None:
     if config.variant != "dflash":
@@ -142,6 +165,7 @@ def _check_anchor_first(config: DrafterConfig, destination: str) -> None:
 def _deepspec(drafter: Drafter, folder: Path, options: dict) -> Layout:
     config = drafter.config
     _check_anchor_first(config, "deepspec")
+    _refuse_draft_vocab(config, "deepspec", "DeepSpec's DSpark model has a full-vocabulary LM head and no d2t")
     serve = (f"DeepSpec loads this folder with `{DEEPSPEC_ARCH[config.family]}.from_pretrained(\"{folder}\")` "
              "(embedding and LM head included). Evaluate it with DeepSpec's evaluator, e.g. its eval "
              f"script with the draft model path set to `{folder}`.\n")
@@ -151,6 +175,7 @@ def _deepspec(drafter: Drafter, folder: Path, options: dict) -> Layout:
 def _zlab(drafter: Drafter, folder: Path, options: dict) -> Layout:
     config = drafter.config
     _check_zlab(config, "zlab")
+    _refuse_draft_vocab(config, "zlab", "z-lab's DFlashDraftModel uses the target's full LM head")
     serve = (
         "z-lab DFlash (github.com/z-lab/dflash):\n\n```python\nfrom dflash.model import DFlashDraftModel\n"
         f"draft = DFlashDraftModel.from_pretrained(\"{folder}\")\n```\n\n"
@@ -179,7 +204,10 @@ def _vllm(drafter: Drafter, folder: Path, options: dict) -> Layout:
     target = options.get("target") or "TARGET"
     if config.variant == "dflash" and config.block_layout == "anchor_plus_masks":
         _check_zlab(config, "vllm (method dflash)")
-        return Layout(zlab_config(config), _zlab_tensors(drafter), _vllm_dflash_command(folder, config, options))
+        cfg = zlab_config(config)
+        if config.draft_vocab_size:
+            cfg["draft_vocab_size"] = config.draft_vocab_size
+        return Layout(cfg, _with_draft_head(drafter, _zlab_tensors(drafter)), _vllm_dflash_command(folder, config, options))
     _check_anchor_first(config, "vllm (method dspark)")
     if config.has_sequential_head and config.markov_head_type != "vanilla":
         _refuse("vllm (method dspark)", f"vLLM's DSpark serves only the vanilla Markov head; this drafter has the "
@@ -189,13 +217,14 @@ def _vllm(drafter: Drafter, folder: Path, options: dict) -> Layout:
              "Calibration is online in vLLM (no STS/SPS files).\n")
     if not config.has_sequential_head:
         serve += "\nThis is an anchor-first (DeepSpec-style) DFlash: it is served as `dspark` with markov_rank 0.\n"
-    return Layout(deepspec_config(config), _tensors(drafter, include_shared=False), serve)
+    return Layout(deepspec_config(config), _with_draft_head(drafter, _tensors(drafter, include_shared=False)), serve)
 
 
 def _sglang(drafter: Drafter, folder: Path, options: dict) -> Layout:
     config = drafter.config
     target = options.get("target") or "TARGET"
     sts, sps = options.get("sts"), options.get("sps")
+    _refuse_draft_vocab(config, "sglang", "SGLang's DSPARK and DFLASH take the target's full LM head")
     if config.variant == "dflash" and config.block_layout == "anchor_plus_masks":
         _check_zlab(config, "sglang (DFLASH)")
         if sts or sps:

@@ -17,6 +17,12 @@ vocabulary-sized matmuls (draft logits, target logits, grad → h, grad →
 W2/latent) and one pass of softmax/TV work. :func:`dspark.loss.dspark_loss`
 stays the general path (any logits) and the reference this one is tested
 against.
+
+With a draft vocabulary of k ids (``vocab``) the draft side is k-sized (the LM head's k rows,
+W2 [k, r]) and the target side reads the full LM head once per position, without grad, for
+EAGLE-3's restriction (p^t over the k ids renormalised, positions whose target argmax or label
+lies outside dropped) and for c* against the full distribution (dspark.loss docstring): 3
+k-sized and one V-sized matmul per supervised position instead of 4 V-sized ones.
 """
 
 from __future__ import annotations
@@ -31,9 +37,11 @@ from dspark.loss import (
     LossWeights,
     check_loss_inputs,
     compute_dtype,
+    full_vocab_tv,
     reduce_terms,
     weights_and_denominator,
 )
+from dspark.modeling.vocab import DraftVocab
 
 __all__ = ["fused_dspark_loss"]
 
@@ -49,14 +57,17 @@ def _fused_compute_dtype(hidden: Tensor, lm_head_weight: Tensor, w2: Tensor | No
 class _Head:
     """The shared LM head as the fused loss applies it to a chunk of m positions."""
 
-    weight: Tensor  # [V, d]; its matmuls run in its dtype, as in Drafter.compute_logits
-    w2: Tensor | None  # [V, r] in the compute dtype; the rank-r products are cheap in fp32
+    weight: Tensor  # [V, d] ([k, d] with a draft vocabulary); its matmuls run in its dtype
+    w2: Tensor | None  # [V, r] ([k, r]) in the compute dtype; the rank-r products are cheap in fp32
     softcap: float | None
     dtype: torch.dtype  # compute dtype of everything vocabulary-sized
+    vocab: DraftVocab | None = None
+    target_weight: Tensor | None = None  # [V, d], the full head p^t comes from (None: ``weight``)
 
-    def project(self, x: Tensor, pos: Tensor) -> Tensor:
-        """x[pos] W_lmᵀ: rows ``pos`` [m] of x [N·γ, d] -> [m, V] in the compute dtype."""
-        return (x[pos].to(self.weight.dtype) @ self.weight.T).to(self.dtype)
+    def project(self, x: Tensor, pos: Tensor, weight: Tensor | None = None) -> Tensor:
+        """x[pos] Wᵀ: rows ``pos`` [m] of x [N·γ, d] -> [m, V] in the compute dtype."""
+        w = self.weight if weight is None else weight
+        return (x[pos].to(w.dtype) @ w.T).to(self.dtype)
 
     def draft_log_probs(self, h: Tensor, pos: Tensor, lat: Tensor | None) -> tuple[Tensor, Tensor | None]:
         """log p^d [m, V] of z = softcap(h[pos] W_lmᵀ) + lat W2ᵀ, and tanh(h[pos] W_lmᵀ / c)
@@ -71,14 +82,24 @@ class _Head:
             z.addmm_(lat, self.w2.T)  # + B_k
         return torch.log_softmax(z, dim=-1), tanh_u
 
-    def minus_target_probs(self, p: Tensor, t: Tensor, pos: Tensor) -> Tensor:
-        """p^d − p^t [m, V] from p = p^d [m, V] and the target hidden states t[pos] [m, d]."""
-        logits = self.project(t, pos)
+    def target_logits(self, t: Tensor, pos: Tensor) -> Tensor:
+        """softcap(t[pos] Wᵀ) [m, V] over the full vocabulary."""
+        logits = self.project(t, pos, self.target_weight)
         if self.softcap is not None:  # in place: softcap(x) = c·tanh(x/c)
             logits.div_(self.softcap).tanh_().mul_(self.softcap)
+        return logits
+
+    def minus_target_probs(self, p: Tensor, t: Tensor, pos: Tensor) -> Tensor:
+        """p^d − p^t [m, V] from p = p^d [m, V] and the target hidden states t[pos] [m, d]."""
         # p^t through the same log_softmax → exp as p^d, so that equal logits give
         # bitwise-equal probabilities and sign(p − p^t) = 0 exactly there.
-        return torch.log_softmax(logits, dim=-1).exp_().neg_().add_(p)
+        return torch.log_softmax(self.target_logits(t, pos), dim=-1).exp_().neg_().add_(p)
+
+    def minus_restricted_target(self, p: Tensor, t: Tensor, pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Draft vocabulary: (p^d − p^t_D [m, k], target mass inside [m], argmax inside Bool [m]),
+        p^t_D the target restricted to the k ids and renormalised (EAGLE-3)."""
+        logp, argmax_in, log_mass_in = self.vocab.restrict_logits(self.target_logits(t, pos))
+        return logp.exp_().neg_().add_(p), log_mass_in.exp(), argmax_in
 
 
 def _logits_grad(p: Tensor, diff: Tensor, y: Tensor, a: Tensor, b: Tensor | None) -> Tensor:
@@ -111,23 +132,41 @@ class _Pass:
     grad_h: Tensor | None  # [N·γ, d], only if wanted
     grad_lat: Tensor | None  # [N·γ, r]
     grad_w2: Tensor | None  # [V, r]
+    tv_full: Tensor | None = None  # [N·γ], TV against the full target (draft vocabulary only)
 
 
 def _fused_chunk(run: _Pass, head: _Head, pos: Tensor, ce_coef: Tensor, tv_coef: Tensor | None, any_grad: bool) -> None:
     """CE and TV terms at the supervised positions ``pos`` [m] and, if ``any_grad``, their
     gradients (``tv_coef`` None: no TV gradient); every [m, V] tensor dies here."""
     block_size = ce_coef.shape[0]
-    y = run.labels[pos][:, None]  # [m, 1]
+    y = run.labels[pos][:, None]  # [m, 1], target ids
+    if head.vocab is not None:
+        y = head.vocab.to_draft_ids(y)  # −1 outside the vocabulary
+        label_in = y.squeeze(1) >= 0
+        y = y.clamp_min(0)
     lat = None if run.latent is None else run.latent[pos].to(head.dtype)  # [m, r]
-    p, tanh_u = head.draft_log_probs(run.hidden, pos, lat)  # [m, V], log p^d for now
-    run.ce[pos] = -p.gather(1, y).squeeze(1)
+    p, tanh_u = head.draft_log_probs(run.hidden, pos, lat)  # [m, V or k], log p^d for now
+    ce = -p.gather(1, y).squeeze(1)
     p.exp_()  # p^d
-    diff = head.minus_target_probs(p, run.target_hidden, pos)  # [m, V]
-    run.tv[pos] = torch.linalg.vector_norm(diff, ord=1, dim=-1)
+    keep = None
+    if head.vocab is None:
+        diff = head.minus_target_probs(p, run.target_hidden, pos)  # [m, V]
+    else:
+        diff, mass_in, argmax_in = head.minus_restricted_target(p, run.target_hidden, pos)  # [m, k]
+        keep = label_in & argmax_in
+        p_t_in = p - diff
+        run.tv_full[pos] = full_vocab_tv(p, p_t_in, mass_in)
+        del p_t_in
+    tv = torch.linalg.vector_norm(diff, ord=1, dim=-1)
+    run.ce[pos] = ce if keep is None else torch.where(keep, ce, 0.0)
+    run.tv[pos] = tv if keep is None else torch.where(keep, tv, 0.0)
     if not any_grad:
         return
     a = ce_coef[pos % block_size][:, None].to(head.dtype)  # [m, 1]
     b = None if tv_coef is None else tv_coef[pos % block_size][:, None].to(head.dtype)  # [m, 1]
+    if keep is not None:  # a dropped position has no gradient
+        a = a * keep[:, None]
+        b = None if b is None else b * keep[:, None]
     g = _logits_grad(p, diff, y, a, b)  # ∂objective/∂z, [m, V]
     del p, diff
     if run.grad_lat is not None:
@@ -153,16 +192,19 @@ def _fused_ce_tv(
     softcap: float | None,
     chunk_rows: int,
     want: tuple[bool, bool, bool],
-) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None]:
-    """Per-position CE and TV terms [N, γ] and, for the inputs flagged in ``want``
-    (hidden, latent, w2), the gradients of Σ (ce_coef_k·CE + tv_coef_k·TV), in the compute dtype.
+    vocab: DraftVocab | None = None,
+    target_weight: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None]:
+    """Per-position CE and TV terms [N, γ], the TV c* is read from [N, γ] and, for the inputs
+    flagged in ``want`` (hidden, latent, w2), the gradients of Σ (ce_coef_k·CE + tv_coef_k·TV),
+    in the compute dtype.
 
     Only supervised positions are read (``chunk_rows·γ`` of them per chunk), so
     whatever sits in unsupervised slots cannot leak into values or gradients.
     """
     rows, block_size, dim = hidden.shape
     dtype = _fused_compute_dtype(hidden, lm_head_weight, w2)
-    head = _Head(lm_head_weight, None if w2 is None else w2.to(dtype), softcap, dtype)
+    head = _Head(lm_head_weight, None if w2 is None else w2.to(dtype), softcap, dtype, vocab, target_weight)
     flat_lat = None if latent is None else latent.reshape(rows * block_size, latent.shape[2])
 
     def zeros(*shape: int) -> Tensor:
@@ -178,6 +220,7 @@ def _fused_ce_tv(
         grad_h=zeros(rows * block_size, dim) if want[0] else None,
         grad_lat=zeros(*flat_lat.shape) if want[1] else None,
         grad_w2=zeros(*w2.shape) if want[2] else None,
+        tv_full=None if vocab is None else zeros(rows * block_size),
     )
     any_grad = any(want)
     tv_grad = any_grad and bool((tv_coef != 0).any())
@@ -190,6 +233,7 @@ def _fused_ce_tv(
     return (
         run.ce.reshape(shape),
         run.tv.reshape(shape),
+        (run.tv if run.tv_full is None else run.tv_full).reshape(shape),
         None if run.grad_h is None else run.grad_h.reshape(hidden.shape),
         None if run.grad_lat is None else run.grad_lat.reshape(latent.shape),
         run.grad_w2,
@@ -200,31 +244,31 @@ def _fused_ce_tv(
 class _FusedCeTv(torch.autograd.Function):
     """α_ce·L_ce + α_tv·L_tv with its gradient computed in forward; backward only scales it.
 
-    Outputs (objective, ce_terms [N, γ], tv_terms [N, γ]); the terms are
-    non-differentiable (metrics and c*). Double backward is refused: the stored
+    Outputs (objective, ce_terms [N, γ], tv_terms [N, γ], the TV c* reads [N, γ]); the terms
+    are non-differentiable (metrics and c*). Double backward is refused: the stored
     gradients are constants, so a graph through them would be silently wrong.
     """
 
     @staticmethod
     def forward(ctx, hidden, latent, w2, lm_head_weight, target_hidden, labels, valid,
-                ce_coef, tv_coef, softcap, chunk_rows, grad_enabled):
+                ce_coef, tv_coef, softcap, chunk_rows, grad_enabled, vocab, target_weight):
         # Inside forward grad mode is off and needs_input_grad ignores it: hence grad_enabled.
         want = tuple(bool(grad_enabled and flag) for flag in ctx.needs_input_grad[:3])
         # The precision is explicit inside (vocabulary matmuls in the LM head's dtype, softmaxes
         # and accumulators in the compute dtype): an enclosing autocast must not re-type them.
         with torch.autocast(hidden.device.type, enabled=False):
-            ce_terms, tv_terms, grad_h, grad_lat, grad_w2 = _fused_ce_tv(
+            ce_terms, tv_terms, tv_c_star, grad_h, grad_lat, grad_w2 = _fused_ce_tv(
                 hidden, latent, w2, lm_head_weight, target_hidden, labels, valid,
-                ce_coef, tv_coef, softcap, chunk_rows, want,
+                ce_coef, tv_coef, softcap, chunk_rows, want, vocab, target_weight,
             )
             objective = (ce_terms * ce_coef).sum() + (tv_terms * tv_coef).sum()
         ctx.save_for_backward(grad_h, grad_lat, grad_w2)
         ctx.input_dtypes = tuple(None if t is None else t.dtype for t in (hidden, latent, w2))
-        ctx.mark_non_differentiable(ce_terms, tv_terms)
-        return objective, ce_terms, tv_terms
+        ctx.mark_non_differentiable(ce_terms, tv_terms, tv_c_star)
+        return objective, ce_terms, tv_terms, tv_c_star
 
     @staticmethod
-    def backward(ctx, grad_objective, _grad_ce_terms, _grad_tv_terms):
+    def backward(ctx, grad_objective, _grad_ce_terms, _grad_tv_terms, _grad_tv_c_star):
         if torch.is_grad_enabled():  # backward(create_graph=True)
             raise RuntimeError(
                 "fused_dspark_loss cannot be differentiated twice (create_graph=True): its gradient "
@@ -234,7 +278,7 @@ class _FusedCeTv(torch.autograd.Function):
             None if g is None else (grad_objective * g).to(dtype)
             for g, dtype in zip(ctx.saved_tensors, ctx.input_dtypes)
         ]
-        return (*grads, None, None, None, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None, None, None, None, None)
 
 
 def _check_fused_inputs(
@@ -286,6 +330,21 @@ def _check_fused_inputs(
         raise ValueError(f"chunk_rows must be a positive int, got {chunk_rows!r}")
 
 
+def _check_vocab_inputs(lm_head_weight: Tensor, vocab: DraftVocab | None, target_weight: Tensor | None) -> None:
+    """With a draft vocabulary: the k-row draft head and the full target head, consistent with it."""
+    if (vocab is None) != (target_weight is None):
+        raise ValueError("vocab and target_lm_head_weight come together (a draft vocabulary needs the full "
+                         "target LM head for p^t); pass both or neither")
+    if vocab is None:
+        return
+    if lm_head_weight.shape[0] != vocab.size:
+        raise ValueError(f"lm_head_weight has {lm_head_weight.shape[0]} rows, the draft vocabulary {vocab.size}: "
+                         "pass vocab.head_weight(target_lm_head_weight)")
+    if tuple(target_weight.shape) != (vocab.vocab_size, lm_head_weight.shape[1]):
+        raise ValueError(f"target_lm_head_weight must be [V, d] = [{vocab.vocab_size}, {lm_head_weight.shape[1]}], "
+                         f"got {tuple(target_weight.shape)}")
+
+
 def fused_dspark_loss(
     hidden: Tensor,
     lm_head_weight: Tensor,
@@ -300,15 +359,15 @@ def fused_dspark_loss(
     softcap: float | None = None,
     chunk_rows: int = 64,
     denominator: Tensor | None = None,
+    vocab: DraftVocab | None = None,
+    target_lm_head_weight: Tensor | None = None,
 ) -> LossOutput:
     """The DSpark loss (Eq. 8-12) fused with the LM head, for drafter-shaped logits.
 
     Same result as :func:`dspark.loss.dspark_loss` with ``draft_logits_fn`` returning
-    softcap(h W_lmᵀ) + latent W2ᵀ and ``target_logits_fn`` softcap(h_t W_lmᵀ),
-    but each chunk's gradient w.r.t. (hidden, latent, w2) is computed in the
-    forward pass from the closed forms of the module docstring and kept (sizes
-    [N, γ, d], [N, γ, r], [V, r]); backward multiplies them by the incoming
-    scalar instead of recomputing both logits.
+    softcap(h W_lmᵀ) + latent W2ᵀ and ``target_logits_fn`` softcap(h_t W_lmᵀ), but each
+    chunk's gradient w.r.t. (hidden, latent, w2) is computed in the forward pass from the
+    closed forms of the module docstring and kept; backward scales them, recomputing nothing.
 
     Args:
         hidden: [N, γ, d] draft hidden states h_1..h_γ (with grad), any float dtype.
@@ -324,6 +383,8 @@ def fused_dspark_loss(
         chunk_rows: supervised positions are processed ``chunk_rows·γ`` at a
             time; peak memory grows with chunk_rows·γ·V (3 fp32 [chunk_rows·γ, V]
             buffers, 4 with softcap).
+        vocab, target_lm_head_weight: a draft vocabulary of k ids (``lm_head_weight`` [k, d], ``w2``
+            [k, r]) and the full [V, d] head p^t comes from (dspark.loss docstring), or both None.
 
     Returns:
         :class:`LossOutput`; ``loss`` has gradients for hidden, latent, w2 and
@@ -331,17 +392,17 @@ def fused_dspark_loss(
     """
     check_loss_inputs(labels, valid, confidence_logits, weights, denominator)
     _check_fused_inputs(hidden, lm_head_weight, target_hidden, labels, latent, w2, softcap, chunk_rows)
+    _check_vocab_inputs(lm_head_weight, vocab, target_lm_head_weight)
     valid = valid.to(device=hidden.device, dtype=torch.bool)
     safe_labels = torch.where(valid, labels.long(), torch.zeros_like(labels, dtype=torch.long))
     dtype = _fused_compute_dtype(hidden, lm_head_weight, w2)
     w, den = weights_and_denominator(valid, weights, denominator, dtype)
     ce_coef = weights.ce * w / den  # [γ]: ∂objective/∂CE_k at a supervised position
     tv_coef = weights.tv * w / den  # [γ]
-    objective, ce_terms, tv_terms = _FusedCeTv.apply(
+    objective, ce_terms, tv_terms, tv_c_star = _FusedCeTv.apply(
         hidden, latent, w2, lm_head_weight, target_hidden.detach(), safe_labels, valid,
-        ce_coef, tv_coef, None if softcap is None else float(softcap), chunk_rows,
-        torch.is_grad_enabled(),
-    )
-    c_star = (1.0 - 0.5 * tv_terms).clamp(0.0, 1.0)  # [N, γ], Eq. 8 (detached: no graph)
+        ce_coef, tv_coef, None if softcap is None else float(softcap), chunk_rows, torch.is_grad_enabled(),
+        vocab, None if target_lm_head_weight is None else target_lm_head_weight.detach())
+    c_star = (1.0 - 0.5 * tv_c_star).clamp(0.0, 1.0)  # [N, γ], Eq. 8 (detached: no graph)
     return reduce_terms(ce_terms, tv_terms, c_star, confidence_logits, valid, weights, denominator,
                         ce_tv_loss=objective)

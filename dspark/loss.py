@@ -23,6 +23,16 @@ one once under ``no_grad``, and c* is read off the same TV tensor, detached.
 :func:`naive_dspark_loss` is the unchunked textbook version, kept only as a
 baseline for benchmarks and as a cross-check in tests.
 
+Draft vocabulary (``vocab``, :mod:`dspark.modeling.vocab`): the draft logits are [.., k] over
+the k draft ids and p^t in L_ce / L_tv is the target distribution restricted to those ids and
+renormalised (EAGLE-3). A position whose target argmax (over all V ids) lies outside the
+vocabulary is dropped from L_ce and L_tv as EAGLE-3 drops it, and so is one whose label x*_k
+lies outside (its CE is undefined); a dropped position adds 0 to the sums but stays in the
+denominator (EAGLE-3 averages over all positions too). c* (Eq. 8), and with it L_conf, the
+acceptance sums and τ_prob, is the expected acceptance against the *full* target distribution,
+1 − ½(Σ_{v∈D} |p^d_v − p^t_v| + p^t(outside D)), so it is what verification will accept and
+the confidence head learns that an out-of-vocabulary target is a likely rejection.
+
 The fused path (:func:`dspark.fused_loss.fused_dspark_loss`, what the trainer
 runs for drafter-shaped logits) computes the same terms and their gradients in
 one forward pass; :func:`dspark_loss` stays the general path (any logits) and
@@ -40,6 +50,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
+
+from dspark.modeling.vocab import DraftVocab
 
 __all__ = [
     "LossWeights",
@@ -161,6 +173,25 @@ def _check_logits(name: str, logits: Tensor, rows: int, block_size: int) -> None
         )
 
 
+def draft_vocab_targets(
+    target_logits: Tensor, labels: Tensor, vocab: DraftVocab, dtype: torch.dtype
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """EAGLE-3's restriction for the loss: target logits [.., V] and labels [..] (target ids) ->
+    (p^t restricted to the vocabulary and renormalised [.., k], the target's mass inside it [..],
+    keep Bool [..] (target argmax and label inside), labels as draft ids [..], 0 where not kept)."""
+    logp, keep, log_mass_in = vocab.restrict_logits(target_logits.to(dtype))
+    draft_labels = vocab.to_draft_ids(labels)
+    keep = keep & (draft_labels >= 0)
+    return logp.exp(), log_mass_in.exp(), keep, draft_labels.clamp_min(0)
+
+
+def full_vocab_tv(p_d: Tensor, p_t_in: Tensor, mass_in: Tensor) -> Tensor:
+    """Σ_v |p^d_v − p^t_v| over all V ids for a draft p^d [.., k] that is 0 outside the vocabulary and
+    a target with restricted distribution p_t_in [.., k] and mass_in [..] inside: the TV that
+    verification meets (its c* is the expected acceptance)."""
+    return (p_d - p_t_in * mass_in.unsqueeze(-1)).abs().sum(-1) + (1 - mass_in)
+
+
 def _chunk_terms(
     draft_logits_fn: LogitsFn,
     target_logits_fn: LogitsFn,
@@ -168,31 +199,44 @@ def _chunk_terms(
     start: int,
     end: int,
     track_tv: bool,
-) -> tuple[Tensor, Tensor]:
-    """Per-position CE and TV terms of rows [start, end): two [n, γ] tensors.
+    vocab: DraftVocab | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-position CE and TV terms of rows [start, end) and the TV c* is read from: three [n, γ]
+    tensors (the third the second, detached, without a draft vocabulary).
 
     ``labels`` is the chunk's slice, with invalid entries already made safe.
-    TV is ``Σ_v |p^d − p^t|`` (no ½); it keeps a graph only if ``track_tv``.
+    TV is ``Σ_v |p^d − p^t|`` (no ½); it keeps a graph only if ``track_tv``. With ``vocab``
+    the draft logits are [n, γ, k], the target ones [n, γ, V] (module docstring).
     """
     rows, block_size = labels.shape
-    draft = draft_logits_fn(start, end)  # [n, γ, V]
+    draft = draft_logits_fn(start, end)  # [n, γ, V or k]
     _check_logits("draft_logits_fn", draft, rows, block_size)
-    logp_d = torch.log_softmax(draft.to(compute_dtype(draft.dtype)), dim=-1)  # [n, γ, V]
+    logp_d = torch.log_softmax(draft.to(compute_dtype(draft.dtype)), dim=-1)  # [n, γ, V or k]
     del draft
-    ce = -logp_d.gather(-1, labels[:, :, None]).squeeze(-1)  # [n, γ]
+    keep = None
     with torch.no_grad():
         target = target_logits_fn(start, end)  # [n, γ, V]
         _check_logits("target_logits_fn", target, rows, block_size)
-        if target.shape[-1] != logp_d.shape[-1]:
+        want = logp_d.shape[-1] if vocab is None else vocab.vocab_size
+        if target.shape[-1] != want or (vocab is not None and logp_d.shape[-1] != vocab.size):
             raise ValueError(
-                f"target_logits_fn vocabulary {target.shape[-1]} differs from draft_logits_fn "
-                f"vocabulary {logp_d.shape[-1]}"
+                f"target_logits_fn vocabulary {target.shape[-1]} and draft_logits_fn vocabulary "
+                f"{logp_d.shape[-1]} must be V and {'k of the draft vocabulary' if vocab else 'V'}"
             )
-        p_t = torch.softmax(target.to(logp_d.dtype), dim=-1)  # [n, γ, V]
+        if vocab is None:
+            p_t = torch.softmax(target.to(logp_d.dtype), dim=-1)  # [n, γ, V]
+        else:
+            p_t, mass_in, keep, labels = draft_vocab_targets(target, labels, vocab, logp_d.dtype)  # [n, γ, k]
         del target
+    ce = -logp_d.gather(-1, labels[:, :, None]).squeeze(-1)  # [n, γ]
     with torch.set_grad_enabled(track_tv and torch.is_grad_enabled()):
         tv = (logp_d.exp() - p_t).abs().sum(dim=-1)  # [n, γ]
-    return ce, tv
+    if keep is None:
+        return ce, tv, tv.detach()
+    with torch.no_grad():
+        tv_full = full_vocab_tv(logp_d.exp(), p_t, mass_in)
+    zero = torch.zeros((), dtype=ce.dtype, device=ce.device)
+    return torch.where(keep, ce, zero), torch.where(keep, tv, zero), tv_full
 
 
 def weights_and_denominator(
@@ -268,6 +312,7 @@ def dspark_loss(
     weights: LossWeights,
     chunk_rows: int = 64,
     denominator: Tensor | None = None,
+    vocab: DraftVocab | None = None,
 ) -> LossOutput:
     """Memory-bounded DSpark loss (Eq. 8-12), chunked over rows with recomputation.
 
@@ -286,6 +331,8 @@ def dspark_loss(
         weights: α of Eq. 12 and λ of the position weights.
         chunk_rows: rows per chunk; peak memory grows with chunk_rows·γ·V.
         denominator: Σ w_k·valid over the global batch; default: this call's.
+        vocab: a draft vocabulary: ``draft_logits_fn`` returns [n, γ, k], ``target_logits_fn``
+            still [n, γ, V]; restriction and dropped positions as in the module docstring.
 
     Returns:
         :class:`LossOutput`. Gradients equal those of the unchunked formula.
@@ -301,18 +348,19 @@ def dspark_loss(
 
     # An empty batch still runs one empty chunk, so that the loss stays attached to the graph.
     bounds = [(s, min(s + chunk_rows, num_rows)) for s in range(0, num_rows, chunk_rows)] or [(0, 0)]
-    ce_chunks, tv_chunks = [], []
+    ce_chunks, tv_chunks, full_chunks = [], [], []
     for start, end in bounds:
-        args = (draft_logits_fn, target_logits_fn, safe_labels[start:end], start, end, track_tv)
+        args = (draft_logits_fn, target_logits_fn, safe_labels[start:end], start, end, track_tv, vocab)
         if use_checkpoint:
-            ce, tv = checkpoint(_chunk_terms, *args, use_reentrant=False)
+            ce, tv, tv_full = checkpoint(_chunk_terms, *args, use_reentrant=False)
         else:
-            ce, tv = _chunk_terms(*args)
+            ce, tv, tv_full = _chunk_terms(*args)
         ce_chunks.append(ce)
         tv_chunks.append(tv)
+        full_chunks.append(tv_full)
     ce_terms = torch.cat(ce_chunks)  # [N, γ]
     tv_terms = torch.cat(tv_chunks)  # [N, γ]
-    c_star = (1.0 - 0.5 * tv_terms.detach()).clamp(0.0, 1.0)  # [N, γ], Eq. 8
+    c_star = (1.0 - 0.5 * torch.cat(full_chunks).detach()).clamp(0.0, 1.0)  # [N, γ], Eq. 8
     return reduce_terms(ce_terms, tv_terms, c_star, confidence_logits, valid, weights, denominator)
 
 

@@ -97,6 +97,7 @@ def drafter_config(spec: DrafterSpec, target: TargetModel, num_anchors: int = 51
         eagle3_preset=spec.eagle3_preset,
         ttt_length=spec.ttt_length,
         step_loss_decay=spec.step_loss_decay,
+        draft_vocab_size=spec.draft_vocab_size,
     )
 
 

@@ -86,6 +86,7 @@ class DraftLossModule(nn.Module):
         sums (denominator 1): the trainer divides by the global D."""
         drafter = self.drafter
         one = torch.ones((), device=labels.device)
+        vocab = drafter.vocab  # a draft vocabulary: k-sized draft side, p^t restricted (dspark.loss)
         if self.fused:
             head = drafter.markov_head
             return fused_dspark_loss(
@@ -93,16 +94,18 @@ class DraftLossModule(nn.Module):
                 latent=None if head is None else head.block_latent(prev_flat, h_flat),
                 w2=None if head is None else head.markov_w2.weight,
                 softcap=drafter.config.final_logit_softcapping, chunk_rows=self.chunk_rows, denominator=one,
+                vocab=vocab, target_lm_head_weight=None if vocab is None else drafter.target_lm_head_weight(),
             )
 
         def draft_logits_fn(r0: int, r1: int) -> Tensor:
             return drafter.draft_logits(h_flat[r0:r1], prev_flat[r0:r1])
 
         def target_logits_fn(r0: int, r1: int) -> Tensor:
-            return drafter.compute_logits(t_hidden[r0:r1])
+            return drafter.compute_logits(t_hidden[r0:r1], full=True)
 
         return dspark_loss(
-            draft_logits_fn, target_logits_fn, labels, valid, conf, self.weights, chunk_rows=self.chunk_rows, denominator=one
+            draft_logits_fn, target_logits_fn, labels, valid, conf, self.weights, chunk_rows=self.chunk_rows,
+            denominator=one, vocab=vocab,
         )
 
 

@@ -1,5 +1,9 @@
 """Drafter checkpoints: a folder with `config.json` and `model.safetensors` (SPEC 3.1 names).
 
+A drafter with a draft vocabulary (dspark.modeling.vocab) also stores `draft_vocab_size` in
+config.json and its `d2t` / `t2d` tensors at the top level of the safetensors (vLLM's names);
+its `lm_head.weight`, when included, is the k rows it uses.
+
 The frozen embedding and LM head are optional in the file: by default they are
 left out (they are the target's) and re-attached from the target on load.
 Folders written by DeepSpec (including sharded `model.safetensors.index.json`
@@ -125,6 +129,8 @@ def _check_shapes(drafter: Drafter, state: dict[str, torch.Tensor], folder: Path
     expected = {name: tuple(t.shape) for name, t in drafter.state_dict().items()}
     V, d = drafter.config.vocab_size, drafter.config.hidden_size
     expected.update({name: (V, d) for name in SHARED_PARAMS})
+    # A draft vocabulary's checkpoint stores the LM head's k rows (what vLLM loads with d2t).
+    expected["lm_head.weight"] = (drafter.config.output_vocab_size, d)
     for name, tensor in state.items():
         if name in expected and tuple(tensor.shape) != expected[name]:
             raise ValueError(
@@ -164,6 +170,8 @@ def load_drafter(
     config = parse_config(raw, str(folder / CONFIG_NAME))
     state = read_weights(folder)
     config = _with_rnn_bias_of_file(config, raw, state)
+    if not config.draft_vocab_size and "d2t" in state and not bool(state["d2t"].any()):
+        state.pop("d2t"), state.pop("t2d", None)  # draft_vocab_size = vocab_size: the identity map
     if config_overrides:
         config = config.replace(**config_overrides)
     if target is not None:

@@ -113,6 +113,8 @@ class DrafterConfig:
     eagle3_preset: str = "eagle3"
     ttt_length: int = 7
     step_loss_decay: float = 0.8
+    # k > 0: the drafter predicts over k target ids (dspark.modeling.vocab); 0: the full vocabulary.
+    draft_vocab_size: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -135,6 +137,11 @@ class DrafterConfig:
     @property
     def vocab_size(self) -> int:
         return int(self.base_config["vocab_size"])
+
+    @property
+    def output_vocab_size(self) -> int:
+        """Rows of the drafter's LM head and of the Markov head's W2: k, or V without a draft vocabulary."""
+        return self.draft_vocab_size or self.vocab_size
 
     @property
     def has_sequential_head(self) -> bool:
@@ -179,6 +186,10 @@ class DrafterConfig:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_draft_layers < 1:
             raise ValueError(f"num_draft_layers must be >= 1, got {self.num_draft_layers}")
+        if not 0 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(
+                f"draft_vocab_size={self.draft_vocab_size} must lie in [0, {self.vocab_size}] (0 = the full vocabulary)"
+            )
         if self.markov_rank < 0:
             raise ValueError(f"markov_rank must be >= 0, got {self.markov_rank}")
         if self.variant == "eagle3":
@@ -272,6 +283,8 @@ class DrafterConfig:
             target_num_hidden_layers=self.num_target_layers,
             rnn_bias=self.rnn_bias,
         )
+        if self.draft_vocab_size:  # vLLM's field; absent = the full vocabulary, as before
+            out["draft_vocab_size"] = self.draft_vocab_size
         out.update(self.extra)
         return out
 
@@ -339,6 +352,9 @@ class DrafterConfig:
         num_target_layers = int(d.get("num_target_layers", d.get("target_num_hidden_layers", max(d["target_layer_ids"]) + 1)))
         for key in OWN_FIELDS:
             base.pop(key, None)
+        draft_vocab_size = int(base.pop("draft_vocab_size", 0) or 0)
+        if draft_vocab_size == int(d["vocab_size"]):  # vLLM's "no reduction" spelling
+            draft_vocab_size = 0
         return cls(
             base_config=base,
             target_layer_ids=list(d["target_layer_ids"]),
@@ -354,6 +370,7 @@ class DrafterConfig:
             enable_confidence_head=bool(d.get("enable_confidence_head", False)),
             confidence_head_with_markov=bool(d.get("confidence_head_with_markov", False)),
             rnn_bias=bool(d.get("rnn_bias", True)),
+            draft_vocab_size=draft_vocab_size,
         )
 
     def rope_config(self):
@@ -363,7 +380,7 @@ class DrafterConfig:
 
         d = self.to_hf_dict()
         model_type = d.pop("model_type")
-        for key in ("architectures", *_DSPARK_FIELDS, *OWN_FIELDS, *EAGLE3_FIELDS):
+        for key in ("architectures", "draft_vocab_size", *_DSPARK_FIELDS, *OWN_FIELDS, *EAGLE3_FIELDS):
             d.pop(key, None)
         if self.family == "gemma4":
             model_type = "gemma4_text"

@@ -35,6 +35,7 @@ from dspark.sampling import sample_categorical
 from dspark.modeling.config import DrafterConfig
 from dspark.modeling.heads import ConfidenceHead, MarkovHead, build_sequential_head
 from dspark.modeling.layers import DraftLayer, Rotary, RMSNorm
+from dspark.modeling.vocab import DraftVocab
 from dspark.ops import vocab_logits
 
 SHARED_PARAMS = ("embed_tokens.weight", "lm_head.weight")
@@ -90,11 +91,20 @@ class Drafter(nn.Module):
         self.rotary = Rotary(config)
         self.markov_head: MarkovHead | None = None
         if config.has_sequential_head:
-            self.markov_head = build_sequential_head(config.markov_head_type, V, config.markov_rank, d, config.rnn_bias)
+            self.markov_head = build_sequential_head(
+                config.markov_head_type, V, config.markov_rank, d, config.rnn_bias, out_size=config.output_vocab_size
+            )
         self.confidence_head: ConfidenceHead | None = None
         if config.has_confidence_head:
             in_dim = d + (config.markov_rank if config.confidence_head_with_markov else 0)
             self.confidence_head = ConfidenceHead(in_dim)
+        if config.draft_vocab_size:
+            # The draft vocabulary as state (saved as the top-level `d2t` / `t2d` tensors vLLM reads);
+            # the first k ids until set_vocab() gives the counted one. Integer buffers: `.to(dtype)`
+            # leaves them alone and no optimizer sees them.
+            first = DraftVocab(torch.arange(config.draft_vocab_size), V)
+            self.register_buffer("d2t", first.d2t)
+            self.register_buffer("t2d", first.t2d)
         self.reset_parameters()
 
     # ------------------------------------------------------------------ setup
@@ -110,15 +120,21 @@ class Drafter(nn.Module):
             nn.init.zeros_(self.confidence_head.proj.bias)
 
     def attach_shared(self, embed_weight: Tensor, lm_head_weight: Tensor) -> "Drafter":
-        """Share the target's frozen embedding table [V, d] and LM head [V, d] (no copy)."""
+        """Share the target's frozen embedding table [V, d] and LM head [V, d] (no copy). With a draft
+        vocabulary of k ids the LM head may also be its k rows [k, d] (a checkpoint's), which then
+        serves drafting but not training (the loss needs the target's full distribution)."""
         V, d = self.config.vocab_size, self.config.hidden_size
-        for name, w in (("embedding", embed_weight), ("LM head", lm_head_weight)):
-            if tuple(w.shape) != (V, d):
+        k = self.config.draft_vocab_size
+        head_ok = tuple(lm_head_weight.shape) == (V, d) or (k and tuple(lm_head_weight.shape) == (k, d))
+        for name, w, ok in (("embedding", embed_weight, tuple(embed_weight.shape) == (V, d)), ("LM head", lm_head_weight, head_ok)):
+            if not ok:
                 raise ValueError(
-                    f"target {name} has shape {tuple(w.shape)}, the drafter config expects {(V, d)}: "
+                    f"target {name} has shape {tuple(w.shape)}, the drafter config expects {(V, d)}"
+                    f"{f' (or {(k, d)} for the LM head)' if k and name == 'LM head' else ''}: "
                     "the drafter was built for a different target"
                 )
         self._shared = {"embed_tokens.weight": embed_weight.detach(), "lm_head.weight": lm_head_weight.detach()}
+        self.__dict__.pop("_head_rows", None)
         return self
 
     def attach_target(self, target: Any) -> "Drafter":
@@ -126,10 +142,63 @@ class Drafter(nn.Module):
         return self.attach_shared(target.embed_tokens.weight, target.lm_head_weight())
 
     def shared_weights(self) -> dict[str, Tensor]:
-        """{"embed_tokens.weight": [V, d], "lm_head.weight": [V, d]} (frozen, the target's)."""
+        """{"embed_tokens.weight": [V, d], "lm_head.weight": [k, d]} (frozen, the target's): the LM
+        head is the target's rows for the draft vocabulary (all V rows without one)."""
         if not self._shared:
             raise RuntimeError("attach the target's embedding and LM head first (attach_target / attach_shared)")
-        return self._shared
+        if not self.config.draft_vocab_size:
+            return self._shared
+        return {"embed_tokens.weight": self._shared["embed_tokens.weight"], "lm_head.weight": self._draft_head()}
+
+    # ------------------------------------------------------- draft vocabulary
+    @property
+    def vocab(self) -> DraftVocab | None:
+        """The draft vocabulary (None: the full target vocabulary)."""
+        if not self.config.draft_vocab_size:
+            return None
+        # Keyed on the content (k integers), not the tensor's version: DDP rewrites buffers in place
+        # every step, and a rebuilt vocabulary would re-gather the LM head rows each time.
+        cached = self.__dict__.get("_vocab")
+        if cached is None or cached[0].device != self.d2t.device or not torch.equal(cached[0], self.d2t):
+            cached = (self.d2t.clone(), DraftVocab.from_d2t(self.d2t, self.config.vocab_size))
+            self.__dict__["_vocab"] = cached
+        return cached[1]
+
+    def set_vocab(self, vocab: DraftVocab) -> "Drafter":
+        """Use this draft vocabulary (its size must be the config's draft_vocab_size)."""
+        k, V = self.config.draft_vocab_size, self.config.vocab_size
+        if (vocab.size, vocab.vocab_size) != (k, V):
+            raise ValueError(
+                f"the draft vocabulary has k={vocab.size} over V={vocab.vocab_size}, the drafter config says "
+                f"draft_vocab_size={k} over vocab_size={V}: set drafter.draft_vocab_size={vocab.size}"
+            )
+        with torch.no_grad():
+            self.d2t.copy_(vocab.d2t)
+            self.t2d.copy_(vocab.t2d)
+        return self
+
+    def _draft_head(self) -> Tensor:
+        """The LM head's rows [k, d] for the draft ids, gathered once per (vocabulary, head)."""
+        w = self._shared["lm_head.weight"]
+        if w.shape[0] == self.config.draft_vocab_size:
+            return w
+        key, vocab = (w.data_ptr(), w.dtype, w.device), self.vocab
+        cached = self.__dict__.get("_head_rows")
+        if cached is None or cached[0] != key or cached[1] is not vocab:
+            cached = (key, vocab, vocab.head_weight(w))
+            self.__dict__["_head_rows"] = cached
+        return cached[2]
+
+    def target_lm_head_weight(self) -> Tensor:
+        """The target's full LM head [V, d], which the loss reads p^t from (also with a draft vocabulary)."""
+        self.shared_weights()  # raises when nothing is attached
+        w = self._shared["lm_head.weight"]
+        if w.shape[0] != self.config.vocab_size:
+            raise RuntimeError(
+                "this drafter holds only its draft vocabulary's LM head rows (loaded from a checkpoint): "
+                "attach the target (attach_target) for the full distribution the loss needs"
+            )
+        return w
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]
@@ -140,9 +209,10 @@ class Drafter(nn.Module):
         scale = self.config.embed_scale
         return x * torch.tensor(scale, dtype=x.dtype) if scale != 1.0 else x
 
-    def compute_logits(self, hidden: Tensor) -> Tensor:
-        """Frozen LM head (+ Gemma soft-capping): U = LMHead(h)."""
-        w = self.shared_weights()["lm_head.weight"]
+    def compute_logits(self, hidden: Tensor, *, full: bool = False) -> Tensor:
+        """Frozen LM head (+ Gemma soft-capping): U = LMHead(h), [..., k] over the draft vocabulary
+        (k = V without one); ``full`` gives the target's logits over all V ids."""
+        w = self.target_lm_head_weight() if full else self.shared_weights()["lm_head.weight"]
         logits = vocab_logits(hidden.to(w.dtype), w)
         cap = self.config.final_logit_softcapping
         return torch.tanh(logits / cap) * cap if cap else logits
@@ -200,7 +270,7 @@ class Drafter(nn.Module):
 
     def draft_logits(self, hidden: Tensor, prev_tokens: Tensor) -> Tensor:
         """Teacher-forced U_k + B_k. hidden [..., γ, d]; prev_tokens [..., γ] = [x_0, x*_1..x*_{γ-1}]
-        -> logits [..., γ, V] (Eq. 4 numerators)."""
+        (target ids) -> logits [..., γ, k] over the draft vocabulary (V without one; Eq. 4 numerators)."""
         logits = self.compute_logits(hidden)
         if self.markov_head is not None:
             logits = logits + self.markov_head.block_bias(prev_tokens, hidden).to(logits.dtype)
@@ -289,7 +359,17 @@ class Drafter(nn.Module):
         positions = ctx.lengths.unsqueeze(1) + torch.arange(L, device=device)
         hidden = self._predictions(self._run_layers(x, positions, ctx_kv, mask))  # [B, γ, d]
         base = self.compute_logits(hidden)  # U_1..U_γ, one LM-head matmul (sample_block makes it fp32)
-        return self.sample_block(hidden, base, anchor_tokens.to(device), temperature=temperature, generator=generator)
+        proposal = self.sample_block(hidden, base, anchor_tokens.to(device), temperature=temperature, generator=generator)
+        return self._on_target_vocab(proposal)
+
+    def _on_target_vocab(self, proposal: Proposal) -> Proposal:
+        """With a draft vocabulary: probs and logits [B, γ, k] -> [B, γ, V], zero probability (−inf
+        logit) outside, so that verification against the full target stays exactly lossless."""
+        vocab = self.vocab
+        if vocab is None:
+            return proposal
+        return Proposal(tokens=proposal.tokens, probs=vocab.to_target(proposal.probs),
+                        logits=vocab.to_target(proposal.logits, float("-inf")), confidences=proposal.confidences)
 
     def sample_block(
         self,
@@ -303,6 +383,8 @@ class Drafter(nn.Module):
         """The sequential stage (Eq. 4): left-to-right sampling with the head's carried state.
 
         hidden [B, γ, d], base_logits [B, γ, V] (any float dtype; used in fp32), anchor_tokens [B].
+        With a draft vocabulary base_logits are [B, γ, k], and so are the returned probs and logits
+        (propose puts them on the full vocabulary); the tokens are target ids either way.
         """
         B, gamma, _ = hidden.shape
         head = self.markov_head
@@ -315,6 +397,7 @@ class Drafter(nn.Module):
         prev_block = torch.empty(B, gamma, dtype=torch.long, device=hidden.device)  # x_{k-1} of slot k
         tokens = torch.empty_like(prev_block)
         prev = anchor_tokens
+        to_target = None if self.vocab is None else self.vocab.to_target_ids  # draft id -> target id
         for k in range(gamma):
             prev_block[:, k] = prev
             row = logits[:, k]
@@ -327,6 +410,8 @@ class Drafter(nn.Module):
             else:
                 probs[:, k] = torch.softmax(row, dim=-1)
                 tok = row.argmax(dim=-1)
+            if to_target is not None:
+                tok = to_target(tok)
             tokens[:, k] = tok
             prev = tok
         conf = None

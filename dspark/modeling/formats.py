@@ -108,17 +108,19 @@ def parse_config(d: dict[str, Any], where: str = CONFIG_NAME) -> DrafterConfig:
     if "ttt_length" in d:
         raise ValueError(f"{where}: field 'ttt_length' describes an Eagle3 drafter, but architectures={archs!r} is not "
                          f"one of {list(EAGLE3_ARCHITECTURES)}")
-    if "draft_vocab_size" in d and d["draft_vocab_size"] not in (None, d.get("vocab_size")):
-        raise ValueError(
-            f"{where}: draft_vocab_size={d['draft_vocab_size']} differs from vocab_size={d.get('vocab_size')}: "
-            "a reduced draft vocabulary is not supported"
-        )
     if len(archs) != 1:
         raise ValueError(
             f"{where}: architectures={archs!r}; expected one of {[*DEEPSPEC_ARCHITECTURES, *OWN_ARCHITECTURES, ZLAB_ARCHITECTURE]} "
             "(the block layout is read from it, never guessed)"
         )
     arch = archs[0]
+    # dspark and DeepSpec-named folders carry a draft vocabulary as `draft_vocab_size` + `d2t`
+    # (dspark.modeling.vocab); the z-lab layout has no LM head of its own, so none there.
+    if arch == ZLAB_ARCHITECTURE and d.get("draft_vocab_size") not in (None, d.get("vocab_size")):
+        raise ValueError(
+            f"{where}: draft_vocab_size={d['draft_vocab_size']} differs from vocab_size={d.get('vocab_size')}: "
+            "a reduced draft vocabulary is not supported in the z-lab DFlash layout"
+        )
     try:
         if arch == ZLAB_ARCHITECTURE:
             return _parse_zlab(d)

@@ -18,13 +18,18 @@ from torch import Tensor, nn
 
 
 class MarkovHead(nn.Module):
-    """Eq. 5: B(x_{k-1}, ·) = W1[x_{k-1}] W2, a rank-r factorisation of a V×V transition table."""
+    """Eq. 5: B(x_{k-1}, ·) = W1[x_{k-1}] W2, a rank-r factorisation of a V×V transition table.
 
-    def __init__(self, vocab_size: int, rank: int) -> None:
+    With a draft vocabulary of k ids (dspark.modeling.vocab) the table is V×k: W1 stays [V, r]
+    (x_{k-1} is a target id: the anchor may lie outside the vocabulary), W2 is [k, r], as vLLM
+    builds its DSpark head (`markov_w1` over the target vocabulary, `markov_w2` over the draft one).
+    """
+
+    def __init__(self, vocab_size: int, rank: int, out_size: int | None = None) -> None:
         super().__init__()
         self.rank = rank
         self.markov_w1 = nn.Embedding(vocab_size, rank)  # [V, r]
-        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)  # r -> V
+        self.markov_w2 = nn.Linear(rank, out_size or vocab_size, bias=False)  # r -> k (V by default)
         nn.init.normal_(self.markov_w1.weight, std=0.02)
         # Zero output projection: an untrained head is exactly the parallel (DFlash) drafter.
         nn.init.zeros_(self.markov_w2.weight)
@@ -72,8 +77,8 @@ class GatedMarkovHead(MarkovHead):
     (`markov_head.gate_proj.{weight,bias}`); the hidden state comes first in its input.
     """
 
-    def __init__(self, vocab_size: int, rank: int, hidden_size: int) -> None:
-        super().__init__(vocab_size, rank)
+    def __init__(self, vocab_size: int, rank: int, hidden_size: int, out_size: int | None = None) -> None:
+        super().__init__(vocab_size, rank, out_size)
         self.gate_proj = nn.Linear(hidden_size + rank, rank)
 
     def block_latent(self, prev_tokens: Tensor, hidden: Tensor) -> Tensor:
@@ -96,8 +101,8 @@ class RNNHead(MarkovHead):
     paper's Eq. 6 has none (`bias=False`). DrafterConfig.rnn_bias chooses (default True).
     """
 
-    def __init__(self, vocab_size: int, rank: int, hidden_size: int, bias: bool = True) -> None:
-        super().__init__(vocab_size, rank)
+    def __init__(self, vocab_size: int, rank: int, hidden_size: int, bias: bool = True, out_size: int | None = None) -> None:
+        super().__init__(vocab_size, rank, out_size)
         self.joint_proj = nn.Linear(2 * rank + hidden_size, 3 * rank, bias=bias)
 
     def init_state(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> Tensor:
@@ -144,11 +149,15 @@ class ConfidenceHead(nn.Module):
         return self.proj(features.to(self.proj.weight.dtype)).squeeze(-1).float()
 
 
-def build_sequential_head(kind: str, vocab_size: int, rank: int, hidden_size: int, rnn_bias: bool = True) -> MarkovHead:
+def build_sequential_head(
+    kind: str, vocab_size: int, rank: int, hidden_size: int, rnn_bias: bool = True, out_size: int | None = None
+) -> MarkovHead:
+    """A sequential head whose inputs are target ids (V) and whose bias has ``out_size`` entries
+    (the draft vocabulary's k; V by default)."""
     if kind == "vanilla":
-        return MarkovHead(vocab_size, rank)
+        return MarkovHead(vocab_size, rank, out_size)
     if kind == "gated":
-        return GatedMarkovHead(vocab_size, rank, hidden_size)
+        return GatedMarkovHead(vocab_size, rank, hidden_size, out_size)
     if kind == "rnn":
-        return RNNHead(vocab_size, rank, hidden_size, bias=rnn_bias)
+        return RNNHead(vocab_size, rank, hidden_size, bias=rnn_bias, out_size=out_size)
     raise ValueError(f"markov_head_type={kind!r}; use 'vanilla' (Markov, Eq. 5), 'gated' (DeepSpec) or 'rnn' (Eq. 6)")
