@@ -267,23 +267,33 @@ def _target_only_theta(run: Mapping[str, Any], r: int) -> float | None:
         return None
 
 
-def sched_row(run: Mapping[str, Any], policy: str, r: int, report: Mapping[str, Any]) -> dict[str, Any]:
-    """The numbers of one scheduled evaluation: τ, mean ℓ, wall-clock and SPS-clock throughput
-    against target-only decoding, and per round the drafting / verification cost in target steps."""
-    a = report.get("all", {})
+def _simulated(run: Mapping[str, Any]) -> dict[tuple[str, int], Mapping[str, Any]]:
+    """The simulator's results by (policy, R)."""
+    sim = run["simulate"] if isinstance(run["simulate"], Mapping) else {}
+    return {(str(r["policy"]), int(r["concurrency"])): r for r in sim.get("results", [])
+            if isinstance(r, Mapping) and "policy" in r and "concurrency" in r}
+
+
+def sched_row(run: Mapping[str, Any], policy: str, r: int, report: Mapping[str, Any] | None,
+              simulated: Mapping[str, Any] | None) -> dict[str, Any]:
+    """One row of the scheduling table. From the scheduled evaluation (``report``, R = 1): τ with
+    its interval, mean ℓ, wall-clock tokens/s against target-only decoding, and per round the
+    drafting / verification time in target steps. From the simulator (``simulated``): Θ on the
+    SPS clock against target-only decoding, R·SPS(R); its τ and mean ℓ where there is no report."""
+    a = (report or {}).get("all", {})
     tau, tau_ci = metric(a, TAU_KEYS)
-    gamma = report.get("gamma")
-    rate = a.get("verify_rate")
-    serving = [s for s in (report.get("serving") or {}).values() if isinstance(s, Mapping)]
-    sim_s = sum(float(s.get("sim_time_s") or 0.0) for s in serving)
-    theta = sum(int(s.get("tokens") or 0) for s in serving) / sim_s if sim_s > 0 else None
-    theta0 = _target_only_theta(run, r)
+    gamma, rate = (report or {}).get("gamma"), a.get("verify_rate")
+    mean_ell = rate * gamma if isinstance(rate, (int, float)) and gamma else None
+    sim = simulated or {}
+    if report is None:
+        tau, mean_ell = sim.get("tau"), sim.get("mean_ell")
+    theta, theta0 = sim.get("throughput"), _target_only_theta(run, r)
     speedup, speedup_ci = metric(a, "speedup")
-    return {"policy": policy, "R": r, "tau": tau, "tau_ci": tau_ci,
-            "mean_ell": rate * gamma if isinstance(rate, (int, float)) and gamma else None,
+    return {"policy": policy, "R": r, "tau": tau, "tau_ci": tau_ci, "mean_ell": mean_ell,
             "tokens_per_s": a.get("tokens_per_s"), "baseline_tokens_per_s": a.get("baseline_tokens_per_s"),
             "speedup": speedup, "speedup_ci": speedup_ci, "theta": theta, "theta_target": theta0,
-            "theta_ratio": theta / theta0 if theta is not None and theta0 else None, **_round_costs(report)}
+            "theta_ratio": theta / theta0 if isinstance(theta, (int, float)) and theta0 else None,
+            **_round_costs(report or {})}
 
 
 def _round_costs(report: Mapping[str, Any]) -> dict[str, float | None]:
@@ -302,10 +312,15 @@ def _round_costs(report: Mapping[str, Any]) -> dict[str, float | None]:
 
 
 def sched_rows(run: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """One row per scheduled evaluation, in the demo's policy order, then R."""
-    order = {p: i for i, p in enumerate((run["demo"].get("schedule") or {}).get("policies", []))}
-    keys = sorted(run["sched"], key=lambda k: (order.get(k[0], len(order)), k[0], k[1]))
-    return [sched_row(run, p, r, run["sched"][(p, r)]) for p, r in keys]
+    """One row per policy and R of the demo's scheduling concurrencies (default 1 and 4), in the
+    demo's policy order: the scheduled evaluations and the simulator's results of those R."""
+    schedule = run["demo"].get("schedule") or {}
+    order = {p: i for i, p in enumerate(schedule.get("policies", []))}
+    wanted = set(schedule.get("concurrencies") or (1, 4))
+    simulated = _simulated(run)
+    keys = set(run["sched"]) | {k for k in simulated if k[1] in wanted}
+    keys = sorted(keys, key=lambda k: (order.get(k[0], len(order)), k[0], k[1]))
+    return [sched_row(run, p, r, run["sched"].get((p, r)), simulated.get((p, r))) for p, r in keys]
 
 
 def sched_section(run: Mapping[str, Any]) -> str:
@@ -320,14 +335,17 @@ def sched_section(run: Mapping[str, Any]) -> str:
               fmt_number(x["theta_ratio"]), fmt_number(x["draft_steps"]), fmt_number(x["verify_steps"])]
              for x in rows]
     note = (
-        "DSpark at T = 1 on the same prompts under each policy. **Wall clock** (R = 1 only): tokens/s of the "
-        "speculative decode against target-only decoding of the same prompts, measured in the same process. "
-        "At R = 4 the serving loop still verifies each request on its own (batch 1), so its wall clock says "
-        "nothing about batching; the **SPS clock** charges each lockstep step 1 / SPS(B) for its B = Σ(1 + ℓ_r) "
-        "tokens from the measured SPS table, with no drafting time, and is compared with target-only decoding "
-        "at B = R. Draft / verify per round: seconds per round over the target-only seconds per decode step "
-        "(R = 1 rows, prefills excluded): a round costs about draft + verify target steps and yields τ tokens, "
-        "so the drafting cost is what keeps a policy that verifies nothing (ℓ = 0) below target-only speed.")
+        "DSpark at T = 1 on the same prompts under each policy. **Wall clock** (R = 1, `dspark eval --scheduler "
+        "POLICY`, folders `sched/`): tokens/s of the speculative decode against target-only decoding of the same "
+        "prompts, measured in the same process; τ, mean ℓ and the per-round costs come from it. Draft / verify per "
+        "round: seconds per round over the target-only seconds per decode step (prefills excluded); a round costs "
+        "about draft + verify target steps and yields τ tokens, so the drafting cost is what keeps a policy that "
+        "verifies nothing (ℓ = 0) below target-only speed. **SPS clock** (`dspark simulate`, folder `simulate/`): "
+        "R requests live at every step (the prompts are cycled), each step charged 1 / SPS(B) for its "
+        "B = Σ(1 + ℓ_r) tokens from the measured table (drafting not charged), against R·SPS(R) for target-only "
+        "decoding; the serving loop verifies each request on its own, so its wall clock says nothing about "
+        "batching and only the SPS clock measures R > 1. Rows without a scheduled evaluation (R > 1) show the "
+        "simulator's τ and mean ℓ.")
     return "\n".join([markdown_table(header, cells), "", note])
 
 

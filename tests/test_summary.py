@@ -40,7 +40,6 @@ def _sched_report():
                 "tokens_per_s": 3.0, "baseline_tokens_per_s": 4.0, "baseline_tokens": 22, "speedup": 0.75},
         "timings": {"spec_phases_s": {"draft": 1.0, "verify": 3.0}, "baseline_s": 12.0,
                     "baseline_phases_s": {"prefill": 2.0}},
-        "serving": {"gsm8k": {"tokens": 30, "sim_time_s": 1.0}, "mt-bench": {"tokens": 10, "sim_time_s": 1.0}},
     }
 
 
@@ -62,8 +61,11 @@ def run_dir(tmp_path: Path) -> Path:
     _write(root / "sps.json", SPS)
     _write(root / "sts.json", {"temperatures": [1.5, 0.5], "ece_before": [0.2, 0.1], "ece_after": [0.05, 0.02],
                                "evaluated_on": "test", "split": {"fit_requests": 3, "test_requests": 4}})
-    _write(root / "sched" / "algorithm1-R4" / "report.json", _sched_report())
+    _write(root / "sched" / "algorithm1-R1" / "report.json", _sched_report())
     _write(root / "sched" / "static-R1" / "report.json", _sched_report())
+    results = [{"policy": p, "concurrency": r, "throughput": 20.0, "tau": 1.05, "mean_ell": 0.5}
+               for p in ("static", "algorithm1") for r in (1, 4, 16)]
+    _write(root / "simulate" / "results.json", {"config": {"num_prompts": 2}, "results": results})
     return root
 
 
@@ -86,18 +88,25 @@ def test_metric_reads_the_sibling_interval_or_the_older_key_without_one():
     assert metric(None, "tau") == (None, None)
 
 
-def test_a_scheduling_row_accounts_the_round_in_target_steps_and_the_sps_clock(run_dir):
+def test_a_scheduling_row_accounts_the_round_in_target_steps_and_compares_the_sps_clock_to_target_only(run_dir):
     run = load_run(run_dir)
-    row = sched_row(run, "algorithm1", 4, run["sched"][("algorithm1", 4)])
+    simulated = {"throughput": 20.0, "tau": 1.05, "mean_ell": 0.5}
+    row = sched_row(run, "algorithm1", 1, run["sched"][("algorithm1", 1)], simulated)
     # mean ℓ = verify_rate · γ = 0.5 · 4; a target step = (12 - 2) s / (22 - 2 requests' first tokens) = 0.5 s
-    assert row["mean_ell"] == pytest.approx(2.0)
+    assert row["mean_ell"] == pytest.approx(2.0) and row["tau"] == 1.2
     assert row["draft_steps"] == pytest.approx(1.0 / 10 / 0.5)
     assert row["verify_steps"] == pytest.approx(3.0 / 10 / 0.5)
-    # Θ = 40 tokens / 2 simulated s; target-only Θ at R = 4 is 4 · SPS(4) = 32
-    assert row["theta"] == pytest.approx(20.0)
-    assert row["theta_target"] == pytest.approx(32.0)
-    assert row["theta_ratio"] == pytest.approx(20.0 / 32.0)
-    assert row["tau_ci"] == (1.1, 1.3) and row["speedup_ci"] is None
+    assert row["tau_ci"] == (1.1, 1.3) and row["speedup"] == 0.75 and row["speedup_ci"] is None
+    # target-only Θ at R = 1 is SPS(1) = 10
+    assert (row["theta"], row["theta_target"], row["theta_ratio"]) == pytest.approx((20.0, 10.0, 2.0))
+
+
+def test_a_row_without_a_scheduled_evaluation_takes_tau_and_ell_from_the_simulator(run_dir):
+    row = sched_row(load_run(run_dir), "algorithm1", 4, None, {"throughput": 20.0, "tau": 1.05, "mean_ell": 0.5})
+    assert (row["tau"], row["tau_ci"], row["mean_ell"]) == (1.05, None, 0.5)
+    # target-only Θ at R = 4 is 4 · SPS(4) = 32; no wall clock at R = 4
+    assert (row["theta_target"], row["theta_ratio"]) == pytest.approx((32.0, 20.0 / 32.0))
+    assert row["speedup"] is None and row["draft_steps"] is None
 
 
 def test_the_page_has_every_section_with_intervals_links_and_missing_stages_named(run_dir):
@@ -111,10 +120,11 @@ def test_the_page_has_every_section_with_intervals_links_and_missing_stages_name
     assert "| 1 | 1.500 | 0.2000 | 0.0500 |" in page
     assert "[dspark_x T=1.0](eval-T1.0/dspark_x/acceptance.png)" in page
     assert "dspark_x T=0.0 (missing)" in page
-    assert "No serving simulation (simulate/results.json) found." in page
+    assert "simulate/figure8.png (missing)" in page
+    assert "| algorithm1 | 4 | 1.05 | 0.50 | – |" in page and "| algorithm1 | 16 |" not in page.split("## 5.")[0]
     assert "| **total** |  | 3.5 |" in page
     lines = page.splitlines()
-    static, alg = (next(i for i, line in enumerate(lines) if line.startswith(f"| {p} |")) for p in ("static", "algorithm1"))
+    static, alg = (next(i for i, line in enumerate(lines) if line.startswith(f"| {p} | 1 |")) for p in ("static", "algorithm1"))
     assert static < alg  # the demo's policy order, not the alphabet
 
 
