@@ -210,11 +210,12 @@ def _is_float(text: str) -> bool:
         return False
 
 
-def tau_section(run: Mapping[str, Any]) -> str:
-    """τ per benchmark and Math / Code / Chat / Avg macro averages, one column per evaluation."""
+def tau_table(run: Mapping[str, Any]) -> str:
+    """τ per benchmark and Math / Code / Chat / Avg macro averages, one column per evaluation,
+    and the macro wall-clock speedup; "" without evaluations."""
     columns = _eval_columns(run)
     if not columns:
-        return "No evaluation report found."
+        return ""
     reports = [run["evals"][c] for c in columns]
     header = ["benchmark"] + [f"{r.get('label') or name} T={temp}" for (temp, name), r in zip(columns, reports)]
     names = [n for n in TABLE1_ORDER if any(n in r.get("benchmarks", {}) for r in reports)]
@@ -223,7 +224,15 @@ def tau_section(run: Mapping[str, Any]) -> str:
     for domain, shown in DOMAIN_NAMES.items():
         rows.append([f"**{shown}**"] + [fmt_ci(*metric(r.get("macro"), TAU_KEYS, domain)) for r in reports])
     rows.append(["speedup (wall, avg)"] + [fmt_ci(*metric(r.get("macro"), "speedup", "avg")) for r in reports])
-    counts = reports[0].get("config", {})
+    return markdown_table(header, rows)
+
+
+def tau_section(run: Mapping[str, Any]) -> str:
+    table = tau_table(run)
+    if not table:
+        return "No evaluation report found."
+    columns = _eval_columns(run)
+    counts = run["evals"][columns[0]].get("config", {})
     n = counts.get("num_samples")
     per = f"{'/'.join(str(v) for v in sorted(set(n.values())))} prompts per benchmark" if isinstance(n, Mapping) and n else "?"
     note = (f"{per}, {counts.get('max_new_tokens', '?')} new tokens each, dtype {counts.get('dtype', '?')}; "
@@ -231,7 +240,7 @@ def tau_section(run: Mapping[str, Any]) -> str:
             "interval over requests where the report has one. Speedup: tokens/s against target-only decoding "
             "of the same prompts in the same process.")
     plots = ", ".join(_link(run, f"eval-T{t}/{n}/acceptance.png", f"{n} T={t}") for t, n in columns)
-    return "\n".join([markdown_table(header, rows), "", note, "", f"Acceptance plots: {plots}."])
+    return "\n".join([table, "", note, "", f"Acceptance plots: {plots}."])
 
 
 def calibration_section(run: Mapping[str, Any]) -> str:
@@ -436,6 +445,8 @@ def summary_short(run: Mapping[str, Any]) -> str:
         report = run["evals"][(temp, name)]
         lines.append(f"τ macro avg, {name} T={temp}: {fmt_ci(*metric(report.get('macro'), TAU_KEYS, 'avg'))}"
                      f" (speedup {fmt_ci(*metric(report.get('macro'), 'speedup', 'avg'))}x)")
+    if run["evals"]:
+        lines += ["", "accepted length τ (± half the 95 % interval over requests, where reported):", tau_table(run), ""]
     sts = run["sts"]
     if isinstance(sts, Mapping) and sts.get("ece_before"):
         pairs = [f"{fmt_number(b, 3)}->{fmt_number(a, 3)}" for b, a in zip(sts["ece_before"], sts.get("ece_after", []))]
@@ -444,9 +455,13 @@ def summary_short(run: Mapping[str, Any]) -> str:
         lines.append(f"{x['policy']:>12} R={x['R']}: τ {fmt_ci(x['tau'], x['tau_ci'])}, mean ℓ {fmt_number(x['mean_ell'])}, "
                      f"wall speedup {fmt_ci(x['speedup'], x['speedup_ci'])}, SPS-clock Θ ratio {fmt_number(x['theta_ratio'])}"
                      f", draft/round {fmt_number(x['draft_steps'])} steps")
+    if run["sched"] or run["simulate"]:
+        lines.append("(R = 1: wall clock of dspark eval --scheduler; R > 1: the simulator's SPS clock)")
     if run["timings"]:
         lines.append("minutes per stage: " + ", ".join(f"{k} {float(v) / 60:.1f}" for k, v in run["timings"].items())
                      + f"; total {sum(float(v) for v in run['timings'].values()) / 60:.1f}")
+    lines.append(f"files in {run['dir']}: data/, <drafter>/drafter/, eval-T*/<drafter>/ (report.md, rounds.jsonl), "
+                 "sps.json, sts.json, sched/<policy>-R1/, simulate/ (figure8.png); README.md lists each")
     return "\n".join(lines)
 
 
