@@ -11,7 +11,7 @@
 #   8 summary    runs/demo/README.md (plots linked) and a short version printed
 #
 #   bash scripts/demo.sh           about 45 minutes on 2 CPU cores
-#   bash scripts/demo.sh --quick   every stage at toy size (a first look; the end-to-end test), a few minutes
+#   bash scripts/demo.sh --quick   every stage at toy size (a first look; the end-to-end test), under 8 minutes
 #   bash scripts/demo.sh --long    four times the training budget, more prompts and tokens
 # Every stage resumes: a stage whose outputs are complete (named in timings.json) is skipped,
 # training continues from its last checkpoint. Delete a stage's entry in timings.json to rerun it.
@@ -108,14 +108,14 @@ json.dump({"mode": "$MODE", "epochs": $EPOCHS, "max_wall_minutes": $CAP_MIN, "co
 PY
 
 echo "== 1/8 data: SmolLM2 answers the built-in prompts, rendered, features cached (fp8) [$MODE]"
-stage data "$DATA/split.json" dspark prepare --config "$DS" --set "$SET_DATA" "${PREP_SET[@]}"
+stage data "$DATA/split.json" dspark prepare --config "$DS" --set "$SET_DATA" ${PREP_SET[@]+"${PREP_SET[@]}"}
 
 echo "== 2/8 training DSpark and DFlash with the same budget ($EPOCHS epochs each)"
 for cfg in "$DS" "$DF"; do
   name=$(basename "$cfg" .py)
   stage "train-$name" "$OUT/$name/drafter/config.json" \
     dspark train --config "$cfg" --resume --set "$SET_DATA" "out_dir=$OUT/$name" \
-    "train.epochs=$EPOCHS" "train.max_wall_minutes=$CAP_MIN" "${PREP_SET[@]}" "${TRAIN_SET[@]}"
+    "train.epochs=$EPOCHS" "train.max_wall_minutes=$CAP_MIN" ${PREP_SET[@]+"${PREP_SET[@]}"} ${TRAIN_SET[@]+"${TRAIN_SET[@]}"}
 done
 
 EVAL_ARGS=(--target smollm2-135m --dtype "$DTYPE")
