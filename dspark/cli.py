@@ -245,6 +245,15 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_summary(args: argparse.Namespace) -> int:
+    from dspark.summary import write_summary
+
+    path, short = write_summary(args.run_dir)
+    print(short)
+    print(f"summary with the plots linked: {path}")
+    return 0
+
+
 def cmd_curves(args: argparse.Namespace) -> int:
     from dspark.curves import curves_table
     from dspark.plots import plot_learning_curves
@@ -345,6 +354,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("reports", nargs="+", help="eval output folders (or report.json files)")
     p.add_argument("--out", default="", help="also write the table here")
     p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("summary", help="the summary of a scripts/demo.sh run folder: README.md in it, a short version printed")
+    p.add_argument("run_dir", help="the run folder (e.g. runs/demo)")
+    p.set_defaults(func=cmd_summary)
 
     p = sub.add_parser("curves", help="learning curves (held-out τ vs wall-clock minutes) of training runs")
     p.add_argument("runs", nargs="+", help="LABEL=RUN_DIR (a dspark train out_dir) or RUN_DIR")

@@ -1,67 +1,167 @@
 #!/usr/bin/env bash
 # The main job on the embedded default target, SmolLM2-135M-Instruct, end to end on CPU:
-# regenerate answers -> render + fp8 feature cache -> train DSpark and DFlash with the same
-# budget -> evaluate both on the nine benchmarks (T=1.0 and greedy) -> Table-1-style report.
-#   bash scripts/demo.sh          35-60 minutes on 2 CPU cores
-#   bash scripts/demo.sh --long   four times the training budget and more evaluation prompts
+#   1 data       regenerate answers -> render -> fp8 feature cache
+#   2 train      DSpark and DFlash with the same budget
+#   3 eval       both on the nine benchmarks, T = 1 and greedy, each against target-only decoding
+#   4 profile    the target's steps/s at B batch tokens (SPS table), in the evaluation dtype
+#   5 calibrate  STS on the T = 1 round logs of DSpark (fit / test split by request)
+#   6 schedule   DSpark under each verification policy of POLICIES at R = 1: wall clock against target-only
+#   7 simulate   the same prompts and policies in the serving simulator at R = 1, 4, ... on the SPS clock
+#                (the R = 4 column of the scheduling table, and the Fig. 8 analogue)
+#   8 summary    runs/demo/README.md (plots linked) and a short version printed
+#
+#   bash scripts/demo.sh           about 45 minutes on 2 CPU cores
+#   bash scripts/demo.sh --quick   every stage at toy size (a first look; the end-to-end test), under 8 minutes
+#   bash scripts/demo.sh --long    four times the training budget, more prompts and tokens
+# Every stage resumes: a stage whose outputs are complete (named in timings.json) is skipped,
+# training continues from its last checkpoint. Delete a stage's entry in timings.json to rerun it.
 source "$(dirname "$0")/setup_env.sh"
 
-LONG=0
+MODE=default
 for arg in "$@"; do
   case "$arg" in
-    --long) LONG=1 ;;
-    *) echo "usage: bash scripts/demo.sh [--long]" >&2; exit 2 ;;
+    --quick) MODE=quick ;;
+    --long) MODE=long ;;
+    *) echo "usage: bash scripts/demo.sh [--quick | --long]" >&2; exit 2 ;;
   esac
 done
 
+# The verification policies of stage 6 and 7 (dspark.serving.make_policy specs), in table order:
+# static γ (verify every draft), static ℓ = 1 (MTP-1-like), Algorithm 1 (STS + the measured SPS).
+POLICIES="static static1 algorithm1"
+
 OUT="${DSPARK_DEMO_OUT:-runs/demo}"
-DATA="$OUT/data"
 EVAL_DATA="${DSPARK_EVAL_DATA:-}"
 if [ -z "$EVAL_DATA" ]; then
   for d in ../shared/eval_datasets eval_datasets; do
     if ls "$d"/*.jsonl >/dev/null 2>&1; then EVAL_DATA="$d"; break; fi
   done
 fi
-# Training budget as epochs over the ~200 regenerated answers (the LR schedule is set by it);
-# the wall-clock cap only guards a much slower machine.
-if [ "$LONG" = 1 ]; then
-  EPOCHS=5; CAP_MIN=40; SAMPLES=8; MAXNEW=192; OUT="$OUT-long"
-else
-  EPOCHS=1.25; CAP_MIN=10; SAMPLES=1; MAXNEW=64
-fi
+DTYPE="${DSPARK_EVAL_DTYPE:-auto}"  # evaluation, profiling and simulation use the same target dtype
+BENCHMARKS=()                        # empty: all nine
+PREP_SET=()
+TRAIN_SET=()
+# Budgets. Training: epochs over the ~200 regenerated answers (the LR schedule is set by it; the
+# wall-clock cap only guards a much slower machine). Evaluation: prompts per benchmark x new tokens;
+# fewer tokens on more prompts narrow the bootstrap interval over requests faster.
+case "$MODE" in
+  quick)
+    OUT="$OUT-quick"; EPOCHS=1; CAP_MIN=3
+    PREP_SET=(data.max_samples=8 generation.max_new_tokens=24 generation.batch_size=8)
+    TRAIN_SET=(train.max_steps=2 train.eval_every=2 train.global_batch_size=4 data.num_anchors=16)
+    BENCHMARKS=(gsm8k humaneval mt-bench)
+    SAMPLES=1; MAXNEW=12; SCHED_SAMPLES=1; SCHED_MAXNEW=12
+    SPS_B=1,2,4,8,16,32; SPS_REPEATS=1; SIM_R=1,4 ;;
+  long)
+    OUT="$OUT-long"; EPOCHS=5; CAP_MIN=40
+    SAMPLES=8; MAXNEW=64; SCHED_SAMPLES=4; SCHED_MAXNEW=64
+    SPS_B=1,2,4,8,16,32,64,128,256,512; SPS_REPEATS=5; SIM_R=1,4,16,64 ;;
+  *)
+    EPOCHS=1.25; CAP_MIN=10
+    SAMPLES=4; MAXNEW=32; SCHED_SAMPLES=2; SCHED_MAXNEW=32
+    SPS_B=1,2,4,8,16,32,64,128; SPS_REPEATS=3; SIM_R=1,4,16 ;;
+esac
+DATA="$OUT/data"
 DS=config/dspark/dspark_smollm2_135m.py
 DF=config/dflash/dflash_smollm2_135m.py
+NAMES=(dspark_smollm2_135m dflash_smollm2_135m)
 SET_DATA="data.data_dir=$DATA"
+TIMINGS="$OUT/timings.json"
+mkdir -p "$OUT"
 
-echo "== 1/4 data: SmolLM2 answers the built-in prompts, rendered, features cached (fp8)"
-dspark prepare --config "$DS" --set "$SET_DATA"
+dspark() { "$DSPARK_PY" -m dspark.cli "$@"; }
 
-echo "== 2/4 training DSpark and DFlash with the same budget ($EPOCHS epochs each)"
+# stage NAME OUTPUT COMMAND...: run COMMAND unless timings.json names NAME and OUTPUT exists;
+# on success record its wall-clock seconds in timings.json (the summary reads them).
+stage() {
+  local name="$1" output="$2"; shift 2
+  if [ -e "$output" ] && "$DSPARK_PY" -c 'import json,sys; sys.exit(sys.argv[2] not in json.load(open(sys.argv[1])))' \
+      "$TIMINGS" "$name" 2>/dev/null; then
+    echo "   [$name] done before: $output"
+    return 0
+  fi
+  local start; start=$(date +%s.%N)
+  "$@"
+  "$DSPARK_PY" - "$TIMINGS" "$name" "$start" "$(date +%s.%N)" <<'PY'
+import json, os, sys
+path, name, start, end = sys.argv[1], sys.argv[2], float(sys.argv[3]), float(sys.argv[4])
+timings = json.load(open(path)) if os.path.exists(path) else {}
+timings[name] = round(end - start, 1)
+with open(path + ".tmp", "w") as f:
+    json.dump(timings, f, indent=2)
+os.replace(path + ".tmp", path)
+PY
+}
+
+# What this run is (the summary reads it): mode, budgets, policies.
+"$DSPARK_PY" - "$OUT/demo.json" <<PY
+import json, sys
+json.dump({"mode": "$MODE", "epochs": $EPOCHS, "max_wall_minutes": $CAP_MIN, "configs": ["$DS", "$DF"],
+           "prepare_overrides": "${PREP_SET[*]}".split(), "train_overrides": "${TRAIN_SET[*]}".split(),
+           "eval": {"num_samples": $SAMPLES, "max_new_tokens": $MAXNEW, "dtype": "$DTYPE",
+                    "data": "${EVAL_DATA:-builtin}", "benchmarks": "${BENCHMARKS[*]}".split() or "all"},
+           "schedule": {"policies": "$POLICIES".split(), "concurrencies": [1, 4], "num_samples": $SCHED_SAMPLES,
+                        "max_new_tokens": $SCHED_MAXNEW},
+           "simulate": {"concurrencies": [int(r) for r in "$SIM_R".split(",")]},
+           "profile": {"batch_tokens": [int(b) for b in "$SPS_B".split(",")], "repeats": $SPS_REPEATS}},
+          open(sys.argv[1], "w"), indent=2)
+PY
+
+echo "== 1/8 data: SmolLM2 answers the built-in prompts, rendered, features cached (fp8) [$MODE]"
+stage data "$DATA/split.json" dspark prepare --config "$DS" --set "$SET_DATA" ${PREP_SET[@]+"${PREP_SET[@]}"}
+
+echo "== 2/8 training DSpark and DFlash with the same budget ($EPOCHS epochs each)"
 for cfg in "$DS" "$DF"; do
   name=$(basename "$cfg" .py)
-  dspark train --config "$cfg" --resume --set "$SET_DATA" "out_dir=$OUT/$name" \
-    "train.epochs=$EPOCHS" "train.max_wall_minutes=$CAP_MIN"
+  stage "train-$name" "$OUT/$name/drafter/config.json" \
+    dspark train --config "$cfg" --resume --set "$SET_DATA" "out_dir=$OUT/$name" \
+    "train.epochs=$EPOCHS" "train.max_wall_minutes=$CAP_MIN" ${PREP_SET[@]+"${PREP_SET[@]}"} ${TRAIN_SET[@]+"${TRAIN_SET[@]}"}
 done
 
-echo "== 3/4 evaluation on the nine benchmarks ($SAMPLES prompts each, $MAXNEW new tokens)"
-EVAL_ARGS=(--target smollm2-135m --num-samples "$SAMPLES" --max-new-tokens "$MAXNEW")
+EVAL_ARGS=(--target smollm2-135m --dtype "$DTYPE")
 if [ -n "$EVAL_DATA" ]; then
   EVAL_ARGS+=(--data-dir "$EVAL_DATA")
+  if [ ${#BENCHMARKS[@]} -gt 0 ]; then EVAL_ARGS+=(--benchmarks "${BENCHMARKS[@]}"); fi
 else
   echo "   (no benchmark files found: using the built-in evaluation prompts instead)"
   EVAL_ARGS+=(--builtin-eval)
 fi
+DRAFT="$OUT/dspark_smollm2_135m/drafter"
+
+echo "== 3/8 evaluation, T = 1 and greedy ($SAMPLES prompts per benchmark, $MAXNEW new tokens)"
 for temp in 1.0 0.0; do
-  for name in dspark_smollm2_135m dflash_smollm2_135m; do
-    dspark eval "${EVAL_ARGS[@]}" --draft "$OUT/$name/drafter" --temperature "$temp" \
-      --label "${name%%_*}" --out "$OUT/eval-T$temp/$name"
+  for name in "${NAMES[@]}"; do
+    stage "eval-T$temp-${name%%_*}" "$OUT/eval-T$temp/$name/report.md" \
+      dspark eval "${EVAL_ARGS[@]}" --num-samples "$SAMPLES" --max-new-tokens "$MAXNEW" \
+      --draft "$OUT/$name/drafter" --temperature "$temp" --label "${name%%_*}" --out "$OUT/eval-T$temp/$name"
   done
+  dspark compare "$OUT/eval-T$temp/${NAMES[0]}" "$OUT/eval-T$temp/${NAMES[1]}" --out "$OUT/report-T$temp.md" >/dev/null
 done
 
-echo "== 4/4 report"
-for temp in 1.0 0.0; do
-  echo; echo "### accepted length τ, temperature $temp (γ = 7; speedup = wall clock vs target-only on this CPU)"
-  dspark compare "$OUT/eval-T$temp/dspark_smollm2_135m" "$OUT/eval-T$temp/dflash_smollm2_135m" \
-    --out "$OUT/report-T$temp.md"
+echo "== 4/8 the target's speed at B batch tokens (SPS table, dtype $DTYPE)"
+stage profile-sps "$OUT/sps.json" dspark profile-sps --target smollm2-135m --dtype "$DTYPE" --draft "$DRAFT" \
+  --batch-tokens "$SPS_B" --context-len 128 --warmup 1 --repeats "$SPS_REPEATS" --out "$OUT/sps.json"
+
+echo "== 5/8 calibration: STS fitted on half of the T = 1 requests, ECE on the other half"
+stage calibrate "$OUT/sts.json" dspark calibrate --rounds "$OUT/eval-T1.0/${NAMES[0]}/rounds.jsonl" \
+  --out "$OUT/sts.json"
+
+echo "== 6/8 scheduled verification at R = 1: policies [$POLICIES], same prompts, T = 1"
+# Wall-clock tokens/s against target-only decoding of the same prompts, in the same process. The
+# serving loop of `dspark eval` verifies each request on its own (batch 1) and serves one benchmark
+# at a time, so R > 1 is measured by the simulator (stage 7) on the SPS clock instead.
+for policy in $POLICIES; do
+  stage "sched-$policy-R1" "$OUT/sched/$policy-R1/report.md" \
+    dspark eval "${EVAL_ARGS[@]}" --num-samples "$SCHED_SAMPLES" --max-new-tokens "$SCHED_MAXNEW" \
+    --draft "$DRAFT" --temperature 1.0 --scheduler "$policy" --concurrency 1 \
+    --sts "$OUT/sts.json" --sps "$OUT/sps.json" --label "$policy" --out "$OUT/sched/$policy-R1"
 done
-echo; echo "reports, per-round logs and plots: $OUT/eval-T*/*/ (report.md, report.json, rounds.jsonl, *.png)"
+
+echo "== 7/8 serving simulation at R = $SIM_R on the same prompts (SPS clock; Fig. 8 analogue)"
+# The prompts are cycled, so R requests are live at every step: target-only decoding is R·SPS(R).
+stage simulate "$OUT/simulate/results.json" dspark simulate "${EVAL_ARGS[@]}" --draft "$DRAFT" \
+  --sps "$OUT/sps.json" --sts "$OUT/sts.json" --concurrency "$SIM_R" --policy ${POLICIES// /,} \
+  --num-prompts "$SCHED_SAMPLES" --max-new-tokens "$SCHED_MAXNEW" --temperature 1.0 --out "$OUT/simulate"
+
+echo "== 8/8 summary"
+dspark summary "$OUT"

@@ -2,9 +2,16 @@
 # Sourced by the other scripts: makes .venv (Python >= 3.10) with dspark installed in it.
 # CPU machines get the pinned CPU wheel torch==2.13.0; on a machine with an NVIDIA GPU,
 # install the torch build you want into .venv first (or set DSPARK_TORCH), and it is kept.
+# DSPARK_SKIP_SETUP=1 uses $PYTHON (default python3) as it is, with dspark importable from it
+# (e.g. PYTHONPATH=<repo>): what the end-to-end test of demo.sh does. Scripts run dspark's
+# Python as "$DSPARK_PY".
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
+if [ "${DSPARK_SKIP_SETUP:-0}" = 1 ]; then
+  DSPARK_PY="${PYTHON:-python3}"
+  return 0 2>/dev/null || exit 0
+fi
 VENV="${DSPARK_VENV:-$ROOT/.venv}"
 PY="${PYTHON:-python3}"
 if [ ! -x "$VENV/bin/python" ]; then
@@ -30,3 +37,4 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 export PATH="$VENV/bin:$PATH"
+DSPARK_PY="$VENV/bin/python"
