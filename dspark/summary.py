@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from dspark.fsutil import atomic_write_text
-from dspark.markdown import fmt_number, markdown_table
+from dspark.markdown import fmt_ci, fmt_number, markdown_table
 from dspark.metrics import DISPLAY_NAMES, TABLE1_ORDER
 
 TAU_KEYS = ("tau_pooled", "tau")  # the bootstrap work renames τ pooled over rounds; older reports say "tau"
@@ -151,19 +151,6 @@ def metric(container: Mapping[str, Any] | None, keys: str | Sequence[str], sub: 
         number = value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
         return number, _interval(ci)
     return None, None
-
-
-def fmt_ci(value: float | None, ci: tuple[float, float] | None = None, digits: int = 2) -> str:
-    """``1.14 ± 0.05`` (the half-width of ``ci``), the bare value without an interval, "–" without
-    a value. An interval narrower than the last digit gets one more decimal."""
-    if value is None or not math.isfinite(value):
-        return "–"
-    if ci is None:
-        return fmt_number(float(value), digits)
-    half = (ci[1] - ci[0]) / 2
-    if 0 < half < 0.5 * 10 ** -digits:
-        digits += 1
-    return f"{value:.{digits}f} ± {half:.{digits}f}"
 
 
 # ---------------------------------------------------------------------------
@@ -351,7 +338,7 @@ def sched_section(run: Mapping[str, Any]) -> str:
         "about draft + verify target steps and yields τ tokens, so the drafting cost is what keeps a policy that "
         "verifies nothing (ℓ = 0) below target-only speed. **SPS clock** (`dspark simulate`, folder `simulate/`): "
         "R requests live at every step (the prompts are cycled), each step charged 1 / SPS(B) for its "
-        "B = Σ(1 + ℓ_r) tokens from the measured table (drafting not charged), against R·SPS(R) for target-only "
+        "B = Σ(1 + ℓ_r) tokens from the measured table plus the drafting seconds measured in it (the demo runs it with `--draft-overhead measured`; a request that skips drafting pays none), against R·SPS(R) for target-only "
         "decoding; the serving loop verifies each request on its own, so its wall clock says nothing about "
         "batching and only the SPS clock measures R > 1. Rows without a scheduled evaluation (R > 1) show the "
         "simulator's τ and mean ℓ.")
@@ -372,10 +359,16 @@ def simulate_section(run: Mapping[str, Any]) -> str:
     return "\n".join([
         markdown_table(["policy", "R", "Θ (SPS clock, tok/s)", "target-only R·SPS(R)", "ratio", "τ", "mean ℓ"], rows), "",
         f"{config.get('num_prompts', '?')} prompts cycled, {config.get('max_new_tokens', '?')} new tokens, "
-        f"drafting charged as {config.get('draft_overhead', 0)} of a step. Plots: "
+        f"drafting charged {_draft_charge(config.get('draft_overhead', 0))}. Plots: "
         f"{_link(run, 'simulate/figure8.png')}, {_link(run, 'simulate/frontier.png')}, SPS table "
         f"{_link(run, 'sps.png')}.",
     ])
+
+
+def _draft_charge(overhead: Any) -> str:
+    if overhead == "measured":
+        return "as measured (each step pays the seconds its drafts took)"
+    return f"as {overhead} of a step" if overhead else "not at all (draft_overhead 0)"
 
 
 def timings_section(run: Mapping[str, Any]) -> str:

@@ -27,8 +27,10 @@ for arg in "$@"; do
 done
 
 # The verification policies of stage 6 and 7 (dspark.serving.make_policy specs), in table order:
-# static γ (verify every draft), static ℓ = 1 (MTP-1-like), Algorithm 1 (STS + the measured SPS).
-POLICIES="static static1 algorithm1"
+# static γ (verify every draft), static ℓ = 1 (MTP-1-like), Algorithm 1 (STS + the measured SPS), and
+# algorithm1+skip (beyond the paper: Algorithm 1 that also skips drafting while a request's recent
+# calibrated confidences say a block will not pay for its draft; dspark/skipping.py).
+POLICIES="static static1 algorithm1 algorithm1+skip"
 
 OUT="${DSPARK_DEMO_OUT:-runs/demo}"
 EVAL_DATA="${DSPARK_EVAL_DATA:-}"
@@ -160,7 +162,7 @@ done
 echo "== 7/8 serving simulation at R = $SIM_R on the same prompts (SPS clock; Fig. 8 analogue)"
 # The prompts are cycled, so R requests are live at every step: target-only decoding is R·SPS(R).
 stage simulate "$OUT/simulate/results.json" dspark simulate "${EVAL_ARGS[@]}" --draft "$DRAFT" \
-  --sps "$OUT/sps.json" --sts "$OUT/sts.json" --concurrency "$SIM_R" --policy ${POLICIES// /,} \
+  --sps "$OUT/sps.json" --sts "$OUT/sts.json" --concurrency "$SIM_R" --policy ${POLICIES// /,} --draft-overhead measured \
   --num-prompts "$SCHED_SAMPLES" --max-new-tokens "$SCHED_MAXNEW" --temperature 1.0 --out "$OUT/simulate"
 
 echo "== 8/8 summary"
