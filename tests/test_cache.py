@@ -182,10 +182,31 @@ def test_a_pickled_cache_reopens_its_shards(built, tmp_path):
 
 # ------------------------------------------------------------- validation
 def test_mismatched_layer_ids_are_rejected_with_the_fix(built, tmp_path):
-    with pytest.raises(ValueError, match=r"layer ids \[0, 2, 3\].*asks for layer ids \[0, 1, 3\].*dspark cache"):
+    with pytest.raises(ValueError, match=r"layer ids \[0, 2, 3\].*asks for \[0, 1, 3\] \(\[1\] not cached\).*dspark cache"):
         TargetCache(tmp_path, expected_layer_ids=[0, 1, 3])
+    with pytest.raises(ValueError, match=r"asks for \[3, 0\] \(not strictly increasing\)"):
+        TargetCache(tmp_path, expected_layer_ids=[3, 0])
     with pytest.raises(ValueError, match="target_layer_ids: cache"):
         TargetCache(tmp_path, expected_target=make_tiny_target("qwen3", target_layer_ids=[0, 1, 3]))
+
+
+@pytest.mark.parametrize("precision", ["fp8", "fp32"])
+def test_a_subset_of_the_cached_layers_reads_their_column_blocks(qwen3, samples, tmp_path, precision):
+    build(qwen3, samples, tmp_path, precision=precision)  # layers [0, 2, 3], d = hidden size
+    full = TargetCache(tmp_path)
+    d = full.manifest.hidden_size
+    part = TargetCache(tmp_path, expected_layer_ids=[0, 3])
+    assert part.target_layer_ids == [0, 3] and full.target_layer_ids == [0, 2, 3]
+    for i in (0, 3):
+        want = full[i]["features"].view(-1, 3, d)[:, [0, 2]].reshape(-1, 2 * d)
+        got = part[i]
+        assert torch.equal(got["features"], want)
+        assert torch.equal(got["final_hidden"], full[i]["final_hidden"])
+        raw = part.read(i, dequantize=False)
+        assert torch.equal(decode_rows(raw["feature_values"], raw["feature_scales"], precision).view(-1, 2 * d), want)
+    # a target whose layer ids are a subset passes the fingerprint check too
+    sub_target = make_tiny_target("qwen3", target_layer_ids=[2, 3])
+    assert TargetCache(tmp_path, expected_target=sub_target).target_layer_ids == [2, 3]
 
 
 def test_a_different_target_is_rejected(built, tmp_path):

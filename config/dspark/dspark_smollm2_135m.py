@@ -11,7 +11,7 @@ config = Config(
     name="dspark_smollm2_135m",
     target=TargetConfig(name_or_path="smollm2-135m", dtype="float32"),
     drafter=DrafterSpec(
-        target_layer_ids=[1, 7, 14, 20, 27],  # spread over the 30 layers like DeepSpec's [1, 9, 17, 25, 33] on 36
+        target_layer_ids=[1, 7, 14, 20, 26],  # over 30 layers; holds EAGLE-3's [1, 14, 26]: one cache
         mask_token_id=16,  # <empty_output>: a special token never used in chat
         num_draft_layers=2, intermediate_size=1024,  # CPU budget (the GPU recipes use 5 layers of the target's width)
         markov_rank=64,  # a V×r + r×V head stays small at V = 49,152

@@ -197,17 +197,31 @@ class Manifest:
 
 
 # ------------------------------------------------------- validation on open
+def layer_positions(cached_ids: Sequence[int], wanted_ids: Sequence[int], folder: Any = "the cache") -> list[int]:
+    """Where each of ``wanted_ids`` sits among the cache's ``cached_ids`` (features are concatenated
+    in id order, so a strictly increasing subset keeps that order)."""
+    cached, wanted = list(cached_ids), list(wanted_ids)
+    missing = [i for i in wanted if i not in cached]
+    if missing or wanted != sorted(set(wanted)):
+        raise ValueError(
+            f"the cache in {folder} was built for layer ids {cached}, the config asks for {wanted}"
+            + (f" ({missing} not cached)" if missing else " (not strictly increasing)")
+            + ": rebuild it with `dspark cache`, or choose ids among the cached ones"
+        )
+    return [cached.index(i) for i in wanted]
+
+
 def check_target(
     folder: Path, manifest: Manifest, expected_target: Any, expected_layer_ids: Sequence[int] | None
 ) -> None:
-    """Raise unless the cache was built for ``expected_target`` and ``expected_layer_ids`` (None: any)."""
+    """Raise unless the cache was built for ``expected_target`` and ``expected_layer_ids`` (None: any).
+
+    The layer ids may be any subset of the cached ones (``layer_positions``): one cache built for
+    DSpark's five layers also serves a drafter that fuses three of them (e.g. standard EAGLE-3)."""
     m = manifest
     built = f"target {m.target.get('name')!r} with layer ids {m.target_layer_ids}"
-    if expected_layer_ids is not None and list(expected_layer_ids) != m.target_layer_ids:
-        raise ValueError(
-            f"the cache in {folder} was built for {built}, the config asks for layer ids "
-            f"{list(expected_layer_ids)}: rebuild it with `dspark cache`"
-        )
+    if expected_layer_ids is not None:
+        layer_positions(m.target_layer_ids, expected_layer_ids, folder)
     if expected_target is None:
         return
     if isinstance(expected_target, (str, os.PathLike)):
@@ -225,7 +239,7 @@ def check_target(
         if m.target.get(k) != fingerprint[k]
     ]
     ids = list(expected_target.target_layer_ids)
-    if ids != m.target_layer_ids:
+    if not set(ids) <= set(m.target_layer_ids):
         diff.append(f"target_layer_ids: cache {m.target_layer_ids}, target {ids}")
     if diff:
         raise ValueError(

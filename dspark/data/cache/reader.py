@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from dspark.data.cache.codec import MASK_BIT, SCALE_BYTES, VALUE_BYTES, decode_rows
-from dspark.data.cache.format import Manifest, check_target, read_index
+from dspark.data.cache.format import Manifest, check_target, layer_positions, read_index
 
 
 class TargetCache:
@@ -51,6 +51,11 @@ class TargetCache:
                 f"{len(manifest.shards)} shards so far): its build was interrupted; rerun `dspark cache` to resume it"
             )
         check_target(self.path, manifest, expected_target, expected_layer_ids)
+        # Reading a subset of the cached layers (check_target accepted it): positions among them.
+        wanted = expected_layer_ids if expected_layer_ids is not None else getattr(expected_target, "target_layer_ids", None)
+        self.layers = None if wanted is None else layer_positions(manifest.target_layer_ids, wanted, self.path)
+        if self.layers == list(range(manifest.num_captured)):
+            self.layers = None
         self.index = read_index(self.path, manifest, verify)  # [N, 4]: shard, offset, length, num_final
         self._maps: dict[int, np.memmap] = {}
 
@@ -60,7 +65,9 @@ class TargetCache:
 
     @property
     def target_layer_ids(self) -> list[int]:
-        return self.manifest.target_layer_ids
+        """The layer ids of the features this reader returns (a subset of the cached ones, or all)."""
+        ids = self.manifest.target_layer_ids
+        return ids if self.layers is None else [ids[k] for k in self.layers]
 
     @property
     def num_tokens(self) -> int:
@@ -104,6 +111,10 @@ class TargetCache:
         feat_scales = fin_scales = None
         if s:
             feat_scales, fin_scales = take(length * m, np.uint8, 1), take(final, np.uint8, 1)
+        if self.layers is not None:  # keep the selected layers' rows (one row per position and layer)
+            feat_values = feat_values.view(length, m, d)[:, self.layers].reshape(-1, d)
+            if feat_scales is not None:
+                feat_scales = feat_scales.view(length, m)[:, self.layers].reshape(-1)
         if precision == "bf16":
             feat_values, fin_values = feat_values.view(torch.bfloat16), fin_values.view(torch.bfloat16)
         return tokens, feat_values, fin_values, feat_scales, fin_scales
@@ -134,7 +145,8 @@ class TargetCache:
                 "final_values": fin_values,
                 "final_scales": fin_scales,
             }
-        m, d, precision = self.manifest.num_captured, self.manifest.hidden_size, self.manifest.precision
+        d, precision = self.manifest.hidden_size, self.manifest.precision
+        m = len(self.target_layer_ids)
         features = decode_rows(feat_values, feat_scales, precision, self.dtype).view(length, m * d)  # [S, m*d]
         final_hidden = torch.zeros(length, d, dtype=self.dtype)  # [S, d], zero where has_final is False
         final_hidden[has_final] = decode_rows(fin_values, fin_scales, precision, self.dtype)
