@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The main job on the embedded default target, SmolLM2-135M-Instruct, end to end on CPU:
 #   1 data       regenerate answers -> render -> fp8 feature cache
-#   2 train      DSpark and DFlash with the same budget
-#   3 eval       both on the nine benchmarks, T = 1 and greedy, each against target-only decoding
+#   2 train      DSpark, DFlash and Eagle3 with the same budget (Eagle3: draft vocabulary first)
+#   3 eval       all three on the nine benchmarks, T = 1 and greedy, each against target-only decoding
 #   4 profile    the target's steps/s at B batch tokens (SPS table), in the evaluation dtype
 #   5 calibrate  STS on the T = 1 round logs of DSpark (fit / test split by request)
 #   6 schedule   DSpark under each verification policy of POLICIES at R = 1: wall clock against target-only
@@ -66,7 +66,9 @@ esac
 DATA="$OUT/data"
 DS=config/dspark/dspark_smollm2_135m.py
 DF=config/dflash/dflash_smollm2_135m.py
-NAMES=(dspark_smollm2_135m dflash_smollm2_135m)
+E3=config/eagle3/eagle3_smollm2_135m.py  # standard EAGLE-3 (3 of the cached layers, a draft vocabulary)
+E3_VOCAB=16384                            # its draft vocabulary (k), counted by `dspark vocab` (stage 2)
+NAMES=(dspark_smollm2_135m dflash_smollm2_135m eagle3_smollm2_135m)
 SET_DATA="data.data_dir=$DATA"
 TIMINGS="$OUT/timings.json"
 mkdir -p "$OUT"
@@ -98,7 +100,7 @@ PY
 # What this run is (the summary reads it): mode, budgets, policies.
 "$DSPARK_PY" - "$OUT/demo.json" <<PY
 import json, sys
-json.dump({"mode": "$MODE", "epochs": $EPOCHS, "max_wall_minutes": $CAP_MIN, "configs": ["$DS", "$DF"],
+json.dump({"mode": "$MODE", "epochs": $EPOCHS, "max_wall_minutes": $CAP_MIN, "configs": ["$DS", "$DF", "$E3"],
            "prepare_overrides": "${PREP_SET[*]}".split(), "train_overrides": "${TRAIN_SET[*]}".split(),
            "eval": {"num_samples": $SAMPLES, "max_new_tokens": $MAXNEW, "dtype": "$DTYPE",
                     "data": "${EVAL_DATA:-builtin}", "benchmarks": "${BENCHMARKS[*]}".split() or "all"},
@@ -112,12 +114,19 @@ PY
 echo "== 1/8 data: SmolLM2 answers the built-in prompts, rendered, features cached (fp8) [$MODE]"
 stage data "$DATA/split.json" dspark prepare --config "$DS" --set "$SET_DATA" ${PREP_SET[@]+"${PREP_SET[@]}"}
 
-echo "== 2/8 training DSpark and DFlash with the same budget ($EPOCHS epochs each)"
-for cfg in "$DS" "$DF"; do
+echo "== 2/8 training DSpark, DFlash and Eagle3 with the same budget ($EPOCHS epochs each)"
+# Eagle3 predicts over a draft vocabulary of the E3_VOCAB most frequent training tokens (hard counts
+# topped up by the target's own probabilities), read from the same feature cache.
+stage vocab "$DATA/draft_vocab_$E3_VOCAB.safetensors" dspark vocab --config "$E3" --set "$SET_DATA" \
+  "drafter.draft_vocab_size=$E3_VOCAB" ${PREP_SET[@]+"${PREP_SET[@]}"}
+for cfg in "$DS" "$DF" "$E3"; do
+  extra=()
+  if [ "$cfg" = "$E3" ]; then extra=("drafter.draft_vocab_size=$E3_VOCAB"); fi
   name=$(basename "$cfg" .py)
   stage "train-$name" "$OUT/$name/drafter/config.json" \
     dspark train --config "$cfg" --resume --set "$SET_DATA" "out_dir=$OUT/$name" \
-    "train.epochs=$EPOCHS" "train.max_wall_minutes=$CAP_MIN" ${PREP_SET[@]+"${PREP_SET[@]}"} ${TRAIN_SET[@]+"${TRAIN_SET[@]}"}
+    "train.epochs=$EPOCHS" "train.max_wall_minutes=$CAP_MIN" ${PREP_SET[@]+"${PREP_SET[@]}"} ${TRAIN_SET[@]+"${TRAIN_SET[@]}"} \
+    ${extra[@]+"${extra[@]}"}
 done
 
 EVAL_ARGS=(--target smollm2-135m --dtype "$DTYPE")
@@ -137,7 +146,7 @@ for temp in 1.0 0.0; do
       dspark eval "${EVAL_ARGS[@]}" --num-samples "$SAMPLES" --max-new-tokens "$MAXNEW" \
       --draft "$OUT/$name/drafter" --temperature "$temp" --label "${name%%_*}" --out "$OUT/eval-T$temp/$name"
   done
-  dspark compare "$OUT/eval-T$temp/${NAMES[0]}" "$OUT/eval-T$temp/${NAMES[1]}" --out "$OUT/report-T$temp.md" >/dev/null
+  dspark compare "${NAMES[@]/#/$OUT/eval-T$temp/}" --out "$OUT/report-T$temp.md" >/dev/null
 done
 
 echo "== 4/8 the target's speed at B batch tokens (SPS table, dtype $DTYPE)"

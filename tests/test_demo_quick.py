@@ -28,8 +28,9 @@ def _run_demo(out: Path) -> subprocess.CompletedProcess:
 
 
 def _expected_files(run: Path, policies: list[str]) -> list[Path]:
-    names = ("dspark_smollm2_135m", "dflash_smollm2_135m")
-    files = [run / "data" / "split.json", run / "data" / "cache-fp8" / "manifest.json"]
+    names = ("dspark_smollm2_135m", "dflash_smollm2_135m", "eagle3_smollm2_135m")
+    files = [run / "data" / "split.json", run / "data" / "cache-fp8" / "manifest.json",
+             run / "data" / "draft_vocab_16384.safetensors"]
     files += [run / n / "drafter" / "config.json" for n in names]
     files += [run / f"eval-T{t}" / n / f for t in ("1.0", "0.0") for n in names for f in ("report.json", "rounds.jsonl")]
     files += [run / "report-T1.0.md", run / "report-T0.0.md", run / "sps.json", run / "sps.png", run / "sts.json"]
@@ -48,12 +49,13 @@ def test_quick_demo_runs_every_stage_and_resumes_without_redoing_them(tmp_path):
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     run = tmp_path / "demo-quick"
     policies = json.loads((run / "demo.json").read_text())["schedule"]["policies"]
-    assert {"static", "static1", "algorithm1"} <= set(policies)
+    assert {"static", "static1", "algorithm1", "algorithm1+skip"} <= set(policies)
     missing = [str(p.relative_to(run)) for p in _expected_files(run, policies) if not p.is_file()]
     assert not missing, f"stages left no file: {missing}"
     timings = json.loads((run / "timings.json").read_text())
-    stages = ["data", "train-dspark_smollm2_135m", "train-dflash_smollm2_135m", "eval-T1.0-dspark", "eval-T1.0-dflash",
-              "eval-T0.0-dspark", "eval-T0.0-dflash", "profile-sps", "calibrate",
+    stages = ["data", "vocab", "train-dspark_smollm2_135m", "train-dflash_smollm2_135m", "train-eagle3_smollm2_135m",
+              *[f"eval-T{t}-{n}" for t in ("1.0", "0.0") for n in ("dspark", "dflash", "eagle3")],
+              "profile-sps", "calibrate",
               *[f"sched-{p}-R1" for p in policies], "simulate"]
     assert list(timings) == stages and all(s > 0 for s in timings.values())
     page = (run / "README.md").read_text()
