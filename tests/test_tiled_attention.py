@@ -44,3 +44,25 @@ def test_tiles_really_drop_keys():
     _, _, _, mask, _ = _inputs(B=1)
     first = mask[:, :, :20].any(dim=2).any(dim=0).sum()
     assert int(first) < 0.5 * mask.shape[-1]
+
+
+def test_drafter_training_forward_with_tiles_equals_dense_attention(tiny_qwen3, tmp_path, monkeypatch):
+    """The whole training forward (30 anchors × 3 slots = 90 query rows > TILE_ROWS, so tiled)
+    in float64 equals the same drafter with one dense SDPA call per layer."""
+    from helpers.training import tiny_config
+
+    from dspark.runtime import build_drafter
+
+    drafter = build_drafter(tiny_config(tiny_qwen3, str(tmp_path)), tiny_qwen3).double()
+    g = torch.Generator().manual_seed(1)
+    B, S, A = 2, 80, 30
+    ids = torch.randint(2, tiny_qwen3.vocab_size, (B, S), generator=g)
+    loss_mask = torch.ones(B, S, dtype=torch.bool)
+    loss_mask[1, 25:] = False  # padding blocks in row 1
+    anchors, keep = sample_anchors(loss_mask, A, generator=g)
+    features = torch.randn(B, S, drafter.fc.in_features, generator=g, dtype=torch.float64)
+    assert A * drafter.config.block_len > layers.TILE_ROWS
+    tiled = drafter(features, ids, anchors, keep)
+    monkeypatch.setattr(layers, "TILE_ROWS", 10**9)  # no tiling: one dense call
+    dense = drafter(features, ids, anchors, keep)
+    torch.testing.assert_close(tiled, dense, rtol=1e-10, atol=1e-10)
