@@ -4,7 +4,8 @@ drafter replicated (train.distributed = "ddp") or sharded with FSDP2 ("fsdp").
 Exactness is the design constraint:
 
 - The global batch of step s is a fixed list of sample indices (a per-epoch
-  permutation seeded by config.seed); rank r takes its contiguous slice and
+  permutation seeded by config.seed, length-bucketed by micro-batch unless
+  train.bucketing is off: `Schedule`); rank r takes its contiguous slice and
   walks it in micro-batches. Anchors of a sample are drawn from a generator
   seeded by (seed, epoch, sample index), so they do not depend on how the
   batch is split over ranks or micro-batches.

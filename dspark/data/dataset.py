@@ -28,8 +28,9 @@ class SampleSource(Protocol):
 def sample_lengths(source: SampleSource) -> Tensor:
     """Long [N]: tokens per sample of ``source``, from its ``lengths()`` when it has one (no
     features read), else from each sample's ``input_ids``."""
-    if hasattr(source, "lengths"):
-        return torch.as_tensor(source.lengths(), dtype=torch.long)
+    lengths = getattr(source, "lengths", None)
+    if lengths is not None:  # a method (the sources here) or a property (TargetCache)
+        return torch.as_tensor(lengths() if callable(lengths) else lengths, dtype=torch.long)
     return torch.tensor([int(source[i]["input_ids"].shape[0]) for i in range(len(source))], dtype=torch.long)
 
 
