@@ -400,26 +400,26 @@ def section_demo(args: argparse.Namespace, device: torch.device) -> None:
           "share of padding among the tokens of the step's micro-batches; vs off: paired median speed-up over the "
           "same drafter and features with bucketing off; for the fp32 row (target.dtype=float32, "
           "train.mixed_precision=no) over the 'auto' run with bucketing on (below 1: fp32 is slower).")
-    _epoch_padding(trainers[combos[0]])
+    _epoch_padding(src, trainers[combos[0]].config)
 
 
-def _epoch_padding(trainer) -> None:
-    """Padding share over the whole training split of the demo (the schedule alone, no step)."""
-    from dspark.data.dataset import padding_share, sample_lengths
-    from dspark.data.prepare import training_sources
+def _epoch_padding(src: Path, config) -> None:
+    """Padding share over one epoch of the demo's training split (the schedule alone, no step)."""
+    import json
+
+    from dspark.data.dataset import load_rendered, padding_share
     from dspark.train import Schedule
 
-    config = trainer.config
-    train, _ = training_sources(config, trainer.target)
-    lengths = sample_lengths(train)
+    rendered = load_rendered(src / "rendered.jsonl")
+    train = json.loads((src / "split.json").read_text())["train"]
+    lengths = torch.tensor([len(rendered[i].input_ids) for i in train])
     tc = config.train
     share = {}
     for on in (False, True):
-        sched = Schedule(len(train), 8, 1, 0, config.seed, 1, micro_batch=tc.micro_batch_size,
+        sched = Schedule(len(train), tc.global_batch_size, 1, 0, config.seed, 1, micro_batch=tc.micro_batch_size,
                          lengths=lengths if on else None, bucket_window=tc.bucket_window)
-        order = sched.epoch_perm(0)
-        share[on] = padding_share(lengths[order], tc.micro_batch_size)
-    print(f"padding share over one epoch of the {len(train)} training samples, micro-batches of "
+        share[on] = padding_share(lengths[sched.epoch_perm(0)], tc.micro_batch_size)
+    print(f"padding share over one epoch of the {len(train)} training samples in micro-batches of "
           f"{tc.micro_batch_size}: {share[False]:.3f} without bucketing, {share[True]:.3f} with")
 
 
