@@ -1,23 +1,30 @@
-"""One DSpark training step with the chunked loss (`dspark_loss`) vs the naive one (`naive_dspark_loss`).
+"""Training-step cost, in sections (one function each, `--sections`):
+
+- ``steps``: one DSpark step at S2/S3/S4 with the fused loss (what the trainer runs),
+  the chunked loss (`dspark_loss`) and the naive one (`naive_dspark_loss`, full
+  [N, γ, V] logits: the in-process stand-in for DeepSpec's loss); time ratios to the
+  naive step and peak memory.
+- ``precision``: the fused step in bf16 (autocast, bf16 LM head) against fp32, and
+  whether this CPU has native bf16 (`dspark.runtime.cpu_has_native_bf16`).
+- ``demo``: anchor positions per CPU-second of the real trainer (`dspark.train.Trainer`)
+  on the SmolLM2 demo data (`--demo-data`, copied to a temporary folder first), DSpark
+  and DFlash, length bucketing off and on, cache and online features.
+- ``vocab``: the fused step with a draft vocabulary of k ids (dspark.modeling.vocab; k = 8,192
+  and 32,768 where k < V) against the full-vocabulary fused step of the same drafter and batch:
+  its draft side is k-sized, its target side still projects onto all V ids once (argmax and
+  mass for EAGLE-3's restriction). "SQ" is a size with Qwen3's V (`--vocab-sizes`).
 
 The step is what `dspark.train_step.DraftLossModule` does for one micro-batch of
 one sequence in offline mode (target features and final hidden states come
 from the cache, here random): block labels, drafter forward over all anchor
 blocks, confidence logits, the loss, and `loss.backward()`. The optimizer
-step is EXCLUDED (it is the same for both losses and small next to the
+step is EXCLUDED (it is the same for all losses and small next to the
 step); gradients are reset to None before every step.
 
-Both variants share everything but the loss call:
-
-- chunked: `dspark_loss(draft_logits_fn, target_logits_fn, ..., chunk_rows)`,
-  the logits are produced chunk by chunk and recomputed in backward;
-- naive:   the full [N, γ, V] draft logits (with grad) and target logits
-  (no grad) are materialised, then `naive_dspark_loss` (two softmaxes, c*
-  with its own graph).
-
-Printed per size: median step time of each, the paired median ratio
-chunked/naive (time), the peak-memory ratio chunked/naive, and throughput in
-anchor positions per second (anchors × γ / step time).
+Time is CPU time of this process (`time.process_time`) on a CPU and wall time
+on a GPU: on a shared CPU, wall time counts the time other processes hold the
+cores (7x the CPU time was seen here), CPU time does not. Run with `--threads 1`
+(the default) so that CPU time is the step's work, not OpenMP spinning.
 
 Peak memory is the peak of live bytes allocated *by the step* (activations,
 logits, gradients; not the weights or inputs that exist before it). On CUDA:
@@ -25,28 +32,23 @@ torch.cuda.max_memory_allocated above the pre-step level. On CPU: a
 TorchDispatchMode that records every tensor storage an op creates and drops
 it when its last reference dies (kernel-internal scratch space is not seen).
 The tracked step is the warm-up step, so its overhead does not enter the
-timings.
+timings. Timings are interleaved (variants alternate, in rotating order) and
+only medians and paired ratios are reported.
 
-The machine is shared and noisy: timings are interleaved (chunked and naive
-alternate, in alternating order) and only medians and paired ratios are
-reported.
-
-A second section (``--draft-vocab``) times the fused step with a draft vocabulary of k ids
-(dspark.modeling.vocab; k = 8,192 and 32,768 where k < V) against the full-vocabulary fused step
-of the same drafter and batch: its draft side is k-sized, its target side still projects onto
-all V ids once (argmax and mass for EAGLE-3's restriction). "SQ" is a size with Qwen3's V.
-
-Run:  .venv/bin/python bench/train_step.py [--sizes S2 S3 S4] [--quick] [--threads 1]
-      .venv/bin/python bench/train_step.py --draft-vocab [--vocab-sizes S3 SQ]
+Run:  .venv/bin/python bench/train_step.py [--sections steps precision demo vocab] [--sizes S2 S3 S4] [--quick]
+      .venv/bin/python bench/train_step.py --sections vocab [--vocab-sizes S3 S4 SQ]
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
+import tempfile
 import time
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -87,7 +89,8 @@ class TrainSize:
 SIZES = {
     "S2": TrainSize("S2", 128, 2, 4, 2, 4096, 512, 64, 32, repeats=7),
     "S3": TrainSize("S3", 256, 5, 8, 4, 16384, 1024, 128, 64, repeats=5),
-    "S4": TrainSize("S4", 512, 5, 8, 4, 32000, 2048, 256, 128, repeats=2),
+    # SmolLM2-135M-sized (the demo's target): d 576, V 49,152, 9/3 heads of 64, 2 draft layers.
+    "S4": TrainSize("S4", 576, 2, 9, 3, 49152, 768, 64, 64, repeats=3),
 }
 QUICK = TrainSize("S0", 64, 1, 2, 1, 1024, 128, 16, 16, repeats=2)
 
@@ -190,6 +193,12 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def clock(device: torch.device) -> float:
+    """Seconds: this process's CPU time on a CPU (immune to other processes on a shared
+    machine), wall time on a GPU (synchronised by the caller)."""
+    return time.perf_counter() if device.type == "cuda" else time.process_time()
+
+
 def peak_step_bytes(drafter: Drafter, batch: dict[str, Tensor], variant: str, weights: LossWeights,
                     device: torch.device) -> tuple[int, Tensor]:
     """(peak bytes allocated by one step above what existed before it, the step's loss)."""
@@ -207,6 +216,25 @@ def peak_step_bytes(drafter: Drafter, batch: dict[str, Tensor], variant: str, we
     return mode.peak, loss
 
 
+def interleaved_times(steps: dict[str, object], repeats: int, device: torch.device) -> dict[str, list[float]]:
+    """Seconds of each zero-argument callable over ``repeats`` rounds, the order rotating per round."""
+    names = list(steps)
+    times: dict[str, list[float]] = {v: [] for v in names}
+    for rep in range(repeats):
+        k = rep % len(names)
+        for v in names[k:] + names[:k]:
+            sync(device)
+            start = clock(device)
+            steps[v]()
+            sync(device)
+            times[v].append(clock(device) - start)
+    return times
+
+
+def paired_ratio(times: dict[str, list[float]], a: str, b: str) -> float:
+    return statistics.median(x / y for x, y in zip(times[a], times[b]))
+
+
 def bench_size(size: TrainSize, repeats: int, device: torch.device) -> dict[str, float]:
     drafter, batch = build(size, device)
     weights = LossWeights()
@@ -215,23 +243,15 @@ def bench_size(size: TrainSize, repeats: int, device: torch.device) -> dict[str,
     peak, loss = {}, {}
     for v in variants:
         peak[v], loss[v] = peak_step_bytes(drafter, batch, v, weights, device)
-    times: dict[str, list[float]] = {v: [] for v in variants}
-    for rep in range(repeats):
-        for v in variants[rep % 3:] + variants[: rep % 3]:  # rotate the order: same load for all
-            sync(device)
-            start = time.perf_counter()
-            train_step(drafter, batch, v, weights)
-            sync(device)
-            times[v].append(time.perf_counter() - start)
+    times = interleaved_times({v: (lambda v=v: train_step(drafter, batch, v, weights)) for v in variants}, repeats, device)
     med = {v: statistics.median(times[v]) for v in variants}
     positions = size.anchors * GAMMA
-    ratio = lambda a, b: statistics.median(x / y for x, y in zip(times[a], times[b]))  # noqa: E731
     return {
         "fused_s": med["fused"],
         "chunked_s": med["chunked"],
         "naive_s": med["naive"],
-        "time_ratio": ratio("chunked", "naive"),
-        "fused_time_ratio": ratio("fused", "naive"),
+        "time_ratio": paired_ratio(times, "chunked", "naive"),
+        "fused_time_ratio": paired_ratio(times, "fused", "naive"),
         "fused_mb": peak["fused"] / 2**20,
         "chunked_mb": peak["chunked"] / 2**20,
         "naive_mb": peak["naive"] / 2**20,
@@ -242,6 +262,171 @@ def bench_size(size: TrainSize, repeats: int, device: torch.device) -> dict[str,
         "naive_pos_s": positions / med["naive"],
         "loss_rel_diff": max(abs(float(loss[v]) - float(loss["naive"])) for v in variants) / max(abs(float(loss["naive"])), 1e-12),
     }
+
+
+# ------------------------------------------------------------------ sections
+def section_steps(args: argparse.Namespace, device: torch.device) -> None:
+    """The full-vocabulary step (fused, chunked) against the naive one, per size."""
+    sizes = [QUICK] if args.quick else [SIZES[name] for name in args.sizes]
+    memory = "torch.cuda.max_memory_allocated" if device.type == "cuda" else "live tensor bytes (dispatch mode)"
+    print(f"== steps: DSpark train step (forward + backward, optimizer excluded), batch 1 sequence, γ={GAMMA}, "
+          f"chunk_rows={CHUNK_ROWS}, {device.type}, threads {args.threads}; peak memory: {memory}")
+    for size in sizes:
+        print(f"   {size.describe()}")
+    header = (f"{'size':<6}{'fused s':>10}{'chunked s':>11}{'naive s':>10}{'time f/n':>10}{'time c/n':>10}"
+              f"{'fused MB':>10}{'chunked MB':>12}{'naive MB':>11}{'mem f/n':>9}{'mem c/n':>9}"
+              f"{'fused pos/s':>13}{'chunked pos/s':>15}{'naive pos/s':>13}{'|Δloss|/loss':>14}")
+    print(header)
+    print("-" * len(header))
+    for size in sizes:
+        res = bench_size(size, args.repeats or size.repeats, device)
+        print(f"{size.name:<6}{res['fused_s']:>10.3f}{res['chunked_s']:>11.3f}{res['naive_s']:>10.3f}"
+              f"{res['fused_time_ratio']:>10.3f}{res['time_ratio']:>10.3f}"
+              f"{res['fused_mb']:>10.1f}{res['chunked_mb']:>12.1f}{res['naive_mb']:>11.1f}"
+              f"{res['fused_mem_ratio']:>9.3f}{res['mem_ratio']:>9.3f}"
+              f"{res['fused_pos_s']:>13,.0f}{res['chunked_pos_s']:>15,.0f}{res['naive_pos_s']:>13,.0f}"
+              f"{res['loss_rel_diff']:>14.1e}")
+    print("fused = fused_dspark_loss (what the trainer runs), chunked = dspark_loss, naive = naive_dspark_loss "
+          "(DeepSpec's loss). time x/n: paired median ratio to the naive step time; mem x/n: ratio of peak bytes "
+          "allocated by the step; pos/s: anchors × γ / median step time.")
+
+
+def section_precision(args: argparse.Namespace, device: torch.device) -> None:
+    """The fused step under bf16 autocast with a bf16 LM head (train.mixed_precision=bf16,
+    target.dtype=bfloat16) against the fp32 step, per size."""
+    from dspark.runtime import cpu_has_native_bf16, resolve_mixed_precision
+
+    sizes = [QUICK] if args.quick else [SIZES[name] for name in args.sizes]
+    native = cpu_has_native_bf16() if device.type == "cpu" else None
+    print(f"\n== precision: fused step, bf16 (autocast + bf16 LM head) vs fp32, {device.type}, threads {args.threads}; "
+          f"native bf16 CPU: {native}; train.mixed_precision=auto resolves to {resolve_mixed_precision('auto', device)!r}")
+    header = f"{'size':<6}{'fp32 s':>10}{'bf16 s':>10}{'time bf16/fp32':>16}{'|Δloss|/loss':>14}"
+    print(header)
+    print("-" * len(header))
+    weights = LossWeights()
+    for size in sizes:
+        drafter, batch = build(size, device)
+        shared = drafter.shared_weights()
+        bf16 = build(size, device)[0]
+        bf16.load_state_dict(drafter.state_dict())
+        bf16.attach_shared(shared["embed_tokens.weight"].bfloat16(), shared["lm_head.weight"].bfloat16()).train()
+
+        def step_bf16() -> Tensor:
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                return train_step(bf16, batch, "fused", weights)
+
+        steps = {"fp32": lambda: train_step(drafter, batch, "fused", weights), "bf16": step_bf16}
+        loss = {k: float(f()) for k, f in steps.items()}  # warm-up
+        times = interleaved_times(steps, args.repeats or size.repeats, device)
+        print(f"{size.name:<6}{statistics.median(times['fp32']):>10.3f}{statistics.median(times['bf16']):>10.3f}"
+              f"{paired_ratio(times, 'bf16', 'fp32'):>16.3f}{abs(loss['bf16'] - loss['fp32']) / abs(loss['fp32']):>14.1e}")
+    print("time bf16/fp32: paired median ratio of step times (below 1: bf16 is faster).")
+
+
+# --------------------------------------------------------------- demo section
+REPO = Path(__file__).resolve().parents[1]
+DEMO_CONFIGS = {v: REPO / "config" / v / f"{v}_smollm2_135m.py" for v in ("dspark", "dflash")}
+
+
+def _demo_copy(src: Path, dst: Path, modes: list[str]) -> Path:
+    """The demo data the section reads, copied (the original is never opened for writing)."""
+    names = ["rendered.jsonl", "split.json"] + (["cache-fp8"] if "cache" in modes else [])
+    dst.mkdir(parents=True)
+    for name in names:
+        if not (src / name).exists():
+            raise FileNotFoundError(f"{src / name} not found: point --demo-data at a `dspark prepare` folder of the SmolLM2 demo")
+        (shutil.copytree if (src / name).is_dir() else shutil.copy)(src / name, dst / name)
+    return dst
+
+
+def _demo_trainer(variant: str, mode: str, bucketing: bool, precision: str, data: Path, out: Path,
+                  samples: int, targets: dict) -> object:
+    """A Trainer of the shipped SmolLM2 config on the first ``samples`` training samples (one
+    global batch: bucketing changes only which samples share a micro-batch)."""
+    from dspark.config import load_config, set_values
+    from dspark.data.dataset import CachedSource, RenderedSource
+    from dspark.data.prepare import training_sources
+    from dspark.runtime import build_drafter, load_target
+    from dspark.train import Trainer
+
+    values = {"data.data_dir": str(data), "out_dir": str(out), "data.feature_mode": mode,
+              "train.bucketing": bucketing, "train.max_steps": 1, "train.eval_every": 0, "train.save_every": 10**6,
+              "train.global_batch_size": samples, "train.mixed_precision": "no" if precision == "fp32" else "auto",
+              "target.dtype": "float32" if precision == "fp32" else "auto"}
+    config = set_values(load_config(DEMO_CONFIGS[variant]), values)
+    key = config.target.dtype
+    if key not in targets:
+        targets[key] = load_target(config)
+    target = targets[key]
+    train, _ = training_sources(config, target)
+    train = CachedSource(train.cache, train.indices[:samples]) if mode == "cache" else RenderedSource(train.samples[:samples])
+    return Trainer(config, target, build_drafter(config, target), train, None, out_dir=out, progress=False)
+
+
+def section_demo(args: argparse.Namespace, device: torch.device) -> None:
+    """Anchor positions per CPU-second of the trainer on the SmolLM2 demo data: DSpark and
+    DFlash, bucketing off and on, cache and online features (and DSpark in fp32 vs auto)."""
+    from dspark.data.dataset import padding_share, sample_lengths
+    from dspark.runtime import resolve_mixed_precision
+
+    src = Path(args.demo_data)
+    print(f"\n== demo: trainer steps on the SmolLM2 demo data ({src}), first {args.demo_samples} training samples "
+          f"= one global batch in micro-batches of 4; {device.type}, threads {args.threads}; precision 'auto' = "
+          f"{resolve_mixed_precision('auto', device)}")
+    combos = [(v, m, b, "auto") for m in args.demo_modes for v in ("dspark", "dflash") for b in (False, True)]
+    combos.append(("dspark", args.demo_modes[0], True, "fp32"))
+    with tempfile.TemporaryDirectory(prefix="dspark-bench-") as tmp:
+        data = _demo_copy(src, Path(tmp) / "data", args.demo_modes)
+        targets: dict = {}
+        trainers = {c: _demo_trainer(*c, data, Path(tmp) / "-".join(map(str, c)), args.demo_samples, targets) for c in combos}
+        positions: dict = {}
+
+        def step(c) -> None:
+            t = trainers[c]
+            t.step = 0  # the same global batch every time
+            rec = t.train_step()
+            positions[c] = rec["anchors"] * t.drafter.config.block_size
+
+        for c in combos:  # warm-up
+            step(c)
+        times = interleaved_times({c: (lambda c=c: step(c)) for c in combos}, args.demo_repeats, device)
+    header = f"{'drafter':<8}{'features':<10}{'bucketing':<11}{'precision':<11}{'pos/s':>9}{'padding':>9}{'vs off':>8}"
+    print(header)
+    print("-" * len(header))
+    for c in combos:
+        variant, mode, bucketing, precision = c
+        t = trainers[c]
+        order = [i for _, i in t.schedule.step_samples(0)]
+        pad = padding_share(sample_lengths(t.train_data)[order], t.config.train.micro_batch_size)
+        base = (variant, mode, False, "auto") if precision == "auto" else (variant, mode, True, "auto")
+        rel = paired_ratio(times, base, c) if c != base else float("nan")
+        print(f"{variant:<8}{mode:<10}{'on' if bucketing else 'off':<11}{precision:<11}"
+              f"{positions[c] / statistics.median(times[c]):>9.1f}{pad:>9.3f}{rel:>8.3f}")
+    print("pos/s: anchor positions (anchors × γ) per second of CPU time of one optimizer step (median); padding: "
+          "share of padding among the tokens of the step's micro-batches; vs off: paired median speed-up over the "
+          "same drafter and features with bucketing off; for the fp32 row (target.dtype=float32, "
+          "train.mixed_precision=no) over the 'auto' run with bucketing on (below 1: fp32 is slower).")
+    _epoch_padding(src, trainers[combos[0]].config)
+
+
+def _epoch_padding(src: Path, config) -> None:
+    """Padding share over one epoch of the demo's training split (the schedule alone, no step)."""
+    import json
+
+    from dspark.data.dataset import load_rendered, padding_share
+    from dspark.train import Schedule
+
+    rendered = load_rendered(src / "rendered.jsonl")
+    train = json.loads((src / "split.json").read_text())["train"]
+    lengths = torch.tensor([len(rendered[i].input_ids) for i in train])
+    tc = config.train
+    share = {}
+    for on in (False, True):
+        sched = Schedule(len(train), tc.global_batch_size, 1, 0, config.seed, 1, micro_batch=tc.micro_batch_size,
+                         lengths=lengths if on else None, bucket_window=tc.bucket_window)
+        share[on] = padding_share(lengths[sched.epoch_perm(0)], tc.micro_batch_size)
+    print(f"padding share over one epoch of the {len(train)} training samples in micro-batches of "
+          f"{tc.micro_batch_size}: {share[False]:.3f} without bucketing, {share[True]:.3f} with")
 
 
 # ------------------------------------------------------------------ draft vocabulary section
@@ -307,10 +492,10 @@ def bench_draft_vocab(size: TrainSize, repeats: int, device: torch.device) -> li
     for rep in range(repeats):
         for name in names[rep % len(names):] + names[: rep % len(names)]:
             sync(device)
-            start = time.perf_counter()
+            start = clock(device)
             vocab_step(drafters[name], batch, weights)
             sync(device)
-            times[name].append(time.perf_counter() - start)
+            times[name].append(clock(device) - start)
     rows = []
     for k in names[1:]:
         rows.append({
@@ -321,7 +506,9 @@ def bench_draft_vocab(size: TrainSize, repeats: int, device: torch.device) -> li
     return rows
 
 
-def main_draft_vocab(names: list[str], repeats: int | None, device: torch.device, threads: int) -> None:
+def section_vocab(args: argparse.Namespace, device: torch.device) -> None:
+    """The fused step with a draft vocabulary of k ids against the full-vocabulary one, per size."""
+    names, repeats, threads = args.vocab_sizes, args.repeats, args.threads
     print(f"== fused DSpark train step with a draft vocabulary of k ids vs the full vocabulary "
           f"(same drafter and batch), γ={GAMMA}, {device.type}, threads {threads}")
     header = f"{'size':<6}{'V':>9}{'k':>8}{'full s':>10}{'k s':>10}{'time k/full':>13}{'full MB':>10}{'k MB':>10}{'mem k/full':>12}"
@@ -338,17 +525,25 @@ def main_draft_vocab(names: list[str], repeats: int | None, device: torch.device
     print("time k/full: paired median ratio of step times; mem: peak bytes allocated by the step.")
 
 
+SECTIONS = {"steps": section_steps, "precision": section_precision, "demo": section_demo, "vocab": section_vocab}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=["steps"],
+                   help="what to measure (default: steps)")
     p.add_argument("--sizes", nargs="+", choices=sorted(SIZES), default=["S2", "S3"],
-                   help="sizes to run (default S2 S3; S4 takes minutes on CPU)")
+                   help="sizes of the steps and precision sections (default S2 S3; S4 is SmolLM2-sized)")
     p.add_argument("--quick", action="store_true", help="one tiny size, 2 repeats (the smoke test)")
     p.add_argument("--repeats", type=int, default=None, help="timed steps per variant (default: per size)")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: stabler on a shared box)")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: CPU time = the work)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--draft-vocab", action="store_true", help="run the draft-vocabulary section instead")
+    p.add_argument("--demo-data", default="/tmp/demo-runs/data", help="a `dspark prepare` folder of the SmolLM2 demo")
+    p.add_argument("--demo-modes", nargs="+", choices=["cache", "online"], default=["cache", "online"])
+    p.add_argument("--demo-samples", type=int, default=8, help="training samples in the timed global batch (multiple of 4)")
+    p.add_argument("--demo-repeats", type=int, default=2, help="timed steps per demo run")
     p.add_argument("--vocab-sizes", nargs="+", choices=sorted(VOCAB_SIZES), default=["S3", "S4", "SQ"],
-                   help="sizes of the draft-vocabulary section")
+                   help="sizes of the vocab section")
     return p.parse_args(argv)
 
 
@@ -356,32 +551,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    if args.draft_vocab:
-        main_draft_vocab(args.vocab_sizes, args.repeats, device, args.threads)
-        return
-    sizes = [QUICK] if args.quick else [SIZES[name] for name in args.sizes]
-    memory = "torch.cuda.max_memory_allocated" if device.type == "cuda" else "live tensor bytes (dispatch mode)"
-    print(f"== DSpark train step (forward + backward, optimizer excluded), batch 1 sequence, γ={GAMMA}, "
-          f"chunk_rows={CHUNK_ROWS}, {device.type}, threads {args.threads}; peak memory: {memory}")
-    for size in sizes:
-        print(f"   {size.describe()}")
-    header = (f"{'size':<6}{'fused s':>10}{'chunked s':>11}{'naive s':>10}{'time f/n':>10}{'time c/n':>10}"
-              f"{'fused MB':>10}{'chunked MB':>12}{'naive MB':>11}{'mem f/n':>9}{'mem c/n':>9}"
-              f"{'fused pos/s':>13}{'chunked pos/s':>15}{'naive pos/s':>13}{'|Δloss|/loss':>14}")
-    print(header)
-    print("-" * len(header))
-    for size in sizes:
-        repeats = args.repeats or size.repeats
-        res = bench_size(size, repeats, device)
-        print(f"{size.name:<6}{res['fused_s']:>10.3f}{res['chunked_s']:>11.3f}{res['naive_s']:>10.3f}"
-              f"{res['fused_time_ratio']:>10.3f}{res['time_ratio']:>10.3f}"
-              f"{res['fused_mb']:>10.1f}{res['chunked_mb']:>12.1f}{res['naive_mb']:>11.1f}"
-              f"{res['fused_mem_ratio']:>9.3f}{res['mem_ratio']:>9.3f}"
-              f"{res['fused_pos_s']:>13,.0f}{res['chunked_pos_s']:>15,.0f}{res['naive_pos_s']:>13,.0f}"
-              f"{res['loss_rel_diff']:>14.1e}")
-    print("fused = fused_dspark_loss (what the trainer runs), chunked = dspark_loss, naive = naive_dspark_loss. "
-          "time x/n: paired median ratio to the naive step time; mem x/n: ratio of peak bytes allocated by the "
-          "step; pos/s: anchors × γ / median step time.")
+    for name in args.sections:
+        SECTIONS[name](args, device)
 
 
 if __name__ == "__main__":

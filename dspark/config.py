@@ -130,7 +130,13 @@ class TrainConfig:
     micro_batch_size: int = 1  # sequences per forward on one rank
     epochs: float = 10.0
     max_steps: int = 0  # 0 = from epochs
-    mixed_precision: str = "bf16"  # "bf16" (autocast over fp32 master weights; on CPU only worth it with native bf16) | "no"
+    # "auto" (bf16 on GPUs and on CPUs with native bf16, else "no") | "bf16" (autocast over fp32
+    # master weights) | "no"; dspark.runtime.resolve_mixed_precision
+    mixed_precision: str = "auto"
+    # Length-bucketed micro-batches: each holds samples of similar length (less padding for the
+    # target and the drafter); the samples of an epoch and each sample's loss are unchanged.
+    bucketing: bool = True
+    bucket_window: int = 64  # micro-batches per length-sorting window (larger: less padding, less mixing)
     compile: bool = True  # torch.compile the drafter (GPU recipes; CPU runs set False)
     distributed: str = "ddp"  # "ddp" | "fsdp"
     save_every: int = 3000
@@ -313,12 +319,12 @@ _CHOICES = {
     "data.cache_precision": ("fp8", "bf16", "fp32"),
     "data.vocab_counts": ("hard", "soft", "hard+soft"),
     "generation.backend": ("transformers", "openai"),
-    "train.mixed_precision": ("bf16", "no"),
+    "train.mixed_precision": ("auto", "bf16", "no"),
     "train.distributed": ("ddp", "fsdp"),
 }
 _POSITIVE = (
     "drafter.block_size", "drafter.num_draft_layers", "data.max_length", "data.num_anchors",
-    "train.global_batch_size", "train.micro_batch_size", "generation.batch_size",
+    "train.global_batch_size", "train.micro_batch_size", "train.bucket_window", "generation.batch_size",
     "generation.max_new_tokens", "eval.max_new_tokens", "loss.chunk_rows", "serve.concurrency",
     "serve.max_new_tokens", "profile.context_len", "profile.repeats", "calibrate.bins", "propose.max_new_tokens",
     "propose.num_blocks", "eval.bootstrap_resamples", "drafter.ttt_length",

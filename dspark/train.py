@@ -4,7 +4,8 @@ drafter replicated (train.distributed = "ddp") or sharded with FSDP2 ("fsdp").
 Exactness is the design constraint:
 
 - The global batch of step s is a fixed list of sample indices (a per-epoch
-  permutation seeded by config.seed); rank r takes its contiguous slice and
+  permutation seeded by config.seed, length-bucketed by micro-batch unless
+  train.bucketing is off: `Schedule`); rank r takes its contiguous slice and
   walks it in micro-batches. Anchors of a sample are drawn from a generator
   seeded by (seed, epoch, sample index), so they do not depend on how the
   batch is split over ranks or micro-batches.
@@ -44,9 +45,10 @@ from torch import Tensor, nn
 
 from dspark.config import Config
 from dspark.data.anchors import sample_anchors
-from dspark.data.dataset import SampleSource, collate
+from dspark.data.dataset import SampleSource, bucketed_order, collate, sample_lengths
 from dspark.fsutil import atomic_write_text, replace_dir
 from dspark.modeling import Drafter, load_drafter, save_drafter
+from dspark.runtime import resolve_mixed_precision
 from dspark.train_step import METRIC_SUMS, DraftLossModule, build_loss_module, ratio_metrics
 
 log = logging.getLogger(__name__)
@@ -57,27 +59,51 @@ LATEST = "latest"
 # ------------------------------------------------------------ data schedule
 @dataclass
 class Schedule:
+    """Which samples each step trains on: epoch e is a permutation of the N samples seeded by
+    (seed, e), read as one endless stream cut into global batches of ``global_batch``.
+
+    With ``lengths`` (bucketing), each epoch's permutation is reordered by
+    ``dspark.data.dataset.bucketed_order`` so that every micro-batch of ``micro_batch``
+    samples holds similar lengths: the samples of an epoch, their anchors and their losses
+    are unchanged, only which samples share a micro-batch (and a step) changes. The order is
+    a function of (seed, epoch, lengths, micro_batch, bucket_window) alone: resume stays exact
+    and ranks agree on it without communicating.
+    """
+
     num_samples: int
     global_batch: int
     world: int
     rank: int
     seed: int
     total_steps: int
+    micro_batch: int = 1
+    lengths: Tensor | None = None  # Long [N]; None = no bucketing
+    bucket_window: int = 64  # micro-batches per length-sorting window
+
+    def __post_init__(self) -> None:
+        self._perms: dict[int, Tensor] = {}
 
     def epoch_perm(self, epoch: int) -> Tensor:
+        if epoch in self._perms:
+            return self._perms[epoch]
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        return torch.randperm(self.num_samples, generator=g)
+        perm = torch.randperm(self.num_samples, generator=g)
+        if self.lengths is not None:
+            # The first micro-batch boundary inside epoch e (the stream does not restart at one).
+            head = (-epoch * self.num_samples) % self.micro_batch
+            perm = bucketed_order(perm, self.lengths, self.micro_batch, self.bucket_window * self.micro_batch, head, g)
+        self._perms = {e: p for e, p in self._perms.items() if e >= epoch - 1}  # keep the current two
+        self._perms[epoch] = perm
+        return perm
 
     def step_samples(self, step: int) -> list[tuple[int, int]]:
         """(epoch, sample index) of this rank's share of the global batch of `step`."""
         per_rank = self.global_batch // self.world
         start = step * self.global_batch + self.rank * per_rank
-        out, perm_cache = [], {}
+        out = []
         for g in range(start, start + per_rank):
             epoch, pos = divmod(g, self.num_samples)
-            if epoch not in perm_cache:
-                perm_cache[epoch] = self.epoch_perm(epoch)
-            out.append((epoch, int(perm_cache[epoch][pos])))
+            out.append((epoch, int(self.epoch_perm(epoch)[pos])))
         return out
 
 
@@ -183,6 +209,7 @@ class Trainer:
         self.world = dist.get_world_size() if self.distributed else 1
         self.device = next(drafter.parameters()).device
         tc = config.train
+        self.precision = resolve_mixed_precision(tc.mixed_precision, self.device)  # "bf16" | "no"
         if tc.global_batch_size % (self.world * tc.micro_batch_size):
             raise ValueError(
                 f"train.global_batch_size={tc.global_batch_size} must be divisible by "
@@ -191,7 +218,9 @@ class Trainer:
         if len(train_data) == 0:
             raise ValueError("the training set is empty")
         total = tc.max_steps or max(1, math.ceil(tc.epochs * len(train_data) / tc.global_batch_size))
-        self.schedule = Schedule(len(train_data), tc.global_batch_size, self.world, self.rank, config.seed, total)
+        self.schedule = Schedule(len(train_data), tc.global_batch_size, self.world, self.rank, config.seed, total,
+                                 micro_batch=tc.micro_batch_size, bucket_window=tc.bucket_window,
+                                 lengths=sample_lengths(train_data) if tc.bucketing else None)
         self.module = build_loss_module(drafter, target, config.loss)  # Eagle3: the TTT loss
         self.model: nn.Module = self.module
         # Under FSDP the drafter's parameters are DTensor shards: use drafter_state_dict()
@@ -217,10 +246,11 @@ class Trainer:
 
     # ------------------------------------------------------------ utilities
     def _autocast(self):
-        """bf16 autocast over fp32 master weights: on a GPU, and on a CPU when asked (worth it
-        on CPUs with native bf16: 1.8x the anchor positions/s on the SmolLM2 demo data here,
-        with target.dtype=bfloat16 so that the LM-head matmuls of the loss run in bf16)."""
-        if self.config.train.mixed_precision == "bf16":
+        """bf16 autocast over fp32 master weights when train.mixed_precision resolves to bf16
+        (`resolve_mixed_precision`: "auto" on a GPU or a CPU with native bf16; there 1.8x the
+        anchor positions/s on the SmolLM2 demo data, with target.dtype bf16 so that the LM-head
+        matmuls of the loss run in bf16)."""
+        if self.precision == "bf16":
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return nullcontext()
 
@@ -317,6 +347,9 @@ class Trainer:
         self.module.eval()
         n = len(self.eval_data) if not max_samples else min(max_samples, len(self.eval_data))
         mine = list(range(self.rank, n, self.world))
+        if self.config.train.bucketing:  # similar lengths share a micro-batch; the sums do not depend on the order
+            lengths = sample_lengths(self.eval_data)
+            mine.sort(key=lambda j: int(lengths[j]))
         sums: dict[str, Tensor] = {}
         mb = self.config.train.micro_batch_size
         rounds = math.ceil(len(mine) / mb)

@@ -29,7 +29,8 @@ def test_reference_configs_reproduce_spec4(variant, target):
     assert (c.drafter.block_size, c.drafter.num_draft_layers, c.data.num_anchors, c.data.max_length) == (7, 5, 512, 4096)
     t = c.train
     assert (t.lr, t.weight_decay, t.warmup_ratio, t.min_lr_ratio, t.grad_clip) == (6e-4, 0.0, 0.04, 0.0, 1.0)
-    assert (t.global_batch_size, t.epochs, c.seed, t.mixed_precision) == (512, 10, 42, "bf16")
+    assert (t.global_batch_size, t.epochs, c.seed) == (512, 10, 42)
+    assert t.mixed_precision == "auto"  # bf16 on the recipes' bf16 GPUs (tests/test_bucketing.py)
     assert (c.generation.temperature, c.generation.top_p, c.generation.top_k) == (0.7, 0.8, 20)
     assert c.loss.loss_decay_gamma == 4.0
     if variant == "dspark":

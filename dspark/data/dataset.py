@@ -25,6 +25,15 @@ class SampleSource(Protocol):
     def __getitem__(self, i: int) -> dict[str, Tensor]: ...
 
 
+def sample_lengths(source: SampleSource) -> Tensor:
+    """Long [N]: tokens per sample of ``source``, from its ``lengths()`` when it has one (no
+    features read), else from each sample's ``input_ids``."""
+    lengths = getattr(source, "lengths", None)
+    if lengths is not None:  # a method (the sources here) or a property (TargetCache)
+        return torch.as_tensor(lengths() if callable(lengths) else lengths, dtype=torch.long)
+    return torch.tensor([int(source[i]["input_ids"].shape[0]) for i in range(len(source))], dtype=torch.long)
+
+
 class RenderedSource:
     """Rendered (input_ids, loss_mask) samples; the target runs online in the training step."""
 
@@ -33,6 +42,9 @@ class RenderedSource:
 
     def __len__(self) -> int:
         return len(self.samples)
+
+    def lengths(self) -> list[int]:
+        return [len(s.input_ids) for s in self.samples]
 
     def __getitem__(self, i: int) -> dict[str, Tensor]:
         s = self.samples[i]
@@ -51,6 +63,9 @@ class CachedSource:
 
     def __len__(self) -> int:
         return len(self.indices)
+
+    def lengths(self) -> Tensor:
+        return torch.as_tensor(self.cache.lengths, dtype=torch.long)[torch.as_tensor(self.indices, dtype=torch.long)]
 
     def __getitem__(self, i: int) -> dict[str, Tensor]:
         item = self.cache[self.indices[i]]
@@ -94,3 +109,41 @@ def collate(items: list[dict[str, Tensor]], pad_id: int = 0) -> dict[str, Tensor
             rows.append(t)
         out[key] = torch.stack(rows)
     return out
+
+
+def bucketed_order(
+    perm: Tensor, lengths: Tensor, unit: int, window: int, head: int, generator: torch.Generator
+) -> Tensor:
+    """A permutation of the same samples as ``perm`` whose consecutive groups of ``unit`` have
+    similar lengths, so that a micro-batch of ``unit`` samples pads little.
+
+    The first ``head`` samples of ``perm`` stay first (they complete the micro-batch that an
+    epoch not starting on a micro-batch boundary shares with the previous epoch). The rest of
+    ``perm`` (a random order) is cut into windows of ``window`` samples (a multiple of
+    ``unit``); each window is sorted by length (stable) and cut into groups of ``unit``; the
+    full groups are shuffled over the whole epoch with ``generator``. A micro-batch thus holds
+    a random window's run of similar lengths, and a global batch a random set of such runs.
+    Returns Long [N], a permutation of ``perm``.
+    """
+    n = perm.numel()
+    if unit <= 1 or n <= 1:  # a micro-batch of one sample has no padding
+        return perm.clone()
+    head = min(head, n)
+    first, rest = perm[:head], perm[head:]
+    rlen = lengths[rest]
+    win = torch.arange(rest.numel()) // max(unit, window - window % unit)
+    # Stable sort on (window, length): each window's samples in ascending length.
+    key = win * (int(rlen.max()) + 1 if rlen.numel() else 1) + rlen
+    ordered = rest[torch.sort(key, stable=True).indices]
+    n_full = ordered.numel() // unit
+    groups = ordered[: n_full * unit].view(n_full, unit)
+    shuffled = groups[torch.randperm(n_full, generator=generator)].reshape(-1)
+    return torch.cat([first, shuffled, ordered[n_full * unit :]])
+
+
+def padding_share(lengths: Sequence[int] | Tensor, unit: int) -> float:
+    """Share of padding among the tokens of consecutive micro-batches of ``unit`` samples taken
+    in the given order, each right-padded to its longest sample (what `collate` does)."""
+    lengths = torch.as_tensor(lengths, dtype=torch.long)
+    padded = sum(int(c.max()) * c.numel() for c in lengths.split(unit))
+    return 1.0 - int(lengths.sum()) / max(1, padded)
