@@ -16,7 +16,8 @@ steps a user of transformers would compare against.
     sequential loop  Drafter.sample_block (Eq. 4 left-to-right sampling + confidences;
                      for DFlash (--config config/dflash/...) only the per-position sampling)
     verification     the target forward over x_0..x_γ (with the LM head on all 8 rows)
-    acceptance       target probabilities + rejection sampling (mean per round)
+    acceptance       target probabilities + rejection sampling (mean per round; always wall clock,
+                     from the loop's own PhaseClock)
     bookkeeping      target cache crop + drafter context extend
 
 A random-init drafter is enough: only the cost matters, so every round verifies
@@ -173,7 +174,11 @@ def measure(config, args) -> dict[str, float]:
         parts["bookkeeping"] += [e + c for e, c in zip(extend.seconds[1:], timed.crop_cache.seconds)]
         if any(r.accepted for r in result.rounds):
             print(f"note: {sum(r.accepted for r in result.rounds)} drafts accepted in chunk {chunk}")
+    return report(steps, plain, rounds, parts)
 
+
+def report(steps: list[float], plain: list[float], rounds: list[float], parts: dict[str, list[float]]) -> dict:
+    """Print the medians of one dtype's run and the breakdown of a round; return the summary row."""
     step, round_time, plain_step = statistics.median(steps), statistics.median(rounds), statistics.median(plain)
     print(f"plain transformers step (median of {len(plain)}): {ms(plain_step)}")
     print(f"target-only step (median of {len(steps)}): {ms(step)}   ({step / plain_step:.2f} plain steps)")
@@ -186,8 +191,8 @@ def measure(config, args) -> dict[str, float]:
         print(f"  {name:16s} {ms(seconds)}  {100 * seconds / round_time:5.1f} %")
     rest = round_time - sum(medians.values())
     print(f"  {'rest':16s} {ms(rest)}  {100 * rest / round_time:5.1f} %  (python, hooks, rounding of medians)")
-    verify = medians["verification"]
-    return {"plain": plain_step, "step": step, "round": round_time, "verify": verify, "draft": medians["draft backbone"] + medians["sequential loop"]}
+    draft = medians["draft backbone"] + medians["sequential loop"]
+    return {"plain": plain_step, "step": step, "round": round_time, "verify": medians["verification"], "draft": draft}
 
 
 def main() -> None:
