@@ -1,17 +1,23 @@
 """What one speculative round costs, in target-only decoding steps (SmolLM2-135M on CPU).
 
 A round (draft a block of γ = 7, verify γ+1 = 8 tokens in one target forward,
-accept) must cost at most ~1.5 target-only steps for speculation to pay as soon
-as τ > 1.5. This script measures both with the library's own loops
+accept) must cost few target-only steps for speculation to pay as soon as τ
+passes that ratio. This script measures both with the library's own loops
 (`dspark.decoding.speculative_generate` / `target_generate`), timing each call
 of the pieces they use, and prints the medians, their ratio and the breakdown
-of a round:
+of a round. A third loop is the baseline both are held against: plain
+transformers decoding on the same weights (`model(input_ids=..., past_key_values=...,
+use_cache=True)` one token at a time, softmax + torch.multinomial or argmax), so
+"our step / plain step" says whether the library's target-only loop costs
+anything of its own, and "round / plain step" is the price of a round in the
+steps a user of transformers would compare against.
 
     draft backbone   Drafter.propose minus its sequential stage
     sequential loop  Drafter.sample_block (Eq. 4 left-to-right sampling + confidences;
                      for DFlash (--config config/dflash/...) only the per-position sampling)
     verification     the target forward over x_0..x_γ (with the LM head on all 8 rows)
-    acceptance       target probabilities + rejection sampling (mean per round)
+    acceptance       target probabilities + rejection sampling (mean per round; always wall clock,
+                     from the loop's own PhaseClock)
     bookkeeping      target cache crop + drafter context extend
 
 A random-init drafter is enough: only the cost matters, so every round verifies
@@ -22,13 +28,14 @@ float32 (the library default) and bfloat16 (what `--dtype auto` decodes in on a
 CPU with native bf16, and on GPUs). bfloat16 is skipped with a note on a CPU
 without native bf16, where oneDNN emulates it.
 
-    .venv/bin/python bench/decode_round.py [--rounds 30] [--threads 2] [--dtypes float32 bfloat16]
+    .venv/bin/python bench/decode_round.py [--rounds 30] [--threads 2] [--clock wall|cpu] [--dtypes float32 bfloat16]
                                            [--temperature 1.0] [key=value config overrides ...]
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import statistics
 import time
@@ -44,19 +51,26 @@ CONFIG = Path(__file__).resolve().parents[1] / "config" / "dspark" / "dspark_smo
 PROMPT = "Explain in a few sentences why the sky is blue, then give one everyday example of light scattering."
 
 
+# The clock every duration is read from: wall clock by default; --clock cpu switches to this
+# thread's CPU time, which time-slicing on a shared machine does not inflate (valid at --threads 1,
+# where every matmul runs on the calling thread).
+CLOCK = {"wall": time.perf_counter, "cpu": time.thread_time}
+clock = CLOCK["wall"]
+
+
 class CallTimes:
-    """Wraps a callable and keeps the wall-clock duration and start time of every call."""
+    """Wraps a callable and keeps the duration and start time of every call (on `clock`)."""
 
     def __init__(self, fn):
         self.fn, self.seconds, self.starts = fn, [], []
 
     def __call__(self, *args, **kwargs):
-        start = time.perf_counter()
+        start = clock()
         try:
             return self.fn(*args, **kwargs)
         finally:
             self.starts.append(start)
-            self.seconds.append(time.perf_counter() - start)
+            self.seconds.append(clock() - start)
 
 
 class TimedTarget:
@@ -72,6 +86,28 @@ class TimedTarget:
 
     def __getattr__(self, name):
         return getattr(self.target, name)
+
+
+def plain_transformers_steps(model, prompt: list[int], steps: int, temperature: float, generator) -> list[float]:
+    """Decode with the bare transformers model, one token a forward; return the start-to-start
+    seconds of the decoding iterations (sample the token, forward it), as a step is timed."""
+    from transformers import DynamicCache
+
+    forward_params = inspect.signature(model.forward).parameters
+    cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"  # transformers 5.x renamed it
+    cache = DynamicCache(config=model.config)
+    out = model(input_ids=torch.tensor([prompt]), use_cache=True, logits_to_keep=1, **{cache_kwarg: cache})
+    starts = []
+    for _ in range(steps):
+        starts.append(clock())
+        logits = out.logits[:, -1]
+        if temperature == 0:
+            token = logits.argmax(dim=-1)
+        else:
+            token = torch.multinomial(torch.softmax(logits.float() / temperature, dim=-1), 1, generator=generator)[:, 0]
+        out = model(input_ids=token[:, None], use_cache=True, **{cache_kwarg: cache})
+    starts.append(clock())
+    return [b - a for a, b in zip(starts, starts[1:])]
 
 
 PARTS = ("draft backbone", "sequential loop", "verification", "acceptance", "bookkeeping")
@@ -103,7 +139,7 @@ def measure(config, args) -> dict[str, float]:
     # both see the same load on a shared machine. Both are measured start to start: a step
     # runs from one decoding forward of target_generate to the next (forward, sampling,
     # loop), a round from one propose() call to the next.
-    steps, rounds = [], []
+    steps, plain, rounds = [], [], []
     parts: dict[str, list[float]] = {name: [] for name in PARTS}
     chunks = -(-args.rounds // args.chunk)
     for chunk in range(args.warmup + chunks):
@@ -111,6 +147,8 @@ def measure(config, args) -> dict[str, float]:
         target_generate(timed, prompt, max_new_tokens=args.chunk + 2, temperature=args.temperature, generator=generator)
         starts = timed.forward.starts[1:]  # decoding forwards (after the prefill)
         timed_steps = [b - a for a, b in zip(starts, starts[1:])]  # forward + sampling + loop, like a round
+        with torch.inference_mode():
+            plain_steps = plain_transformers_steps(target.model, prompt, args.chunk, args.temperature, generator)
 
         timed = TimedTarget(target)
         propose = CallTimes(drafter.propose)
@@ -127,6 +165,7 @@ def measure(config, args) -> dict[str, float]:
             continue
         n = len(result.rounds) - 1  # rounds with a successor
         steps += timed_steps
+        plain += plain_steps
         rounds += [b - a for a, b in zip(propose.starts, propose.starts[1:])]
         parts["draft backbone"] += [p - s for p, s in zip(propose.seconds[:n], sample_block.seconds)]
         parts["sequential loop"] += sample_block.seconds[:n]
@@ -135,19 +174,25 @@ def measure(config, args) -> dict[str, float]:
         parts["bookkeeping"] += [e + c for e, c in zip(extend.seconds[1:], timed.crop_cache.seconds)]
         if any(r.accepted for r in result.rounds):
             print(f"note: {sum(r.accepted for r in result.rounds)} drafts accepted in chunk {chunk}")
+    return report(steps, plain, rounds, parts)
 
-    step, round_time = statistics.median(steps), statistics.median(rounds)
-    print(f"target-only step (median of {len(steps)}): {ms(step)}")
+
+def report(steps: list[float], plain: list[float], rounds: list[float], parts: dict[str, list[float]]) -> dict:
+    """Print the medians of one dtype's run and the breakdown of a round; return the summary row."""
+    step, round_time, plain_step = statistics.median(steps), statistics.median(rounds), statistics.median(plain)
+    print(f"plain transformers step (median of {len(plain)}): {ms(plain_step)}")
+    print(f"target-only step (median of {len(steps)}): {ms(step)}   ({step / plain_step:.2f} plain steps)")
     print(f"speculative round (median of {len(rounds)}): {ms(round_time)}")
-    print(f"ratio round / step: {round_time / step:.2f}   (speculation pays once τ > {round_time / step:.2f})")
+    print(f"ratio round / step: {round_time / step:.2f}   (speculation pays once τ > {round_time / step:.2f}); "
+          f"round / plain step: {round_time / plain_step:.2f}")
     print("breakdown of a round (medians; acceptance is a mean per run):")
     medians = {name: statistics.median(values) for name, values in parts.items()}
     for name, seconds in medians.items():
         print(f"  {name:16s} {ms(seconds)}  {100 * seconds / round_time:5.1f} %")
     rest = round_time - sum(medians.values())
     print(f"  {'rest':16s} {ms(rest)}  {100 * rest / round_time:5.1f} %  (python, hooks, rounding of medians)")
-    verify = medians["verification"]
-    return {"step": step, "round": round_time, "verify": verify, "draft": medians["draft backbone"] + medians["sequential loop"]}
+    draft = medians["draft backbone"] + medians["sequential loop"]
+    return {"plain": plain_step, "step": step, "round": round_time, "verify": medians["verification"], "draft": draft}
 
 
 def main() -> None:
@@ -157,6 +202,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1, help="chunks run before measuring")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: leave torch's)")
+    parser.add_argument("--clock", choices=sorted(CLOCK), default="wall",
+                        help="wall clock, or this thread's CPU time (robust on a shared machine; use with --threads 1)")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"],
                         help="target and drafter dtypes to measure, one run each")
     parser.add_argument("--prompt-tokens", type=int, default=0,
@@ -166,8 +213,12 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    global clock
+    clock = CLOCK[args.clock]
+    if args.clock == "cpu" and torch.get_num_threads() != 1:
+        print("warning: --clock cpu counts the calling thread only; with more threads it misses the workers' time")
     print(
-        f"torch {torch.__version__}, threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f} "
+        f"torch {torch.__version__}, threads {torch.get_num_threads()}, clock {args.clock}, load average {os.getloadavg()[0]:.1f} "
         f"on {os.cpu_count()} CPUs, native bf16: {cpu_has_native_bf16()}"
     )
     if os.getloadavg()[0] > os.cpu_count():
@@ -182,11 +233,15 @@ def main() -> None:
         results[dtype] = measure(config, args)
 
     print("\n== summary (ratios are what matter; the machine is shared)")
-    print(f"{'dtype':10s} {'step ms':>9s} {'round ms':>9s} {'verify/step':>12s} {'draft/step':>11s} {'round/step':>11s}")
+    print(
+        f"{'dtype':10s} {'plain ms':>9s} {'step ms':>9s} {'round ms':>9s} {'step/plain':>11s} {'verify/step':>12s} "
+        f"{'draft/step':>11s} {'round/step':>11s} {'round/plain':>12s}"
+    )
     for dtype, r in results.items():
         print(
-            f"{dtype:10s} {1e3 * r['step']:9.2f} {1e3 * r['round']:9.2f} {r['verify'] / r['step']:12.2f} "
-            f"{r['draft'] / r['step']:11.2f} {r['round'] / r['step']:11.2f}"
+            f"{dtype:10s} {1e3 * r['plain']:9.2f} {1e3 * r['step']:9.2f} {1e3 * r['round']:9.2f} "
+            f"{r['step'] / r['plain']:11.2f} {r['verify'] / r['step']:12.2f} {r['draft'] / r['step']:11.2f} "
+            f"{r['round'] / r['step']:11.2f} {r['round'] / r['plain']:12.2f}"
         )
 
 

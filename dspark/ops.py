@@ -10,7 +10,7 @@ from torch import Tensor
 _CPU_FP32_FEW_ROWS = 8
 
 
-def vocab_logits(hidden: Tensor, weight: Tensor) -> Tensor:
+def vocab_logits(hidden: Tensor, weight: Tensor, *, contiguous: bool = True) -> Tensor:
     """hidden [..., d] @ weight[V, d]ᵀ -> logits [..., V] (an LM head, no bias).
 
     Same values as ``F.linear(hidden, weight)``, up to summation order. On CPU in
@@ -20,6 +20,11 @@ def vocab_logits(hidden: Tensor, weight: Tensor) -> Tensor:
     against 8 ms on this project's 2-core CPU, `bench/decode_round.py`). One row
     (a GEMV) and many rows (training) are as fast either way, and bfloat16
     (oneDNN) has no such cliff, so those keep ``F.linear``.
+
+    ``contiguous=False`` lets the W·hᵀ form return its transposed view ([..., V] with
+    the rows interleaved in memory) instead of copying it into row-major order: a
+    caller that copies the logits anyway (the drafter's sampling loop makes its own
+    fp32 copy to add the Markov biases to) saves one [rows, V] copy. Same values.
     """
     rows = hidden.numel() // hidden.shape[-1] if hidden.shape[-1] else 0
     if hidden.device.type != "cpu" or hidden.dtype != torch.float32 or weight.dtype != torch.float32:
@@ -31,4 +36,7 @@ def vocab_logits(hidden: Tensor, weight: Tensor) -> Tensor:
     if not 2 <= rows <= _CPU_FP32_FEW_ROWS or weight.data_ptr() % 16 or not weight.is_contiguous():
         return F.linear(hidden, weight)
     flat = hidden.reshape(rows, hidden.shape[-1])
-    return torch.mm(weight, flat.t()).t().contiguous().reshape(*hidden.shape[:-1], weight.shape[0])
+    logits = torch.mm(weight, flat.t()).t()  # [rows, V], column-major
+    if contiguous:
+        logits = logits.contiguous()
+    return logits.reshape(*hidden.shape[:-1], weight.shape[0])  # a view: only leading dims are split

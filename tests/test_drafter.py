@@ -531,3 +531,25 @@ def test_attach_shared_rejects_a_table_of_the_wrong_shape():
     target, drafter = _drafter("llama", randomize=False)
     with pytest.raises(ValueError, match="shape"):
         drafter.attach_shared(torch.zeros(7, target.hidden_size), target.lm_head_weight())
+
+
+@pytest.mark.parametrize("head", ["vanilla", "rnn", None])
+def test_sample_block_takes_column_major_base_logits_without_touching_them(head):
+    """propose() hands sample_block the LM head's transposed W·hᵀ view (no row-major copy):
+    the proposal is the one a row-major copy of the same values gives, bit for bit, and the
+    caller's logits are left as they were (the Markov biases go into sample_block's own copy)."""
+    fields = {"markov_head_type": head} if head else {"markov_rank": 0, "confidence_head_with_markov": False}
+    target, drafter = _drafter("qwen3", **fields)
+    gen = torch.Generator().manual_seed(5)
+    hidden = torch.randn(2, GAMMA, drafter.config.hidden_size, generator=gen)
+    row_major = torch.randn(2, GAMMA, drafter.config.vocab_size, generator=gen)
+    column_major = row_major.transpose(0, 2).contiguous().transpose(0, 2)  # same values, other layout
+    assert not column_major.is_contiguous() and torch.equal(column_major, row_major)
+    kept = column_major.clone()
+    anchors = torch.tensor([1, 2])
+    a = drafter.sample_block(hidden, row_major, anchors, generator=torch.Generator().manual_seed(0))
+    b = drafter.sample_block(hidden, column_major, anchors, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.probs, b.probs) and torch.equal(a.logits, b.logits)
+    assert b.logits.is_contiguous() and torch.equal(column_major, kept)
+    # the biases were added: with a sequential head the returned logits are not the base ones
+    assert torch.equal(b.logits, row_major) == (drafter.markov_head is None)

@@ -95,3 +95,17 @@ def test_auto_device_and_attention_follow_the_hardware(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "3")
     assert runtime.resolve_device("auto") == torch.device("cuda", 3)  # this torchrun rank's GPU
     assert runtime.resolve_device("cuda:1") == torch.device("cuda", 1)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 9])
+def test_vocab_logits_without_the_row_major_copy_has_the_same_values(rows):
+    """contiguous=False may hand back the W·hᵀ product's transposed view (7 rows: the W @ hᵀ
+    branch); the values are those of the row-major result, bit for bit, and of the float64 product."""
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(1000, 48, generator=gen)
+    hidden = torch.randn(1, rows, 48, generator=gen)
+    loose, tight = vocab_logits(hidden, weight, contiguous=False), vocab_logits(hidden, weight)
+    assert loose.shape == tight.shape == (1, rows, 1000) and tight.is_contiguous()
+    assert loose.is_contiguous() == (rows != 7)  # only the few-row branch skips the copy
+    assert torch.equal(loose, tight)
+    torch.testing.assert_close(loose.double(), hidden.double() @ weight.double().T, rtol=1e-5, atol=1e-4)

@@ -209,11 +209,12 @@ class Drafter(nn.Module):
         scale = self.config.embed_scale
         return x * torch.tensor(scale, dtype=x.dtype) if scale != 1.0 else x
 
-    def compute_logits(self, hidden: Tensor, *, full: bool = False) -> Tensor:
+    def compute_logits(self, hidden: Tensor, *, full: bool = False, contiguous: bool = True) -> Tensor:
         """Frozen LM head (+ Gemma soft-capping): U = LMHead(h), [..., k] over the draft vocabulary
-        (k = V without one); ``full`` gives the target's logits over all V ids."""
+        (k = V without one); ``full`` gives the target's logits over all V ids. ``contiguous=False``:
+        see ``dspark.ops.vocab_logits`` (for a caller that copies the logits anyway)."""
         w = self.target_lm_head_weight() if full else self.shared_weights()["lm_head.weight"]
-        logits = vocab_logits(hidden.to(w.dtype), w)
+        logits = vocab_logits(hidden.to(w.dtype), w, contiguous=contiguous)
         cap = self.config.final_logit_softcapping
         return torch.tanh(logits / cap) * cap if cap else logits
 
@@ -358,7 +359,8 @@ class Drafter(nn.Module):
         x = self.embed(self._block_inputs(anchor_tokens.to(device))).to(self.fc.weight.dtype)  # [B, L, d]
         positions = ctx.lengths.unsqueeze(1) + torch.arange(L, device=device)
         hidden = self._predictions(self._run_layers(x, positions, ctx_kv, mask))  # [B, γ, d]
-        base = self.compute_logits(hidden)  # U_1..U_γ, one LM-head matmul (sample_block makes it fp32)
+        # U_1..U_γ, one LM-head matmul; sample_block copies it into its own fp32 row-major buffer
+        base = self.compute_logits(hidden, contiguous=False)
         proposal = self.sample_block(hidden, base, anchor_tokens.to(device), temperature=temperature, generator=generator)
         return self._on_target_vocab(proposal)
 
@@ -390,9 +392,14 @@ class Drafter(nn.Module):
         head = self.markov_head
         state = head.init_state(B, hidden.device, hidden.dtype) if head is not None else None
         # Outputs are written in place, row by row: no per-step [B, V] copies to stack at the end.
-        logits = base_logits.float()  # [B, γ, V]; a new tensor unless base_logits is fp32 already
-        if head is not None and logits is base_logits:
-            logits = logits.clone()  # the biases are added in place: never into the caller's tensor
+        # [B, γ, V] fp32 row-major; a new tensor unless base_logits is that already (one copy
+        # serves both the dtype and the layout of propose()'s column-major LM-head output).
+        logits = base_logits.float()
+        if logits is base_logits and (head is not None or not logits.is_contiguous()):
+            # the biases are added in place: never into the caller's tensor
+            logits = logits.clone(memory_format=torch.contiguous_format)
+        elif not logits.is_contiguous():
+            logits = logits.contiguous()
         probs = torch.empty_like(logits)
         prev_block = torch.empty(B, gamma, dtype=torch.long, device=hidden.device)  # x_{k-1} of slot k
         tokens = torch.empty_like(prev_block)
