@@ -206,9 +206,14 @@ def cmd_export(args: argparse.Namespace) -> int:
         has_tables = bool(drafter.shared_weights())
     except RuntimeError:
         has_tables = False
-    if args.to == "deepspec" and not has_tables:
+    # DeepSpec takes both tables; EAGLE-3 and draft-vocabulary layouts take the LM head (rows).
+    config = drafter.config
+    needs = {"deepspec": "DeepSpec needs them in the folder"}.get(args.to) or (
+        "the EAGLE-3 layout holds the LM head" if config.variant == "eagle3" and args.to in ("vllm", "sglang") else
+        "a draft vocabulary's LM head rows go into the folder" if config.draft_vocab_size and args.to == "vllm" else "")
+    if needs and not has_tables:
         if not args.target:
-            raise ValueError(f"{args.drafter} holds no embedding / LM head and DeepSpec needs them in the folder: "
+            raise ValueError(f"{args.drafter} holds no embedding / LM head and {needs}: "
                              "pass --target (the drafter's target) to take them from it")
         from dspark.target import TargetModel
 

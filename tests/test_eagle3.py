@@ -402,12 +402,3 @@ def test_dspark_propose_shows_eagle3_blocks_along_a_sequence():
         ref = drafter.propose_from_features(feats[:, :5], torch.tensor([seq[5]]), input_ids=torch.tensor([seq[:5]]),
                                             temperature=0.0)
     assert views[0].draft_tokens == ref.tokens[0].tolist() and len(views[1].draft_tokens) == 4
-
-
-def test_export_refuses_an_eagle3_drafter_by_name(tmp_path):
-    from dspark.export import ExportRefused, export_drafter
-
-    drafter = tiny_eagle3(make_tiny_target("qwen3"))
-    for to in ("vllm", "sglang", "deepspec", "zlab"):
-        with pytest.raises(ExportRefused, match="Eagle3"):
-            export_drafter(drafter, tmp_path / to, to)
