@@ -226,7 +226,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from dspark.report import compare_reports, load_report
+    from dspark.compare import compare_reports, load_report, write_comparison
 
     reports = {}
     for path in args.reports:
@@ -244,9 +244,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
         if speed:
             print(f"{what} vs target-only decoding (avg): " + ", ".join(speed))
     if args.out:
-        from pathlib import Path
-
-        Path(args.out).write_text(table + "\n")
+        out, figure = write_comparison(reports, args.out)
+        print(f"\nwrote {out} and its conditional-acceptance figure {figure}")
     return 0
 
 
@@ -348,7 +347,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("compare", help="Table-1-style comparison of several eval reports")
     p.add_argument("reports", nargs="+", help="eval output folders (or report.json files)")
-    p.add_argument("--out", default="", help="also write the table here")
+    p.add_argument("--out", default="", help="also write the markdown here, and the drafters' conditional-acceptance "
+                   "figure next to it (report.md -> report-acceptance.png, linked from it)")
     p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser("curves", help="learning curves (held-out τ vs wall-clock minutes) of training runs")
