@@ -206,9 +206,14 @@ def cmd_export(args: argparse.Namespace) -> int:
         has_tables = bool(drafter.shared_weights())
     except RuntimeError:
         has_tables = False
-    if args.to == "deepspec" and not has_tables:
+    # DeepSpec takes both tables; EAGLE-3 and draft-vocabulary layouts take the LM head (rows).
+    config = drafter.config
+    needs = {"deepspec": "DeepSpec needs them in the folder"}.get(args.to) or (
+        "the EAGLE-3 layout holds the LM head" if config.variant == "eagle3" and args.to in ("vllm", "sglang") else
+        "a draft vocabulary's LM head rows go into the folder" if config.draft_vocab_size and args.to == "vllm" else "")
+    if needs and not has_tables:
         if not args.target:
-            raise ValueError(f"{args.drafter} holds no embedding / LM head and DeepSpec needs them in the folder: "
+            raise ValueError(f"{args.drafter} holds no embedding / LM head and {needs}: "
                              "pass --target (the drafter's target) to take them from it")
         from dspark.target import TargetModel
 
@@ -221,7 +226,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from dspark.report import compare_reports, load_report
+    from dspark.compare import compare_reports, load_report, write_comparison
 
     reports = {}
     for path in args.reports:
@@ -239,9 +244,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
         if speed:
             print(f"{what} vs target-only decoding (avg): " + ", ".join(speed))
     if args.out:
-        from pathlib import Path
-
-        Path(args.out).write_text(table + "\n")
+        out, figure = write_comparison(reports, args.out)
+        print(f"\nwrote {out} and its conditional-acceptance figure {figure}")
     return 0
 
 
@@ -352,7 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("compare", help="Table-1-style comparison of several eval reports")
     p.add_argument("reports", nargs="+", help="eval output folders (or report.json files)")
-    p.add_argument("--out", default="", help="also write the table here")
+    p.add_argument("--out", default="", help="also write the markdown here, and the drafters' conditional-acceptance "
+                   "figure next to it (report.md -> report-acceptance.png, linked from it)")
     p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser("summary", help="the summary of a scripts/demo.sh run folder: README.md in it, a short version printed")

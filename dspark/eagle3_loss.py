@@ -15,8 +15,10 @@ Two conventions (`parity`):
   before the predicted token, with the last valid position's mask cleared, and every step divided
   by all B·S positions, D = B·S (DeepSpec's local_mean); the total is not divided by Σ decay^s.
 
-With a draft vocabulary (`drafter.draft_vocab`) the teacher is restricted to it and renormalised;
-positions whose target argmax lies outside are dropped (`DraftVocab.restrict`).
+With a draft vocabulary (`drafter.vocab`, k ids) the drafter's logits are over the k ids and the
+teacher is restricted to them and renormalised, p_t|k(v) = p_t(v) / Σ_{u in vocab} p_t(u); positions
+whose target argmax (over all V ids) lies outside are dropped from the sums and from the count n_s,
+as EAGLE-3 does (`DraftVocab.restrict`).
 """
 
 from __future__ import annotations
@@ -75,11 +77,11 @@ def teacher_logits(final_hidden: Tensor, lm_head: Tensor, softcap: float | None)
 def _chunk_terms(drafter: Any, h: Tensor, t_hidden: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Per-row (CE, accept, correct, keep) of draft hidden rows h [n, d] against teacher rows [n, d]."""
     with torch.no_grad():
-        w = drafter.shared_weights()["lm_head.weight"]
+        w = drafter.target_lm_head_weight()  # the full [V, d] head: p_t is the target's whole distribution
         p_t = torch.softmax(teacher_logits(t_hidden, w, drafter.config.final_logit_softcapping).float(), -1)
         keep = torch.ones(p_t.shape[0], dtype=torch.bool, device=p_t.device)
-        if drafter.draft_vocab is not None:
-            p_t, keep = drafter.draft_vocab.restrict(p_t)
+        if drafter.vocab is not None:
+            p_t, keep = drafter.vocab.restrict(p_t)
     logp = F.log_softmax(drafter.compute_logits(h).float(), dim=-1)
     ce = -(p_t * logp).sum(-1) * keep
     with torch.no_grad():

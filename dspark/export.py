@@ -26,6 +26,17 @@ A drafter with a draft vocabulary (dspark.modeling.vocab) goes to vLLM only: its
 rows) and `d2t` (draft→target offsets; `t2d` is written too and ignored there). DeepSpec's DSpark
 has no d2t, SGLang's DSPARK and DFLASH and z-lab's DFlash take the target's full LM head: refused.
 
+An Eagle3 drafter goes to vLLM and SGLang as the standard EAGLE-3 layout both load
+(`LlamaForCausalLMEagle3`, :func:`eagle3_serving_config`): a Llama config with `num_hidden_layers` 1,
+weights `fc` [H, 3H] (fixed at 3·H: exactly 3 fused layers), `midlayer.*` (our `layers.0.*`), `norm`,
+`lm_head` [k, H] (the draft vocabulary's rows, or all V), `d2t` / `t2d` with a draft vocabulary,
+`draft_vocab_size`, no embedding (both share the target's). The fused layers in both engines'
+conventions, so one folder serves both: top-level `eagle_aux_hidden_state_layer_ids` = our ids + 1
+(vLLM reads it as written, input-of-layer) and `eagle_config.eagle_aux_hidden_state_layer_ids` = our
+ids (SGLang adds 1). Its layer is Llama's: no q/k norms (so the eagle3_deepspec preset is refused),
+SiLU, no biases, unscaled embeddings, no logit soft-capping. DeepSpec and z-lab have no EAGLE-3
+serving layout: refused.
+
 The RNN head without a bias (the paper's Eq. 6) is written with a zero `joint_proj.bias`, since
 DeepSpec and SGLang build the biased head: the outputs are the same.
 """
@@ -46,11 +57,18 @@ from safetensors.torch import save_file
 from dspark.fsutil import replace_dir
 from dspark.modeling.config import OWN_FIELDS, DrafterConfig
 from dspark.modeling.drafter import SHARED_PARAMS, Drafter
+from dspark.modeling.eagle3 import Eagle3Drafter
 
 DESTINATIONS = ("vllm", "sglang", "deepspec", "zlab")
 SERVE_NAME = "SERVE.md"
 DEEPSPEC_ARCH = {"qwen3": "Qwen3DSparkModel", "gemma4": "Gemma4DSparkModel"}
 DSPARK_HEAD_FIELDS = ("markov_head_type", "confidence_head_with_markov")
+EAGLE3_SERVING_ARCH = "LlamaForCausalLMEagle3"
+EAGLE3_FUSED_LAYERS = 3  # vLLM and SGLang build fc with 3·H inputs
+# Our Eagle3 config.json fields that the serving layout does not carry (DeepSpec's and our own).
+EAGLE3_OWN_FIELDS = ("target_layer_ids", "ttt_length", "step_loss_decay", "draft_num_hidden_layers", "block_size",
+                     "dspark_variant", "eagle3_preset", "target_num_hidden_layers", "mask_token_id", "num_anchors",
+                     "layer_types", "auto_map")
 
 
 @dataclass
@@ -279,6 +297,86 @@ def _check_sps(path: Path) -> None:
 BUILDERS = {"deepspec": _deepspec, "zlab": _zlab, "vllm": _vllm, "sglang": _sglang}
 
 
+# ------------------------------------------------------------------ Eagle3: the standard EAGLE-3 layout
+def _check_eagle3_servable(drafter: Eagle3Drafter, destination: str) -> None:
+    """What LlamaForCausalLMEagle3 can express: one Llama layer over exactly 3 fused layers."""
+    config = drafter.config
+    ids = list(config.target_layer_ids)
+    if len(ids) != EAGLE3_FUSED_LAYERS:
+        _refuse(destination, f"its EAGLE-3 model (LlamaForCausalLMEagle3) fuses exactly {EAGLE3_FUSED_LAYERS} target "
+                             f"layers (fc input fixed at 3·H); this drafter fuses {len(ids)} ({ids}; the eagle3_deepspec "
+                             "preset's 5 are DeepSpec's: train the 'eagle3' preset to serve it)")
+    if drafter.layers[0].self_attn.q_norm is not None:
+        _refuse(destination, "its EAGLE-3 layer is Llama's, without q/k norms; this drafter has q/k norms (the "
+                             "eagle3_deepspec preset: train the 'eagle3' preset to serve it)")
+    base = config.base_config
+    act = base.get("hidden_activation") or base.get("hidden_act") or "silu"
+    reasons = [
+        (act != "silu", f"its activation is {act!r}, Llama's is 'silu'"),
+        (config.embed_scale != 1.0, f"its embeddings are scaled by {config.embed_scale:g} ({config.family})"),
+        (bool(config.final_logit_softcapping), "its logits are soft-capped"),
+        (bool(base.get("attention_bias") or base.get("mlp_bias")), "its layer has biases"),
+    ]
+    for bad, why in reasons:
+        if bad:
+            _refuse(destination, f"its EAGLE-3 layer is a plain Llama layer and {why}")
+
+
+def eagle3_serving_config(config: DrafterConfig) -> dict[str, Any]:
+    """The config.json vLLM and SGLang load as LlamaForCausalLMEagle3 (see the module docstring)."""
+    out = config.to_hf_dict()
+    for key in EAGLE3_OWN_FIELDS:
+        out.pop(key, None)
+    ids = list(config.target_layer_ids)
+    out.update(
+        architectures=[EAGLE3_SERVING_ARCH],
+        model_type="llama",
+        num_hidden_layers=1,
+        tie_word_embeddings=False,
+        target_hidden_size=config.hidden_size,
+        draft_vocab_size=config.output_vocab_size,
+        num_target_layers=config.num_target_layers,  # ours, for the way back (formats.py)
+        eagle_aux_hidden_state_layer_ids=[i + 1 for i in ids],  # vLLM: input-of-layer, read as written
+        eagle_config={"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},  # SGLang adds 1
+    )
+    out.setdefault("head_dim", config.base_config.get("head_dim") or config.hidden_size // int(out["num_attention_heads"]))
+    return out
+
+
+def eagle3_serving_tensors(drafter: Eagle3Drafter) -> dict[str, torch.Tensor]:
+    """fc, midlayer.* (= layers.0.*), norm, lm_head (the k or V rows it drafts over), d2t / t2d."""
+    try:
+        head = drafter.shared_weights()["lm_head.weight"]
+    except RuntimeError:
+        raise ValueError("the EAGLE-3 layout holds the drafter's LM head rows, and the drafter has no LM head: load it "
+                         "with its target (dspark export --target T)") from None
+    state = {name: t.detach().cpu().contiguous().clone() for name, t in drafter.state_dict().items()}
+    out = {("midlayer." + name[len("layers.0."):] if name.startswith("layers.0.") else name): t for name, t in state.items()}
+    out["lm_head.weight"] = head.detach().cpu().contiguous().clone()
+    return out
+
+
+def _eagle3(drafter: Eagle3Drafter, folder: Path, to: str, options: dict) -> Layout:
+    if to not in ("vllm", "sglang"):
+        _refuse(to, f"{to} has no EAGLE-3 serving layout; an Eagle3 drafter goes to vLLM or SGLang (--to vllm|sglang), "
+                    "and its own folder (dspark train output) is DeepSpec's Qwen3Eagle3Model layout for the "
+                    "eagle3_deepspec preset on a Qwen3 target")
+    if options.get("sts") or options.get("sps"):
+        _refuse(to, "--sts/--sps are the files of SGLang's DSPARK confidence scheduling; an Eagle3 drafter has no confidence head")
+    _check_eagle3_servable(drafter, f"{to} (EAGLE-3)")
+    target, gamma = options.get("target") or "TARGET", drafter.config.block_size
+    if to == "vllm":
+        spec = json.dumps({"method": "eagle3", "model": str(folder), "num_speculative_tokens": gamma}, separators=(",", ":"))
+        serve = f"vLLM:\n\n```bash\nvllm serve {target} --speculative-config '{spec}'\n```\n"
+    else:
+        serve = (f"SGLang:\n\n```bash\npython -m sglang.launch_server --model-path {target} \\\n"
+                 f"    --speculative-algorithm EAGLE3 --speculative-draft-model-path {folder} \\\n"
+                 f"    --speculative-num-steps {gamma} --speculative-eagle-topk 1 --speculative-num-draft-tokens {gamma + 1}\n```\n")
+    serve += ("\nThe same folder loads in vLLM and SGLang (both fused-layer fields are written, each in its "
+              "engine's convention); the embedding is the target's.\n")
+    return Layout(eagle3_serving_config(drafter.config), eagle3_serving_tensors(drafter), serve)
+
+
 # ------------------------------------------------------------------ writing
 def export_drafter(
     drafter: Drafter,
@@ -299,12 +397,12 @@ def export_drafter(
         raise ValueError(f"--to {to!r}: choose one of {list(DESTINATIONS)}")
     if (sts or sps) and to != "sglang":
         _refuse(to, "--sts/--sps are the files of SGLang's DSPARK confidence scheduling (use --to sglang)")
-    if drafter.config.variant == "eagle3":  # never written as a DSpark/DFlash layout by mistake
-        _refuse(to, "an Eagle3 drafter: its export layouts (LlamaForCausalLMEagle3 for vLLM / SGLang) are not built "
-                    "yet; its own folder (dspark train output) is DeepSpec's Qwen3Eagle3Model layout for the "
-                    "eagle3_deepspec preset on a Qwen3 target")
     folder = Path(out).resolve()
-    layout = BUILDERS[to](drafter, folder, {"target": target, "sts": sts, "sps": sps})
+    options = {"target": target, "sts": sts, "sps": sps}
+    if drafter.config.variant == "eagle3":  # never written as a DSpark/DFlash layout by mistake
+        layout = _eagle3(drafter, folder, to, options)
+    else:
+        layout = BUILDERS[to](drafter, folder, options)
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
     try:

@@ -2,6 +2,9 @@
 
 - ``plot_acceptance``, ``plot_reliability``   an evaluation report: conditional acceptance
                                               per position (paper Fig. 2), reliability of a_k.
+- ``acceptance_comparison_figure``, ``plot_acceptance_comparison``
+                                              several drafters' conditional acceptance, one
+                                              line each (Fig. 2 of the comparison).
 - ``reliability_diagram``, ``reliability_grid``
                                               reliability diagrams of predictions, and of
                                               a_k = Π_{i≤k} c_i before / after STS per position.
@@ -30,7 +33,9 @@ if TYPE_CHECKING:
     from dspark.sps import SPSProfile
 
 __all__ = [
+    "acceptance_comparison_figure",
     "plot_acceptance",
+    "plot_acceptance_comparison",
     "plot_figure8",
     "plot_frontier",
     "plot_learning_curves",
@@ -85,6 +90,34 @@ def plot_acceptance(report: Mapping[str, Any], path: PathLike) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     _save_png(fig, path)
+
+
+def acceptance_comparison_figure(reports: Mapping[str, Mapping[str, Any]]):
+    """The figure of several drafters' conditional acceptance P(k accepted | 1..k−1 accepted), over
+    all rounds of each report (``report["all"]``), one line per drafter labelled by its name (paper
+    Fig. 2: DFlash's decays with k, Eagle3's stays flat). Reports of different γ share the axes."""
+    fig = _new_figure((5.6, 3.8))
+    ax = fig.add_subplot(1, 1, 1)
+    gamma = 1
+    for label, report in reports.items():
+        ys = np.array([np.nan if y is None else y for y in report["all"]["conditional_acceptance"]], dtype=float)
+        k = np.arange(1, len(ys) + 1)
+        gamma = max(gamma, len(ys))
+        ax.plot(k, ys, marker="o", label=label)
+    ax.set_xticks(np.arange(1, gamma + 1))
+    ax.set_xlim(0.7, gamma + 0.3)
+    ax.set_ylim(0.0, 1.02)
+    ax.set_xlabel("draft position k")
+    ax.set_ylabel("P(k accepted | 1..k−1 accepted)")
+    ax.set_title("Conditional acceptance per position", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return fig
+
+
+def plot_acceptance_comparison(reports: Mapping[str, Mapping[str, Any]], path: PathLike) -> None:
+    """:func:`acceptance_comparison_figure` written to ``path`` (PNG)."""
+    _save_png(acceptance_comparison_figure(reports), path)
 
 
 def plot_reliability(

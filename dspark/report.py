@@ -1,8 +1,9 @@
 """What the recipes report: the numbers, their markdown, and the files they are written to.
 
 - evaluation (``dspark.evaluate``): ``build_report`` turns per-request and per-round
-  records into the report dict; ``report_markdown`` (report.md), ``compare_reports``
-  (Table 1 of several drafters), ``load_report``; ``write_outputs`` writes
+  records into the report dict; ``report_markdown`` (report.md); ``write_outputs`` writes
+  (``compare_reports``, Table 1 of several drafters, and ``load_report`` live in
+  ``dspark.compare`` and are re-exported here)
 
   - ``rounds.jsonl``    one line per draft/verify round: benchmark, request, round,
                         proposed (ℓ), accepted (m), confidences (c_1..c_γ or null),
@@ -39,12 +40,13 @@ from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
 
-from dspark.bootstrap import DEFAULT_RESAMPLES, intervals_overlap
+from dspark.bootstrap import DEFAULT_RESAMPLES
 from dspark.calibration import apply_temperatures, round_arrays, save_sts_report
+from dspark.compare import _compared_numbers, _numbers_table, _table1_columns, compare_reports, load_report
 from dspark.intervals import add_intervals
 from dspark.jsonutil import to_jsonable
 from dspark.markdown import fmt_ci, fmt_number, markdown_table
-from dspark.metrics import DISPLAY_NAMES, DOMAINS, TABLE1_ORDER, domain_of, macro_average, summarize_rounds
+from dspark.metrics import DISPLAY_NAMES, DOMAINS, domain_of, macro_average, summarize_rounds
 from dspark.plots import plot_acceptance, plot_figure8, plot_frontier, plot_reliability, plot_sps, reliability_grid
 
 if TYPE_CHECKING:
@@ -228,91 +230,6 @@ def _sum_phases(timings: Any) -> dict[str, float]:
 # ---------------------------------------------------------------------------
 # The evaluation report as markdown
 # ---------------------------------------------------------------------------
-
-
-def load_report(path: PathLike) -> dict[str, Any]:
-    """A report from ``report.json`` or from the folder that holds it."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / "report.json"
-    with path.open(encoding="utf-8") as f:
-        return json.load(f)
-
-
-def compare_reports(reports: Mapping[str, Mapping[str, Any] | PathLike]) -> str:
-    """Table 1 as markdown: one row per drafter (label -> report, report.json or its folder).
-
-    Columns: the nine benchmarks in the paper's order (plus any other
-    benchmark a report holds), then Math / Code / Chat / Avg (macro averages
-    of τ), each "τ ± half-width" of its 95 % interval when the report has one.
-    A benchmark a report lacks shows "–". Then, when reports hold speedups,
-    their macro averages; and for two drafters or more, one row per pair saying
-    for each compared number whether the two intervals overlap."""
-    loaded = {label: r if isinstance(r, Mapping) else load_report(r) for label, r in reports.items()}
-    columns = _table1_columns(loaded.values())
-    cells = {label: _compared_numbers(report) for label, report in loaded.items()}
-    text = _numbers_table(cells, columns)
-    speed_columns = [c for c in _SPEED_COLUMNS if any(c in numbers for numbers in cells.values())]
-    if speed_columns:
-        text += "\n\nSpeedup vs target-only decoding (macro average over benchmarks):\n\n"
-        text += _numbers_table(cells, speed_columns)
-    if len(loaded) > 1:
-        text += "\n\n" + _overlap_table(cells, columns + speed_columns)
-    return text
-
-
-_SPEED_COLUMNS = ("speedup Avg", "decode speedup Avg")
-
-
-def _table1_columns(reports: Any) -> list[str]:
-    """Table 1's τ columns: the nine benchmarks in the paper's order, any other benchmark, the macro averages."""
-    extra = [n for r in reports for n in r["benchmarks"] if n not in TABLE1_ORDER]
-    return [DISPLAY_NAMES.get(n, n) for n in [*TABLE1_ORDER, *dict.fromkeys(extra)]] + ["Math", "Code", "Chat", "Avg"]
-
-
-def _compared_numbers(report: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
-    """Column name -> (value, [lo, hi] or None) of every number ``compare_reports`` compares."""
-    out = {}
-    taus = {}
-    for name, b in report["benchmarks"].items():
-        if b.get("tau") is not None:
-            taus[name] = b["tau"]
-            out[DISPLAY_NAMES.get(name, name)] = (b["tau"], b.get("tau_ci"))
-    macro = report.get("macro") or {}
-    tau_ci = macro.get("tau_ci") or {}
-    for key, value in macro_average({n: t for n, t in taus.items()}).items():
-        out["Avg" if key == "avg" else key.capitalize()] = (value, tau_ci.get(key))
-    for key, column in zip(("speedup", "decode_speedup"), _SPEED_COLUMNS):
-        value = (macro.get(key) or {}).get("avg")
-        if value is not None and math.isfinite(value):
-            out[column] = (value, (macro.get(f"{key}_ci") or {}).get("avg"))
-    return out
-
-
-def _numbers_table(cells: Mapping[str, Mapping[str, tuple[Any, Any]]], columns: Sequence[str]) -> str:
-    rows = [[label] + [fmt_ci(*numbers.get(c, (None, None))) for c in columns] for label, numbers in cells.items()]
-    return markdown_table(["drafter", *columns], rows)
-
-
-def _overlap_table(cells: Mapping[str, Mapping[str, tuple[Any, Any]]], columns: Sequence[str]) -> str:
-    """One row per pair of drafters: "overlap" or "apart" per compared number ("–" without two
-    intervals; columns with no pair of intervals are left out), and a sentence naming the pairs apart."""
-    words = {True: "overlap", False: "apart", None: "–"}
-    labels = list(cells)
-    pairs = [(a, b) for i, a in enumerate(labels) for b in labels[i + 1:]]
-    verdict = {(a, b, c): intervals_overlap(cells[a].get(c, (None, None))[1], cells[b].get(c, (None, None))[1])
-               for a, b in pairs for c in columns}
-    shown = [c for c in columns if any(verdict[a, b, c] is not None for a, b in pairs)]
-    if not shown:
-        return "No two drafters both carry intervals (reports written before them): overlap is not known."
-    rows = [[f"{a} vs {b}"] + [words[verdict[a, b, c]] for c in shown] for a, b in pairs]
-    apart = [f"{a} vs {b} on {c} ({fmt_ci(*cells[a][c])} vs {fmt_ci(*cells[b][c])})"
-             for a, b in pairs for c in shown if verdict[a, b, c] is False]
-    summary = ("Intervals apart: " + "; ".join(apart) + ".") if apart else "Every compared pair of intervals overlaps."
-    return ("Do the 95 % intervals (bootstrap over requests) overlap? \"apart\": the difference is larger than the "
-            "request-to-request noise; \"overlap\": this check does not separate the two drafters (a conservative "
-            "check: overlapping 95 % intervals can still hide a real difference).\n\n"
-            + markdown_table(["pair", *shown], rows) + "\n\n" + summary)
 
 
 def report_markdown(report: Mapping[str, Any]) -> str:

@@ -320,6 +320,7 @@ def test_eagle3_of_gives_the_reference_recipe_and_standard_layer_ids():
         eagle3_of(dspark, "eagle3")
     smol = load_config(ROOT / "config" / "eagle3" / "eagle3_smollm2_135m.py")
     assert smol.drafter.eagle3_preset == "eagle3" and smol.drafter.target_layer_ids == [1, 14, 26]
+    assert smol.drafter.draft_vocab_size == 16384  # the standard preset's reduced vocabulary
     for name in ("qwen3_4b", "qwen3_8b", "qwen3_14b", "gemma4_12b"):
         c = load_config(ROOT / "config" / "eagle3" / f"eagle3_{name}.py")
         assert c.drafter.variant == "eagle3" and c.drafter.eagle3_preset == "eagle3_deepspec"
@@ -401,52 +402,3 @@ def test_dspark_propose_shows_eagle3_blocks_along_a_sequence():
         ref = drafter.propose_from_features(feats[:, :5], torch.tensor([seq[5]]), input_ids=torch.tensor([seq[:5]]),
                                             temperature=0.0)
     assert views[0].draft_tokens == ref.tokens[0].tolist() and len(views[1].draft_tokens) == 4
-
-
-def test_export_refuses_an_eagle3_drafter_by_name(tmp_path):
-    from dspark.export import ExportRefused, export_drafter
-
-    drafter = tiny_eagle3(make_tiny_target("qwen3"))
-    for to in ("vllm", "sglang", "deepspec", "zlab"):
-        with pytest.raises(ExportRefused, match="Eagle3"):
-            export_drafter(drafter, tmp_path / to, to)
-
-
-class StandInVocab:
-    """The DraftVocab interface the seam relies on (d2t, restrict, to_target, head_weight), over the
-    draft vocabulary `used` (sorted target ids); the shared module replaces it at merge."""
-
-    def __init__(self, used: list[int], vocab_size: int) -> None:
-        self.used = torch.tensor(used)
-        self.d2t = self.used - torch.arange(len(used))
-        self.vocab_size = vocab_size
-
-    def restrict(self, p: torch.Tensor):
-        q = p[..., self.used]
-        return q / q.sum(-1, keepdim=True), torch.isin(p.argmax(-1), self.used)
-
-    def to_target(self, q: torch.Tensor) -> torch.Tensor:
-        return q.new_zeros(*q.shape[:-1], self.vocab_size).index_copy(-1, self.used, q)
-
-    def head_weight(self, w: torch.Tensor) -> torch.Tensor:
-        return w[self.used]
-
-
-def test_the_draft_vocabulary_seam_maps_proposals_and_the_teacher():
-    target = make_tiny_target("qwen3")
-    drafter = tiny_eagle3(target, "eagle3")
-    used = list(range(3, target.vocab_size, 3))
-    drafter.draft_vocab = StandInVocab(used, target.vocab_size)
-    ids = torch.randint(2, target.vocab_size, (2, 12), generator=torch.Generator().manual_seed(10))
-    with torch.no_grad():
-        out = target(ids)
-        prop = drafter.propose_from_features(out.features, ids[:, -1], input_ids=ids, temperature=0.0)
-        outside = torch.ones(target.vocab_size, dtype=torch.bool)
-        outside[used] = False
-        assert set(prop.tokens.flatten().tolist()) <= set(used)
-        assert prop.probs.shape[-1] == target.vocab_size and float(prop.probs[..., outside].abs().max()) == 0
-        assert torch.equal(prop.tokens, prop.logits.argmax(-1)) and bool(torch.isinf(prop.logits[..., outside]).all())
-        loss = eagle3_loss(drafter, drafter(out.features, ids), out.last_hidden, torch.ones_like(ids))
-        teacher_top = (out.last_hidden @ drafter.shared_weights()["lm_head.weight"].T).argmax(-1)  # [B, S]
-        kept = [int(torch.isin(teacher_top[:, s + 1 : 12 - 1], torch.tensor(used)).sum()) for s in range(7)]
-    assert loss.count.tolist() == kept  # positions whose target argmax leaves the draft vocabulary are dropped

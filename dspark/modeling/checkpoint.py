@@ -29,7 +29,14 @@ from dspark.fsutil import replace_dir
 from dspark.modeling.config import DrafterConfig
 from dspark.modeling.drafter import SHARED_PARAMS, Drafter
 from dspark.modeling.eagle3 import Eagle3Drafter
-from dspark.modeling.formats import CONFIG_NAME, parse_config, read_json, resolve_folder
+from dspark.modeling.formats import (
+    CONFIG_NAME,
+    SERVING_EAGLE3_ARCHITECTURE,
+    parse_config,
+    read_json,
+    resolve_folder,
+    serving_eagle3_weight_name,
+)
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -169,6 +176,8 @@ def load_drafter(
     raw = read_json(folder / CONFIG_NAME)
     config = parse_config(raw, str(folder / CONFIG_NAME))
     state = read_weights(folder)
+    if raw.get("architectures") == [SERVING_EAGLE3_ARCHITECTURE]:
+        state = {serving_eagle3_weight_name(name): t for name, t in state.items()}
     config = _with_rnn_bias_of_file(config, raw, state)
     if not config.draft_vocab_size and "d2t" in state and not bool(state["d2t"].any()):
         state.pop("d2t"), state.pop("t2d", None)  # draft_vocab_size = vocab_size: the identity map

@@ -303,6 +303,8 @@ class DrafterConfig:
             eagle3_preset=self.eagle3_preset,
             target_num_hidden_layers=self.num_target_layers,
         )
+        if self.draft_vocab_size:  # vLLM's field, as for DSpark/DFlash
+            out["draft_vocab_size"] = self.draft_vocab_size
         out.update(self.extra)
         return out
 
@@ -313,9 +315,12 @@ class DrafterConfig:
         missing = [k for k in ("model_type", "hidden_size", "vocab_size", "target_layer_ids") if k not in d]
         if missing:
             raise ValueError(f"Eagle3 config.json lacks the fields {missing}")
-        drop = (*_DSPARK_FIELDS, *EAGLE3_FIELDS, *OWN_FIELDS)
+        drop = (*_DSPARK_FIELDS, *EAGLE3_FIELDS, *OWN_FIELDS, "draft_vocab_size")
         base = {k: v for k, v in d.items() if k not in drop}
         ids = list(d["target_layer_ids"])
+        draft_vocab_size = int(d.get("draft_vocab_size", 0) or 0)
+        if draft_vocab_size == int(d["vocab_size"]):  # vLLM's "no reduction" spelling
+            draft_vocab_size = 0
         return cls(
             base_config=base,
             target_layer_ids=ids,
@@ -330,6 +335,7 @@ class DrafterConfig:
             eagle3_preset=str(d.get("eagle3_preset", "eagle3_deepspec")),
             ttt_length=int(d.get("ttt_length", 7)),
             step_loss_decay=float(d.get("step_loss_decay", 0.8)),
+            draft_vocab_size=draft_vocab_size,
         )
 
     @classmethod

@@ -25,24 +25,28 @@ are computed once, when the token that follows the row is known (the anchor for 
 a round costs γ sequential forwards: one over the new rows (its last output gives draft 1), then
 one per further draft. The drafts' own keys/values live only for the round.
 
-Draft vocabulary seam: `draft_vocab` (None = the full vocabulary) is the one place the reduced
-vocabulary enters: `head_weight()` (LM head rows), `to_target_tokens` / `to_target_probs` (what
-propose returns, over the target's ids) and the loss's teacher restriction (dspark.eagle3_loss).
-It is the shared `DraftVocab` object (d2t, t2d, restrict, to_target, head_weight).
+Draft vocabulary (`drafter.draft_vocab_size` = k > 0; dspark.modeling.vocab): the same state and
+methods as the DSpark/DFlash `Drafter` (buffers `d2t` / `t2d`, `vocab`, `set_vocab`, the LM head's k
+rows gathered from the target's frozen head), borrowed from it rather than re-implemented. It enters
+at `head_weight()` (the k rows), `to_target_tokens` / `to_target_probs` / `to_target_logits` (what
+propose returns: target ids, probabilities over all V ids with zeros outside, so verification stays
+lossless) and the loss's teacher, restricted and renormalised by `DraftVocab.restrict` (EAGLE-3's
+rule: positions whose target argmax lies outside are dropped; dspark.eagle3_loss).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dspark.modeling.config import DrafterConfig, resolve_attention_dims
-from dspark.modeling.drafter import Proposal
+from dspark.modeling.drafter import Drafter, Proposal
 from dspark.modeling.layers import GatedMLP, RMSNorm, Rotary, apply_rope, attention
+from dspark.modeling.vocab import DraftVocab
 from dspark.ops import vocab_logits
 from dspark.sampling import sample_categorical
 
@@ -159,7 +163,12 @@ class Eagle3Drafter(nn.Module):
         self.layers = nn.ModuleList([Eagle3Layer(config)])
         self.norm = RMSNorm(d, eps)
         self.rotary = Rotary(config)
-        self.draft_vocab: Any = None  # a DraftVocab (reduced vocabulary) or None (the full vocabulary)
+        if config.draft_vocab_size:
+            # As Drafter: integer buffers (saved as the top-level d2t / t2d tensors vLLM reads), the
+            # first k ids until set_vocab() gives the counted vocabulary.
+            first = DraftVocab(torch.arange(config.draft_vocab_size), config.vocab_size)
+            self.register_buffer("d2t", first.d2t)
+            self.register_buffer("t2d", first.t2d)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -170,54 +179,43 @@ class Eagle3Drafter(nn.Module):
                 if sub.bias is not None:
                     nn.init.zeros_(sub.bias)
 
-    # ----------------------------------------------------------- shared tables
-    def attach_shared(self, embed_weight: Tensor, lm_head_weight: Tensor) -> "Eagle3Drafter":
-        """Share the target's frozen embedding table [V, d] and LM head [V, d] (no copy)."""
-        V, d = self.config.vocab_size, self.config.hidden_size
-        for name, w in (("embedding", embed_weight), ("LM head", lm_head_weight)):
-            if tuple(w.shape) != (V, d):
-                raise ValueError(f"target {name} has shape {tuple(w.shape)}, the drafter config expects {(V, d)}: "
-                                 "the drafter was built for a different target")
-        self._shared = {"embed_tokens.weight": embed_weight.detach(), "lm_head.weight": lm_head_weight.detach()}
-        return self
+    # ------------------------------------------- shared tables, draft vocabulary
+    # The frozen tables and the draft vocabulary are exactly the Drafter's (same buffers, same checks,
+    # the LM head's k rows cached per vocabulary): its methods only read config, d2t/t2d and _shared.
+    attach_shared = Drafter.attach_shared
+    attach_target = Drafter.attach_target
+    shared_weights = Drafter.shared_weights
+    vocab = Drafter.vocab
+    set_vocab = Drafter.set_vocab
+    _draft_head = Drafter._draft_head
+    target_lm_head_weight = Drafter.target_lm_head_weight
 
-    def attach_target(self, target: Any) -> "Eagle3Drafter":
-        return self.attach_shared(target.embed_tokens.weight, target.lm_head_weight())
-
-    def shared_weights(self) -> dict[str, Tensor]:
-        if not self._shared:
-            raise RuntimeError("attach the target's embedding and LM head first (attach_target / attach_shared)")
-        return self._shared
+    @property
+    def draft_vocab(self) -> DraftVocab | None:
+        """The draft vocabulary (None: the full target vocabulary); an alias of `vocab`."""
+        return self.vocab
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]
 
-    # ------------------------------------------------- the draft-vocabulary seam
     def head_weight(self) -> Tensor:
         """LM head rows of the draft vocabulary: [V, d], or [k, d] with a reduced one."""
-        w = self.shared_weights()["lm_head.weight"]
-        return w if self.draft_vocab is None else self.draft_vocab.head_weight(w)
+        return self.shared_weights()["lm_head.weight"]
 
     def to_target_tokens(self, draft_ids: Tensor) -> Tensor:
         """Draft ids -> target ids (target id = draft id + d2t[draft id])."""
-        if self.draft_vocab is None:
-            return draft_ids
-        d2t = self.draft_vocab.d2t.to(draft_ids.device)
-        return draft_ids + d2t[draft_ids]
+        vocab = self.vocab
+        return draft_ids if vocab is None else vocab.to_target_ids(draft_ids)
 
     def to_target_probs(self, probs: Tensor) -> Tensor:
         """[..., k] draft-vocabulary probabilities -> [..., V] (zeros outside the draft vocabulary)."""
-        return probs if self.draft_vocab is None else self.draft_vocab.to_target(probs)
+        vocab = self.vocab
+        return probs if vocab is None else vocab.to_target(probs)
 
     def to_target_logits(self, logits: Tensor) -> Tensor:
         """[..., k] draft-vocabulary logits -> [..., V] (-inf outside the draft vocabulary)."""
-        if self.draft_vocab is None:
-            return logits
-        k = logits.shape[-1]
-        ids = self.to_target_tokens(torch.arange(k, device=logits.device))
-        out = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
-        out[..., ids] = logits
-        return out
+        vocab = self.vocab
+        return logits if vocab is None else vocab.to_target(logits, float("-inf"))
 
     # ------------------------------------------------------------------ pieces
     def embed(self, ids: Tensor) -> Tensor:

@@ -18,8 +18,15 @@ Facts relied on (../shared/INTEROP.md, checked against the golden fixtures of ..
   q/k/v reading 2H and q/k norms, `layers.0.hidden_norm`, `norm`, full-vocabulary `lm_head`, no d2t.
   dspark writes the same fields plus `eagle3_preset` and `block_size` (γ of a drafting round); its
   `Llama…`/`Gemma4Eagle3Model` names are its own. A folder without `eagle3_preset` is DeepSpec's
-  variant. The serving engines' EAGLE-3 layout (`LlamaForCausalLMEagle3`: `midlayer.*`, `d2t`,
-  `eagle_config`) is not read here.
+  variant.
+- **Serving EAGLE-3** (`LlamaForCausalLMEagle3`, what vLLM and SGLang load; `dspark export` writes
+  it): a Llama config with one layer, weights `midlayer.*` (our `layers.0.*`), `fc` [H, 3H], `norm`,
+  `lm_head` [k, H], `d2t` / `t2d`, `draft_vocab_size`; the fused layers as
+  `eagle_config.eagle_aux_hidden_state_layer_ids` (output-of-layer, ours) or else the top-level
+  `eagle_aux_hidden_state_layer_ids` (input-of-layer: ours + 1), and, when neither is there, EAGLE-3's
+  default [1, N/2 − 1, N − 4]. Read as the "eagle3" preset (a Llama layer without q/k norms); the
+  number of target layers is our `num_target_layers` when written, else N = max id + 4 (the default
+  rule's last layer).
 - **Training output folders**: DeepSpec's checkpoint manager writes `step_<N>/` sub-folders and a
   `step_latest` link (the link is read, else the highest N); a dspark run folder holds `drafter/`.
 
@@ -44,14 +51,13 @@ log = logging.getLogger(__name__)
 DEEPSPEC_ARCHITECTURES = ("Qwen3DSparkModel", "Gemma4DSparkModel")
 OWN_ARCHITECTURES = ("LlamaDSparkModel", "Qwen3DFlashModel", "Gemma4DFlashModel", "LlamaDFlashModel")
 EAGLE3_ARCHITECTURES = ("Qwen3Eagle3Model", "LlamaEagle3Model", "Gemma4Eagle3Model")  # the first is DeepSpec's
+SERVING_EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
 ZLAB_ARCHITECTURE = "DFlashDraftModel"
 ZLAB_DFLASH_CONFIG_FIELDS = ("mask_token_id", "target_layer_ids")
-# Fields that name something dspark cannot build: refused by name instead of ignored.
+# Fields that only the serving EAGLE-3 layout has: refused by name in any other layout.
 REFUSED_FIELDS = {
-    "eagle_config": "a serving engine's EAGLE-3 drafter (LlamaForCausalLMEagle3 layout; dspark reads Eagle3 "
-                    f"folders of {list(EAGLE3_ARCHITECTURES)})",
-    "eagle_aux_hidden_state_layer_ids": "a serving engine's EAGLE-3 drafter (LlamaForCausalLMEagle3 layout; "
-                                        f"dspark reads Eagle3 folders of {list(EAGLE3_ARCHITECTURES)})",
+    "eagle_config": f"a serving engine's EAGLE-3 drafter, whose architecture is {SERVING_EAGLE3_ARCHITECTURE}",
+    "eagle_aux_hidden_state_layer_ids": f"a serving engine's EAGLE-3 drafter, whose architecture is {SERVING_EAGLE3_ARCHITECTURE}",
 }
 
 
@@ -99,10 +105,12 @@ def read_json(path: Path) -> dict[str, Any]:
 
 def parse_config(d: dict[str, Any], where: str = CONFIG_NAME) -> DrafterConfig:
     """A `DrafterConfig` from any accepted config.json; errors name the file and the field."""
+    archs = d.get("architectures") or []
+    if archs == [SERVING_EAGLE3_ARCHITECTURE]:
+        return _parse_eagle3(serving_eagle3_as_ours(d, where), where)
     for field, what in REFUSED_FIELDS.items():
         if field in d:
-            raise ValueError(f"{where}: field {field!r} describes {what}; it cannot be loaded")
-    archs = d.get("architectures") or []
+            raise ValueError(f"{where}: field {field!r} describes {what}, not {archs!r}; it cannot be loaded")
     if len(archs) == 1 and archs[0] in EAGLE3_ARCHITECTURES:
         return _parse_eagle3(d, where)
     if "ttt_length" in d:
@@ -145,6 +153,33 @@ def _parse_eagle3(d: dict[str, Any], where: str) -> DrafterConfig:
         raise ValueError(f"{where}: malformed field {e}") from None
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
+
+
+def serving_eagle3_as_ours(d: dict[str, Any], where: str = CONFIG_NAME) -> dict[str, Any]:
+    """A LlamaForCausalLMEagle3 config.json rewritten as our Eagle3 fields (preset "eagle3")."""
+    eagle = d.get("eagle_config") if isinstance(d.get("eagle_config"), dict) else {}
+    if eagle.get("eagle_aux_hidden_state_layer_ids"):
+        ids = [int(i) for i in eagle["eagle_aux_hidden_state_layer_ids"]]  # output-of-layer (SGLang's)
+    elif d.get("eagle_aux_hidden_state_layer_ids"):
+        ids = [int(i) - 1 for i in d["eagle_aux_hidden_state_layer_ids"]]  # input-of-layer (vLLM's)
+    elif "num_target_layers" in d:
+        n = int(d["num_target_layers"])
+        ids = [1, n // 2 - 1, n - 4]  # EAGLE-3's default choice
+    else:
+        raise ValueError(f"{where}: a {SERVING_EAGLE3_ARCHITECTURE} config without eagle_config."
+                         "eagle_aux_hidden_state_layer_ids or num_target_layers: which target layers it fuses is unknown")
+    if int(d.get("num_hidden_layers", 1)) != 1:
+        raise ValueError(f"{where}: num_hidden_layers={d['num_hidden_layers']}: dspark's Eagle3 drafter has exactly one layer")
+    dropped = ("architectures", "eagle_config", "eagle_aux_hidden_state_layer_ids", "target_hidden_size", "num_hidden_layers")
+    out = {k: v for k, v in d.items() if k not in dropped}
+    out.update(architectures=["LlamaEagle3Model"], target_layer_ids=ids, eagle3_preset="eagle3",
+               num_target_layers=int(d.get("num_target_layers", max(ids) + 4)), draft_num_hidden_layers=1)
+    return out
+
+
+def serving_eagle3_weight_name(name: str) -> str:
+    """`midlayer.X` (the serving layout's one layer) -> our `layers.0.X`; other names are ours."""
+    return "layers.0." + name[len("midlayer."):] if name.startswith("midlayer.") else name
 
 
 def _parse_zlab(d: dict[str, Any]) -> DrafterConfig:
