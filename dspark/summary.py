@@ -38,8 +38,10 @@ from dspark.metrics import DISPLAY_NAMES, TABLE1_ORDER
 
 TAU_KEYS = ("tau_pooled", "tau")  # the bootstrap work renames τ pooled over rounds; older reports say "tau"
 DOMAIN_NAMES = {"math": "Math", "code": "Code", "chat": "Chat", "avg": "Avg"}
-STAGE_NAMES = {"data": "answers, rendering, fp8 feature cache", "profile-sps": "SPS profile of the target",
-               "calibrate": "STS calibration", "simulate": "serving simulation"}
+STAGE_NAMES = {"data": "answers, rendering, fp8 feature cache", "vocab": "draft vocabulary (dspark vocab)",
+               "profile-sps": "SPS profile of the target", "calibrate": "STS calibration",
+               "simulate": "serving simulation"}
+STAGE_PREFIXES = {"train-": "training", "eval-": "evaluation", "sched-": "scheduled evaluation"}
 
 
 # ---------------------------------------------------------------------------
@@ -156,6 +158,22 @@ def metric(container: Mapping[str, Any] | None, keys: str | Sequence[str], sub: 
 # ---------------------------------------------------------------------------
 # Sections
 # ---------------------------------------------------------------------------
+
+
+def _stage_name(stage: str) -> str:
+    if stage in STAGE_NAMES:
+        return STAGE_NAMES[stage]
+    return next((what for prefix, what in STAGE_PREFIXES.items() if stage.startswith(prefix)), "")
+
+
+def _drafters_trained(run: Mapping[str, Any]) -> str:
+    """"a DSpark, a DFlash and an Eagle3 drafter" from the training runs found (their variants)."""
+    shown = {"dspark": "a DSpark", "dflash": "a DFlash", "eagle3": "an Eagle3"}
+    names = [shown.get(str(t.get("variant")), f"a {t.get('variant')}")
+             for _, t in sorted(run["training"].items(), key=lambda kv: _drafter_order(kv[0]))]
+    if not names:
+        return "drafters"
+    return (", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else names[0]) + " drafter"
 
 
 def _link(run: Mapping[str, Any], rel: str, text: str | None = None) -> str:
@@ -375,7 +393,7 @@ def timings_section(run: Mapping[str, Any]) -> str:
     timings = run["timings"]
     if not timings:
         return "No timings.json found."
-    rows = [[stage, STAGE_NAMES.get(stage, ""), fmt_number(float(s) / 60, 1)] for stage, s in timings.items()]
+    rows = [[stage, _stage_name(stage), fmt_number(float(s) / 60, 1)] for stage, s in timings.items()]
     rows.append(["**total**", "", fmt_number(sum(float(s) for s in timings.values()) / 60, 1)])
     return markdown_table(["stage", "", "minutes"], rows) + "\n\nTimes of the stages run in this folder (a resumed " \
         "stage counts its last, completing run only)."
@@ -414,7 +432,7 @@ def summary_markdown(run: Mapping[str, Any]) -> str:
     """The run's README.md: the sections above, with the plots linked relative to the run folder."""
     parts = [
         f"# dspark demo: {run['dir'].name}", "",
-        "SmolLM2-135M-Instruct as the target; a DSpark and a DFlash drafter trained with the same budget, "
+        f"SmolLM2-135M-Instruct as the target; {_drafters_trained(run)} trained with the same budget, "
         "evaluated against target-only decoding, calibrated, and served under verification policies.",
         "", "## 1. What was trained", "", training_section(run),
         "", f"Learning curves: {_link(run, 'curves.png')}.",

@@ -61,7 +61,7 @@ case "$MODE" in
   *)
     EPOCHS=1.25; CAP_MIN=10
     SAMPLES=4; MAXNEW=32; SCHED_SAMPLES=2; SCHED_MAXNEW=32
-    SPS_B=1,2,4,8,16,32,64,128; SPS_REPEATS=3; SIM_R=1,4,16 ;;
+    SPS_B=1,2,4,8,16,32,64,128; SPS_REPEATS=3; SIM_R=1,4 ;;
 esac
 DATA="$OUT/data"
 DS=config/dspark/dspark_smollm2_135m.py

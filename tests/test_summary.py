@@ -151,3 +151,13 @@ def test_the_summary_command_prints_the_short_text_and_names_a_missing_folder(ru
     assert "summary with the plots linked" in capsys.readouterr().out
     assert main(["summary", str(tmp_path / "nowhere")]) == 2
     assert "no such run folder" in capsys.readouterr().err
+
+
+def test_the_headline_names_the_trained_drafters_and_stages_get_a_description():
+    from dspark.summary import _drafters_trained, _stage_name
+
+    run = {"training": {"dflash_x": {"variant": "dflash"}, "dspark_x": {"variant": "dspark"}, "eagle3_x": {"variant": "eagle3"}}}
+    assert _drafters_trained(run) == "a DSpark, a DFlash and an Eagle3 drafter"
+    assert _drafters_trained({"training": {}}) == "drafters"
+    assert _stage_name("train-eagle3_x") == "training" and _stage_name("sched-algorithm1+skip-R1") == "scheduled evaluation"
+    assert _stage_name("vocab").startswith("draft vocabulary") and _stage_name("other") == ""
