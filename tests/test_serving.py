@@ -25,6 +25,16 @@ from dspark.report import write_results
 from dspark.serving import Job, Policy, job_seed, make_policy, run_requests, simulate
 from test_decoding import chi_square_pvalue, exact_joint, random_drafter
 
+
+def joint_counts(sim, V: int, n: int = 3) -> torch.Tensor:
+    """Counts [V]*n of the first n tokens of the simulation's finished requests."""
+    counts = torch.zeros((V,) * n)
+    for request in sim.requests:
+        if request["finished"]:
+            counts[tuple(request["result"].tokens[:n])] += 1
+    return counts
+
+
 PROMPTS = ([3, 17, 42, 5, 99], [7], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22])
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # A decaying cost curve: SPS(B) = 100 / B^0.6, so Algorithm 1 admits more drafts when fewer requests compete.
@@ -181,10 +191,7 @@ def test_sampled_serving_keeps_the_targets_distribution(policy):
     # Requests live up to three rounds, so async's capacity from two steps back is often > 0.
     sim = simulate(target, drafter, [prompt], concurrency=4, policy=policy, sps=DECAYING, max_new_tokens=4,
                    temperature=1.0, seed=5, num_requests=800)
-    counts = torch.zeros(V, V, V)
-    for request in sim.requests:
-        if request["finished"]:
-            counts[tuple(request["result"].tokens[:3])] += 1
+    counts = joint_counts(sim, V)
     lengths = np.bincount([r["proposed"] for r in sim.rounds], minlength=3)
     assert counts.sum() >= 800 and (lengths > 100).all()  # a few more finish in the last step
     exact = exact_joint(target, prompt, 3, 1.0)

@@ -19,7 +19,7 @@ from dspark.scheduler import SPSTable
 from dspark.serving import simulate
 from dspark.skipping import DraftSkipper, block_pays, expected_survival
 from test_decoding import chi_square_pvalue, exact_joint, random_drafter
-from test_serving import PROMPTS, greedy, scripted
+from test_serving import PROMPTS, greedy, joint_counts, scripted
 
 SPS = SPSTable([1, 2, 4, 8], [100.0, 90.0, 80.0, 50.0], 8)  # T(1) = 10 ms, SPS(3) = 85, SPS(5) = 72.5
 DECAYING = SPSTable(list(range(1, 65)), [100.0 / b**0.6 for b in range(1, 65)], 64)
@@ -159,10 +159,7 @@ def test_sampled_serving_with_skips_keeps_the_targets_distribution():
     policy = skip_policy(DECAYING, draft_time_s=0.0035, window=1, max_backoff=1)
     sim = simulate(target, drafter, [prompt], concurrency=4, policy=policy, sps=DECAYING, max_new_tokens=4,
                    temperature=1.0, seed=5, num_requests=800)
-    counts = torch.zeros(V, V, V)
-    for request in sim.requests:
-        if request["finished"]:
-            counts[tuple(request["result"].tokens[:3])] += 1
+    counts = joint_counts(sim, V)
     skipped = sum(1 for r in sim.rounds if not r["drafted"])
     assert counts.sum() >= 800 and skipped > 150 and len(sim.rounds) - skipped > 150
     exact = exact_joint(target, prompt, 3, 1.0)

@@ -35,7 +35,7 @@ from dspark.sampling import sample_categorical
 from dspark.modeling.config import DrafterConfig
 from dspark.modeling.heads import ConfidenceHead, MarkovHead, build_sequential_head
 from dspark.modeling.layers import DraftLayer, Rotary, RMSNorm
-from dspark.modeling.vocab import DraftVocab
+from dspark.modeling.vocab import DraftVocab, register_vocab_buffers
 from dspark.ops import vocab_logits
 
 SHARED_PARAMS = ("embed_tokens.weight", "lm_head.weight")
@@ -73,6 +73,18 @@ class Proposal:
     confidences: Tensor | None  # fp32 [B, γ], c_k (not cumulative)
 
 
+
+def init_linears(modules, config) -> float:
+    """N(0, initializer_range) weights and zero biases for the nn.Linear among ``modules``; returns the std."""
+    std = float(config.base_config.get("initializer_range", 0.02))
+    for sub in modules:
+        if isinstance(sub, nn.Linear):
+            nn.init.normal_(sub.weight, std=std)
+            if sub.bias is not None:
+                nn.init.zeros_(sub.bias)
+    return std
+
+
 class Drafter(nn.Module):
     def __init__(self, config: DrafterConfig) -> None:
         super().__init__()
@@ -98,23 +110,12 @@ class Drafter(nn.Module):
         if config.has_confidence_head:
             in_dim = d + (config.markov_rank if config.confidence_head_with_markov else 0)
             self.confidence_head = ConfidenceHead(in_dim)
-        if config.draft_vocab_size:
-            # The draft vocabulary as state (saved as the top-level `d2t` / `t2d` tensors vLLM reads);
-            # the first k ids until set_vocab() gives the counted one. Integer buffers: `.to(dtype)`
-            # leaves them alone and no optimizer sees them.
-            first = DraftVocab(torch.arange(config.draft_vocab_size), V)
-            self.register_buffer("d2t", first.d2t)
-            self.register_buffer("t2d", first.t2d)
+        register_vocab_buffers(self, config.draft_vocab_size, V)
         self.reset_parameters()
 
     # ------------------------------------------------------------------ setup
     def reset_parameters(self) -> None:
-        std = float(self.config.base_config.get("initializer_range", 0.02))
-        for sub in [self.fc, *self.layers.modules()]:
-            if isinstance(sub, nn.Linear):
-                nn.init.normal_(sub.weight, std=std)
-                if sub.bias is not None:
-                    nn.init.zeros_(sub.bias)
+        std = init_linears([self.fc, *self.layers.modules()], self.config)
         if self.confidence_head is not None:
             nn.init.normal_(self.confidence_head.proj.weight, std=std)
             nn.init.zeros_(self.confidence_head.proj.bias)

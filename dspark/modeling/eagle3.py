@@ -44,9 +44,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dspark.modeling.config import DrafterConfig, resolve_attention_dims
-from dspark.modeling.drafter import Drafter, Proposal
+from dspark.modeling.drafter import Drafter, Proposal, init_linears
 from dspark.modeling.layers import GatedMLP, RMSNorm, Rotary, apply_rope, attention
-from dspark.modeling.vocab import DraftVocab
+from dspark.modeling.vocab import DraftVocab, register_vocab_buffers
 from dspark.ops import vocab_logits
 from dspark.sampling import sample_categorical
 
@@ -163,21 +163,11 @@ class Eagle3Drafter(nn.Module):
         self.layers = nn.ModuleList([Eagle3Layer(config)])
         self.norm = RMSNorm(d, eps)
         self.rotary = Rotary(config)
-        if config.draft_vocab_size:
-            # As Drafter: integer buffers (saved as the top-level d2t / t2d tensors vLLM reads), the
-            # first k ids until set_vocab() gives the counted vocabulary.
-            first = DraftVocab(torch.arange(config.draft_vocab_size), config.vocab_size)
-            self.register_buffer("d2t", first.d2t)
-            self.register_buffer("t2d", first.t2d)
+        register_vocab_buffers(self, config.draft_vocab_size, config.vocab_size)  # as Drafter
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        std = float(self.config.base_config.get("initializer_range", 0.02))
-        for sub in [self.fc, *self.layers.modules()]:
-            if isinstance(sub, nn.Linear):
-                nn.init.normal_(sub.weight, std=std)
-                if sub.bias is not None:
-                    nn.init.zeros_(sub.bias)
+        init_linears([self.fc, *self.layers.modules()], self.config)
 
     # ------------------------------------------- shared tables, draft vocabulary
     # The frozen tables and the draft vocabulary are exactly the Drafter's (same buffers, same checks,

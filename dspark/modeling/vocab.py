@@ -220,3 +220,13 @@ class DraftVocab:
 
     def __repr__(self) -> str:
         return f"DraftVocab(k={self.size}, V={self.vocab_size})"
+
+
+def register_vocab_buffers(module: torch.nn.Module, draft_vocab_size: int, vocab_size: int) -> None:
+    """The draft vocabulary as a drafter's state: integer buffers ``d2t`` / ``t2d`` (saved as the
+    top-level tensors vLLM reads; ``.to(dtype)`` leaves them alone and no optimizer sees them),
+    holding the first k ids until ``set_vocab()`` gives the counted vocabulary. k = 0: none."""
+    if draft_vocab_size:
+        first = DraftVocab(torch.arange(draft_vocab_size), vocab_size)
+        module.register_buffer("d2t", first.d2t)
+        module.register_buffer("t2d", first.t2d)
