@@ -91,6 +91,17 @@ class TimedTarget:
 def plain_transformers_steps(model, prompt: list[int], steps: int, temperature: float, generator) -> list[float]:
     """Decode with the bare transformers model, one token a forward; return the start-to-start
     seconds of the decoding iterations (sample the token, forward it), as a step is timed."""
+    # transformers' own attention too (TargetModel loads "sdpa" on CPU as dspark.attention's sdpa_gqa,
+    # which only differs for several query tokens: the same numbers for these one-token steps).
+    own = model.config._attn_implementation
+    model.set_attn_implementation("sdpa")
+    try:
+        return _plain_steps(model, prompt, steps, temperature, generator)
+    finally:
+        model.set_attn_implementation(own)
+
+
+def _plain_steps(model, prompt: list[int], steps: int, temperature: float, generator) -> list[float]:
     from transformers import DynamicCache
 
     forward_params = inspect.signature(model.forward).parameters

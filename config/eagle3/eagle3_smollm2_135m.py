@@ -10,11 +10,9 @@ Run:
     dspark train --config config/eagle3/eagle3_smollm2_135m.py
 """
 
-import dataclasses
 from pathlib import Path
 
 from dspark.config import eagle3_of, load_config
 
 config = eagle3_of(load_config(Path(__file__).parents[1] / "dspark" / "dspark_smollm2_135m.py"), "eagle3",
-                   num_target_layers=30)
-config = dataclasses.replace(config, drafter=dataclasses.replace(config.drafter, draft_vocab_size=16384))
+                   num_target_layers=30)  # keeps the DSpark config's draft_vocab_size = 16,384
