@@ -245,11 +245,14 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_compare(args: argparse.Namespace) -> int:
     from dspark.compare import compare_reports, load_report, write_comparison
 
-    reports = {}
+    reports, folders = {}, {}
     for path in args.reports:
         rep = load_report(path)
-        reports[rep.get("label") or str(path)] = rep
-    table = compare_reports(reports)
+        label = rep.get("label") or str(path)
+        if label in reports:  # two reports of one label (e.g. the same drafter at two settings): keep both
+            label = str(path)
+        reports[label], folders[label] = rep, path
+    table = compare_reports(reports, folders)
     print(table)
     for key, what in (("speedup", "wall-clock speedup"), ("decode_speedup", "decode-only speedup (no prefill)")):
         speed = []
@@ -261,7 +264,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         if speed:
             print(f"{what} vs target-only decoding (avg): " + ", ".join(speed))
     if args.out:
-        out, figure = write_comparison(reports, args.out)
+        out, figure = write_comparison(reports, args.out, folders)
         print(f"\nwrote {out} and its conditional-acceptance figure {figure}")
     return 0
 

@@ -4,6 +4,8 @@ gain of each drafter over each other, and their conditional-acceptance curves in
 - ``compare_reports``   Table 1 as markdown, one row per drafter (τ per benchmark, Math / Code /
                         Chat / Avg macro averages, "τ ± half-width" of the 95 % intervals), the
                         speedups, which pairs' intervals overlap, and the gains below.
+- ``paired_markdown``   for reports of the same requests (the folders `dspark eval` wrote), each
+                        pair's speedup and τ ratios with paired intervals (``dspark.paired``).
 - ``macro_gains``       gain of a over b = Avg_a / Avg_b − 1, Avg the macro-average τ (the mean
                         over the benchmarks, Table 1's Avg column): the paper's "+16 % over
                         DFlash" is this number for DSpark over DFlash.
@@ -22,6 +24,7 @@ from typing import Any, Union
 from dspark.bootstrap import intervals_overlap
 from dspark.markdown import fmt_ci, markdown_table
 from dspark.metrics import DISPLAY_NAMES, TABLE1_ORDER, macro_average
+from dspark.paired import paired_ratio, verdict
 
 PathLike = Union[str, os.PathLike]
 
@@ -35,7 +38,8 @@ def load_report(path: PathLike) -> dict[str, Any]:
         return json.load(f)
 
 
-def compare_reports(reports: Mapping[str, Mapping[str, Any] | PathLike]) -> str:
+def compare_reports(reports: Mapping[str, Mapping[str, Any] | PathLike],
+                    folders: Mapping[str, PathLike] | None = None) -> str:
     """Table 1 as markdown: one row per drafter (label -> report, report.json or its folder).
 
     Columns: the nine benchmarks in the paper's order (plus any other
@@ -44,8 +48,12 @@ def compare_reports(reports: Mapping[str, Mapping[str, Any] | PathLike]) -> str:
     A benchmark a report lacks shows "–". Then, for two drafters or more, the macro-average gain
     of each over each other (`gains_markdown`); when reports hold speedups,
     their macro averages; and for two drafters or more, one row per pair saying
-    for each compared number whether the two intervals overlap."""
+    for each compared number whether the two intervals overlap, then the paired
+    ratios of the pairs that share requests (``paired_markdown``; ``folders``:
+    label -> the report's folder, default the reports given as paths)."""
     loaded = {label: r if isinstance(r, Mapping) else load_report(r) for label, r in reports.items()}
+    if folders is None:
+        folders = {label: r for label, r in reports.items() if not isinstance(r, Mapping)}
     columns = _table1_columns(loaded.values())
     cells = {label: _compared_numbers(report) for label, report in loaded.items()}
     text = _numbers_table(cells, columns)
@@ -58,6 +66,9 @@ def compare_reports(reports: Mapping[str, Mapping[str, Any] | PathLike]) -> str:
         text += _numbers_table(cells, speed_columns)
     if len(loaded) > 1:
         text += "\n\n" + _overlap_table(cells, columns + speed_columns)
+    paired = paired_markdown(folders)
+    if paired:
+        text += "\n\n" + paired
     return text
 
 
@@ -115,6 +126,34 @@ def _overlap_table(cells: Mapping[str, Mapping[str, tuple[Any, Any]]], columns: 
             + markdown_table(["pair", *shown], rows) + "\n\n" + summary)
 
 
+def paired_markdown(folders: Mapping[str, PathLike]) -> str:
+    """One line per pair of evaluation folders that share requests: the ratio of the first's pooled
+    speedup (against its own target-only decodes) to the second's, and of their τ, each with the 95 %
+    interval of a bootstrap that resamples the common requests jointly (``dspark.paired``), and
+    whether it excludes 1. '' when no pair shares requests (or the folders lack their request logs)."""
+    labels = list(folders)
+    lines = []
+    for i, a in enumerate(labels):
+        for b in labels[i + 1:]:
+            try:
+                p = paired_ratio(folders[a], folders[b])
+            except (OSError, ValueError, KeyError):  # no request logs, or no common requests: nothing to pair
+                continue
+            speed = "–" if p.speedup is None else f"{_fmt_interval(p.speedup)} ({verdict(p.speedup)})"
+            tau = "–" if p.tau is None else f"{_fmt_interval(p.tau)} ({verdict(p.tau)})"
+            lines.append(f"- {a} / {b}: speedup ratio {speed}, τ ratio {tau}; {p.common} common requests")
+    if not lines:
+        return ""
+    return ("Paired ratios over the requests both reports decoded (pooled over benchmarks; each speedup against "
+            "its own target-only decodes; 95 % interval of a bootstrap that draws the same requests for both, "
+            "within each benchmark): an interval that excludes 1 separates the two even where their own "
+            "intervals overlap.\n\n" + "\n".join(lines))
+
+
+def _fmt_interval(interval: Any) -> str:
+    return f"{interval.estimate:.3f} [{interval.lo:.3f}, {interval.hi:.3f}]"
+
+
 # ------------------------------------------------------------------ gains and the figure
 def macro_gains(reports: Mapping[str, Mapping[str, Any]]) -> dict[tuple[str, str], float]:
     """(a, b) -> Avg_a / Avg_b − 1 for every ordered pair of drafters with a macro-average τ."""
@@ -148,17 +187,20 @@ def acceptance_path(out: PathLike) -> Path:
     return out.with_name(f"{out.stem}-acceptance.png")
 
 
-def write_comparison(reports: Mapping[str, Mapping[str, Any] | PathLike], out: PathLike) -> tuple[Path, Path]:
+def write_comparison(reports: Mapping[str, Mapping[str, Any] | PathLike], out: PathLike,
+                     folders: Mapping[str, PathLike] | None = None) -> tuple[Path, Path]:
     """Write the comparison markdown to ``out`` and the conditional-acceptance figure next to it
     (linked from the markdown); returns (markdown path, figure path)."""
     from dspark.plots import plot_acceptance_comparison
 
+    if folders is None:
+        folders = {label: r for label, r in reports.items() if not isinstance(r, Mapping)}
     loaded = {label: r if isinstance(r, Mapping) else load_report(r) for label, r in reports.items()}
     out = Path(out)
     figure = acceptance_path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     plot_acceptance_comparison(loaded, figure)
-    text = compare_reports(loaded)
+    text = compare_reports(loaded, folders)
     text += ("\n\nConditional acceptance per draft position, all rounds of every benchmark (paper Fig. 2):\n\n"
              f"![conditional acceptance]({figure.name})\n")
     out.write_text(text)

@@ -325,16 +325,82 @@ def _round_costs(report: Mapping[str, Any]) -> dict[str, float | None]:
             "verify_steps": float(phases.get("verify", math.nan)) / rounds / step}
 
 
+def _policy_order(run: Mapping[str, Any]) -> Any:
+    """Sort key of (policy, R): the demo's policy order, then the name, then R."""
+    order = {p: i for i, p in enumerate((run["demo"].get("schedule") or {}).get("policies", []))}
+    return lambda k: (order.get(k[0], len(order)), k[0], k[1])
+
+
 def sched_rows(run: Mapping[str, Any]) -> list[dict[str, Any]]:
     """One row per policy and R of the demo's scheduling concurrencies (default 1 and 4), in the
     demo's policy order: the scheduled evaluations and the simulator's results of those R."""
-    schedule = run["demo"].get("schedule") or {}
-    order = {p: i for i, p in enumerate(schedule.get("policies", []))}
-    wanted = set(schedule.get("concurrencies") or (1, 4))
+    wanted = set((run["demo"].get("schedule") or {}).get("concurrencies") or (1, 4))
     simulated = _simulated(run)
     keys = set(run["sched"]) | {k for k in simulated if k[1] in wanted}
-    keys = sorted(keys, key=lambda k: (order.get(k[0], len(order)), k[0], k[1]))
+    keys = sorted(keys, key=_policy_order(run))
     return [sched_row(run, p, r, run["sched"].get((p, r)), simulated.get((p, r))) for p, r in keys]
+
+
+PAIRED_BASELINE = "static"  # the paper's fixed γ: every other policy is compared with it
+
+
+def paired_rows(run: Mapping[str, Any], baseline: str = PAIRED_BASELINE) -> list[dict[str, Any]]:
+    """For every other policy with a scheduled evaluation at R = 1: its speedup and τ over the
+    baseline's on the same requests (``dspark.paired.paired_ratio``, each speedup against its own
+    target-only decodes), as {policy, paired: PairedRatio or None, error: why not or None}.
+    Empty without the baseline's evaluation."""
+    from dspark.paired import paired_ratio
+
+    if (baseline, 1) not in run["sched"]:
+        return []
+    folder = run["dir"] / "sched"
+    rows = []
+    for policy, _ in sorted((k for k in run["sched"] if k[1] == 1 and k[0] != baseline), key=_policy_order(run)):
+        try:
+            paired, error = paired_ratio(folder / f"{policy}-R1", folder / f"{baseline}-R1"), None
+        except (OSError, ValueError, KeyError, TypeError) as e:  # a stage still running, an older folder
+            paired, error = None, str(e)
+        rows.append({"policy": policy, "paired": paired, "error": error})
+    return rows
+
+
+def _fmt_ratio(interval: Any) -> tuple[str, str]:
+    """("1.04 ± 0.04", "[1.01, 1.08]") of an Interval, "–" without one."""
+    if interval is None:
+        return "–", "–"
+    return fmt_ci(interval.estimate, [interval.lo, interval.hi]), f"[{interval.lo:.2f}, {interval.hi:.2f}]"
+
+
+def _paired_verdict(interval: Any, baseline: str) -> str:
+    from dspark.paired import verdict
+
+    words = {"above 1": f"above {baseline} beyond the interval", "below 1": f"below {baseline} beyond the interval",
+             "includes 1": "not separated (the interval includes 1)"}
+    return words.get(verdict(interval), "–")
+
+
+def paired_section(run: Mapping[str, Any], baseline: str = PAIRED_BASELINE) -> str:
+    """The short table "speedup vs static (paired)" under the scheduling table ('' without rows)."""
+    rows = paired_rows(run, baseline)
+    if not rows:
+        return ""
+    cells = []
+    for x in rows:
+        p = x["paired"]
+        if p is None:
+            cells.append([x["policy"], "–", "–", "–", f"not computed: {x['error']}", "–"])
+            continue
+        speed, speed_ci = _fmt_ratio(p.speedup)
+        cells.append([x["policy"], speed, speed_ci, _fmt_ratio(p.tau)[0], _paired_verdict(p.speedup, baseline),
+                      str(p.common)])
+    header = ["policy (R = 1)", f"speedup vs {baseline} (paired)", "95 % interval", f"τ vs {baseline} (paired)",
+              "speedup verdict", "common requests"]
+    note = (f"Speedup vs {baseline} (paired): the policy's wall-clock speedup over {baseline}'s, each against its "
+            "own target-only decodes, pooled over the requests both evaluated; its 95 % interval resamples those "
+            "requests jointly (the same draws for both policies, within each benchmark, "
+            "`eval.bootstrap_resamples`), so the request-to-request variation both policies share cancels. An "
+            "interval that excludes 1 separates the two policies even where their own intervals above overlap.")
+    return "\n".join([markdown_table(header, cells), "", note])
 
 
 def sched_section(run: Mapping[str, Any]) -> str:
@@ -360,7 +426,8 @@ def sched_section(run: Mapping[str, Any]) -> str:
         "decoding; the serving loop verifies each request on its own, so its wall clock says nothing about "
         "batching and only the SPS clock measures R > 1. Rows without a scheduled evaluation (R > 1) show the "
         "simulator's τ and mean ℓ.")
-    return "\n".join([markdown_table(header, cells), "", note])
+    paired = paired_section(run)
+    return "\n".join([markdown_table(header, cells), "", note] + (["", paired] if paired else []))
 
 
 def simulate_section(run: Mapping[str, Any]) -> str:
@@ -468,6 +535,11 @@ def summary_short(run: Mapping[str, Any]) -> str:
                      f", draft/round {fmt_number(x['draft_steps'])} steps")
     if run["sched"] or run["simulate"]:
         lines.append("(R = 1: wall clock of dspark eval --scheduler; R > 1: the simulator's SPS clock)")
+    for x in paired_rows(run):
+        if x["paired"] is not None:
+            speed, speed_ci = _fmt_ratio(x["paired"].speedup)
+            lines.append(f"{x['policy']:>12} / {PAIRED_BASELINE} (paired, R=1): speedup ratio {speed} {speed_ci}, "
+                         f"{_paired_verdict(x['paired'].speedup, PAIRED_BASELINE)}; τ ratio {_fmt_ratio(x['paired'].tau)[0]}")
     if run["timings"]:
         lines.append("minutes per stage: " + ", ".join(f"{k} {float(v) / 60:.1f}" for k, v in run["timings"].items())
                      + f"; total {sum(float(v) for v in run['timings'].values()) / 60:.1f}")
