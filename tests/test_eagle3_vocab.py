@@ -183,10 +183,15 @@ def test_dspark_vocab_then_dspark_train_uses_the_written_vocabulary(tmp_path, mo
     target = make_tiny_target("llama")
     monkeypatch.setattr(dspark.runtime, "load_target", lambda config, layer_ids=None: target)
     config, out_dir = _route_config(tmp_path, target, variant)
-    assert main(["train", "--config", str(config)]) == 2  # no vocabulary file yet: refused, naming the fix
     assert main(["vocab", "--config", str(config)]) == 0
-    written = DraftVocab.load(tmp_path / "data" / "draft_vocab_40.safetensors")
+    path = tmp_path / "data" / "draft_vocab_40.safetensors"
+    written = DraftVocab.load(path)
     assert written != DraftVocab(torch.arange(40), target.vocab_size)  # not the placeholder first ids
     assert main(["train", "--config", str(config)]) == 0
     loaded = load_drafter(out_dir / "drafter", target)
     assert loaded.config.variant == variant and loaded.vocab == written
+    # without the file, `dspark train` counts the same vocabulary itself first
+    path.unlink()
+    assert main(["train", "--config", str(config), "--set", f"out_dir={tmp_path / 'again'}"]) == 0
+    assert DraftVocab.load(path) == written
+    assert load_drafter(tmp_path / "again" / "drafter", target).vocab == written
