@@ -110,8 +110,9 @@ def _held_out_wins(z: np.ndarray, prefix: np.ndarray, y: np.ndarray, fold: np.nd
 def _fit_position(z: np.ndarray, prefix: np.ndarray, y: np.ndarray, fold: Optional[np.ndarray], grid: np.ndarray,
                   n_bins: int, min_events: int) -> tuple[float, dict[str, Any]]:
     """T_k for one position from its verified rounds, and the record of why: keys rounds, accepted,
-    rejected, t_argmin (the plain STS choice), ece_t1 / ece_argmin (in-sample), held_out_wins ("w/K"
-    folds where the T fitted without the fold beat T = 1 on it, when checked) and kept (None when T_k = t_argmin, else the reason T_k stayed 1)."""
+    rejected, t_argmin (the plain STS choice), ece_t1 / ece_argmin (in-sample), held_out_wins
+    ("w/K": folds on which the T fitted without the fold beat T = 1, when checked) and kept (None
+    when T_k = t_argmin, else the reason T_k stayed 1)."""
     n, n_acc = int(y.size), int(y.sum())
     info: dict[str, Any] = {"rounds": n, "accepted": n_acc, "rejected": n - n_acc, "t_argmin": 1.0,
                             "ece_t1": None, "ece_argmin": None, "held_out_wins": None, "kept": None}
@@ -129,7 +130,7 @@ def _fit_position(z: np.ndarray, prefix: np.ndarray, y: np.ndarray, fold: Option
             return 1.0, info
     if fold is not None:
         if np.unique(fold).size < 2:
-            info["kept"] = "one group only: no out-of-fold check possible"
+            info["kept"] = "one group (request) only: no held-out fold to check on"
             return 1.0, info
         wins, n_folds = _held_out_wins(z, prefix, y, fold, grid, n_bins)
         info["held_out_wins"] = f"{wins}/{n_folds}"
@@ -146,7 +147,7 @@ def fit_temperatures(
     """Sequential Temperature Scaling with the guards of the module docstring.
 
     z: logit(c_k) [N, γ]; label: 1[first k accepted], valid: k verified, both bool [N, γ];
-    grid: candidate temperatures (must contain 1.0 for the guards to mean "keep 1"); groups: [N]
+    grid: candidate temperatures (a kept position gets exactly 1.0 whether or not grid holds it); groups: [N]
     ids the folds are dealt by (None = every round its own group). For k = 1..γ in order, T_k is
     chosen on the rounds that verified k with T_1..T_{k−1} fixed. Returns (temperatures float64 [γ],
     one ``_fit_position`` record per position with its 1-based ``position`` and ``temperature``)."""

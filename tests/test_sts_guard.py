@@ -116,7 +116,7 @@ def test_one_group_cannot_be_checked_and_keeps_one():
     p = sigmoid(rng.normal(0.0, 1.0, 2_000))
     conf, accepted = sigmoid(2.0 * logit(p))[:, None], (rng.random(p.size) < p).astype(int)
     temps, records = fit_sts_explained(conf, accepted, np.ones(p.size, int), groups=np.zeros(p.size, int))
-    assert temps[0] == 1.0 and records[0]["kept"] == "one group only: no out-of-fold check possible"
+    assert temps[0] == 1.0 and records[0]["kept"] == "one group (request) only: no held-out fold to check on"
 
 
 def test_bad_guard_settings_raise():
