@@ -321,6 +321,7 @@ def fit_sts_explained(
     folds: int = DEFAULT_FOLDS,
     groups: Optional[Any] = None,
     seed: int = 0,
+    resamples: int = DEFAULT_RESAMPLES,
 ) -> tuple[np.ndarray, list[dict[str, Any]]]:
     """Sequential Temperature Scaling: (temperatures float64 [γ], one record per position).
 
@@ -332,12 +333,13 @@ def fit_sts_explained(
     position with no valid round keeps T = 1.
 
     Guards (``dspark.sts``): T_k keeps 1 unless position k has ``min_events``
-    accepted and ``min_events`` rejected prefixes, and (``folds`` = K ≥ 2) the T
-    fitted without each of K seeded folds (dealt by ``groups``, [N] request ids;
-    None = by round) beats T = 1 on that fold. ``min_events=0, folds=0`` is the
-    plain ECE argmin of the paper. Each record: position, temperature, rounds,
-    accepted, rejected, t_argmin, ece_t1, ece_argmin, held_out_wins, kept (None,
-    or why T_k stayed 1).
+    accepted and ``min_events`` rejected prefixes, and (``folds`` = K ≥ 2) the
+    ECE of out-of-fold predictions (T fitted without each of K seeded folds dealt
+    by ``groups``, [N] request ids, None = by round) beats T = 1's with a 95 %
+    bootstrap interval (``resamples`` over the groups) above 0.
+    ``min_events=0, folds=0`` is the plain ECE argmin of the paper. Each record:
+    position, temperature, rounds, accepted, rejected, t_argmin, ece_t1,
+    ece_argmin, ece_held_out, gain_ci, kept (None, or why T_k stayed 1).
     """
     c = _as_conf(conf)
     gamma = c.shape[1]
@@ -349,7 +351,8 @@ def fit_sts_explained(
     if groups is not None and np.asarray(groups).size != c.shape[0]:
         raise ValueError(f"groups has {np.asarray(groups).size} entries but there are {c.shape[0]} rounds")
     grid_t = default_temperature_grid() if grid is None else _as_temperatures(grid)
-    return fit_temperatures(logit(c), label, valid, grid_t, n_bins, int(min_events), int(folds), groups, int(seed))
+    return fit_temperatures(logit(c), label, valid, grid_t, n_bins, int(min_events), int(folds), groups, int(seed),
+                            int(resamples), DEFAULT_LEVEL)
 
 
 def _json_number(x: Any) -> Optional[float]:
@@ -520,7 +523,8 @@ def calibrate_rounds(
     ``rounds``: rows of rounds.jsonl (``dspark eval`` or ``dspark simulate``);
     rows without confidences are dropped. The requests are split with
     ``split_rounds_by_request``; ``fit_sts_explained`` runs on the fit part with
-    ``min_events`` and ``folds`` (dealt by request, seeded with ``seed``): the
+    ``min_events`` and ``folds`` (dealt by request, seeded with ``seed``, ``resamples``
+    bootstrap resamples for the held-out gain): the
     report's ``kept`` says per position why T_k stayed 1 (None where it was
     fitted) and ``sts_fit`` holds those settings and the per-position records.
 
@@ -539,7 +543,7 @@ def calibrate_rounds(
     fit, test = split_rounds_by_request(_rounds_with_confidences(rounds), fit_fraction, seed)
     conf, accepted, proposed = round_arrays(fit)
     temps, records = fit_sts_explained(conf, accepted, proposed, grid, n_bins, min_events, folds,
-                                       _request_ids(fit), seed)
+                                       _request_ids(fit), seed, resamples)
 
     per_position = {part: _part_metrics(rows, temps, n_bins, resamples, seed)
                      for part, rows in (("fit", fit), ("test", test)) if rows}

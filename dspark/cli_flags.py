@@ -61,7 +61,7 @@ FLAGS: dict[str, Flag] = {
     "--fit-fraction": Flag("share of requests to fit on (the rest is the test part)"),
     "--bins": Flag("ECE bins"),
     "--min-events": Flag("STS: accepted and rejected prefixes a position needs before T_k may leave 1 (0: no rule)"),
-    "--folds": Flag("STS: request folds that must all prefer the fitted T_k over T = 1 when held out (0: no check)"),
+    "--folds": Flag("STS: request folds of the held-out check that T_k beats T = 1 beyond noise (0: no check)"),
     "--prompt": Flag("the user message"),
     "--num-blocks": Flag("blocks proposed along the continuation"),
     "--resume": Flag("continue from the latest checkpoint in out_dir", kind="true"),

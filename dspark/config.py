@@ -210,8 +210,8 @@ class CalibrateConfig:
     seed: int = 0  # seed of the request split
     bins: int = 20  # ECE bins
     # T_k leaves 1 only with >= min_events accepted and >= min_events rejected prefixes at k, and
-    # (folds = K >= 2) when the T fitted without each of K request folds beats T = 1 on that fold
-    # (dspark/sts.py). min_events = 0, folds = 0: the paper's plain ECE argmin.
+    # (folds = K >= 2) when the ECE of out-of-fold predictions (T fitted without each of K request
+    # folds) beats T = 1's beyond its 95 % bootstrap interval (dspark/sts.py). 0, 0: the paper's argmin.
     min_events: int = 10
     folds: int = 5
 
