@@ -7,10 +7,11 @@ Where each piece of the paper lives:
 - ``prefix_labels``                 label 1[first k accepted] and its validity
                                     mask from accepted / verified lengths.
 - ``confidence_metrics``            per-position quality of a_k = Π_{i≤k} c_i.
-- ``apply_temperatures``, ``fit_sts``, ``save_sts_json``, ``load_sts_json``
-                                    STS (paper Section 3.2.1, SPEC 7.1) and its
-                                    SGLang JSON (``temperatures``,
-                                    ``ece_before``, ``ece_after``).
+- ``apply_temperatures``, ``fit_sts``, ``fit_sts_explained``, ``save_sts_json``,
+  ``load_sts_json``                 STS (paper Section 3.2.1, SPEC 7.1; the
+                                    search and its evidence guards in
+                                    ``dspark.sts``) and its SGLang JSON
+                                    (``temperatures``, ``ece_before``, ``ece_after``).
 - ``ece_sums``, ``ece_from_sums``  ECE per position as a function of per-request
                                     sums, for bootstrap intervals over requests.
 - ``calibrate_rounds``, ``save_sts_report``
@@ -38,6 +39,7 @@ import numpy as np
 
 from dspark.bootstrap import DEFAULT_LEVEL, DEFAULT_RESAMPLES, stratified_ci
 from dspark.jsonutil import to_jsonable
+from dspark.sts import bin_index, fit_temperatures, logit, sigmoid
 
 __all__ = [
     "ece",
@@ -52,6 +54,7 @@ __all__ = [
     "apply_temperatures",
     "default_temperature_grid",
     "fit_sts",
+    "fit_sts_explained",
     "save_sts_json",
     "load_sts_json",
     "conditional_metrics",
@@ -60,8 +63,6 @@ __all__ = [
     "round_arrays",
     "save_sts_report",
 ]
-
-_CLIP = 1e-6
 
 PathLike = Union[str, os.PathLike]
 
@@ -83,18 +84,13 @@ def _pred_label(pred: Any, label: Any) -> tuple[np.ndarray, np.ndarray]:
     return p, y
 
 
-def _bin_index(p: np.ndarray, n_bins: int) -> np.ndarray:
-    # Bins [i/n, (i+1)/n); the value 1.0 joins the last bin.
-    return np.minimum((p * n_bins).astype(np.int64), n_bins - 1)
-
-
 def reliability_bins(pred: Any, label: Any, n_bins: int = 20) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Equal-width bins on [0, 1]: (count, mean_pred, mean_label), each [n_bins];
     means are NaN for empty bins."""
     if n_bins < 1:
         raise ValueError(f"n_bins must be >= 1, got {n_bins}")
     p, y = _pred_label(pred, label)
-    idx = _bin_index(p, n_bins)
+    idx = bin_index(p, n_bins)
     count = np.bincount(idx, minlength=n_bins).astype(np.float64)
     with np.errstate(invalid="ignore", divide="ignore"):
         mean_pred = np.bincount(idx, weights=p, minlength=n_bins) / count
@@ -254,7 +250,7 @@ def ece_sums(conf: Any, accepted: Any, proposed: Any, groups: Any, n_groups: int
         raise ValueError(f"conf has {c.shape[0]} rounds, accepted {label.shape[0]}, groups {g.size}")
     out = np.zeros((n_groups, gamma, n_bins + 1), dtype=np.float64)
     rows, k = np.nonzero(valid)
-    np.add.at(out, (g[rows], k, _bin_index(a[rows, k], n_bins)), a[rows, k] - label[rows, k])
+    np.add.at(out, (g[rows], k, bin_index(a[rows, k], n_bins)), a[rows, k] - label[rows, k])
     np.add.at(out, (g[rows], k, n_bins), 1.0)
     return out
 
@@ -272,16 +268,6 @@ def ece_from_sums(sums: Any) -> np.ndarray:
 # ----------------------------------------------------------------------------
 
 
-def _logit(c: np.ndarray) -> np.ndarray:
-    c = np.clip(c, _CLIP, 1.0 - _CLIP)
-    return np.log(c) - np.log1p(-c)
-
-
-def _sigmoid(x: np.ndarray) -> np.ndarray:
-    with np.errstate(over="ignore"):  # exp(-x) = inf gives the right limit 0
-        return 1.0 / (1.0 + np.exp(-x))
-
-
 def apply_temperatures(conf: Any, temps: Any) -> np.ndarray:
     """c'_k = σ(logit(c_k)/T_k) per position, [N, γ].
 
@@ -289,7 +275,7 @@ def apply_temperatures(conf: Any, temps: Any) -> np.ndarray:
     finite logits (and values within 1e-6 of 0 or 1 collapse together)."""
     c = _as_conf(conf)
     t = _as_temperatures(temps, c.shape[1])
-    return _sigmoid(_logit(c) / t[None, :])
+    return sigmoid(logit(c) / t[None, :])
 
 
 def _as_temperatures(temps: Any, gamma: Optional[int] = None, name: str = "temperatures") -> np.ndarray:
@@ -314,27 +300,30 @@ def default_temperature_grid() -> np.ndarray:
     return np.unique(np.append(np.geomspace(0.05, 20.0, 301), 1.0))
 
 
-def _ece_per_candidate(preds: np.ndarray, y: np.ndarray, n_bins: int) -> np.ndarray:
-    """ECE of each row of preds [G, n] against labels y [n] -> [G].
-
-    Uses n_b·|p̄_b − ȳ_b| = |Σ_{i∈b} (p_i − y_i)|, so one weighted bincount
-    over the [G, n_bins] flattened bins gives every candidate's ECE."""
-    G, n = preds.shape
-    idx = _bin_index(preds, n_bins)  # [G, n]
-    idx += (np.arange(G) * n_bins)[:, None]
-    preds -= y[None, :]  # in place: preds is a scratch array owned by the caller
-    per_bin = np.bincount(idx.ravel(), weights=preds.ravel(), minlength=G * n_bins)
-    return np.abs(per_bin.reshape(G, n_bins)).sum(axis=1) / n
+DEFAULT_MIN_EVENTS = 10  # accepted and rejected prefixes a position needs before T_k may leave 1
+DEFAULT_FOLDS = 5  # held-out folds that must all prefer the fitted T_k over T = 1 (0 = no check)
 
 
-def fit_sts(
+def fit_sts(conf: Any, accepted: Any, proposed: Any, grid: Optional[Any] = None, n_bins: int = 20,
+            **guards: Any) -> np.ndarray:
+    """Sequential Temperature Scaling: temperatures T_1..T_γ, float64 [γ]; ``fit_sts_explained``
+    (whose keywords min_events, folds, groups, seed ``guards`` passes on) without its records."""
+    return fit_sts_explained(conf, accepted, proposed, grid, n_bins, **guards)[0]
+
+
+def fit_sts_explained(
     conf: Any,
     accepted: Any,
     proposed: Any,
     grid: Optional[Any] = None,
     n_bins: int = 20,
-) -> np.ndarray:
-    """Sequential Temperature Scaling: temperatures T_1..T_γ, float64 [γ].
+    min_events: int = DEFAULT_MIN_EVENTS,
+    folds: int = DEFAULT_FOLDS,
+    groups: Optional[Any] = None,
+    seed: int = 0,
+    resamples: int = DEFAULT_RESAMPLES,
+) -> tuple[np.ndarray, list[dict[str, Any]]]:
+    """Sequential Temperature Scaling: (temperatures float64 [γ], one record per position).
 
     For k = 1..γ in order, picks T_k from ``grid`` (default
     ``default_temperature_grid()``) minimizing the ECE of
@@ -342,36 +331,28 @@ def fit_sts(
     rounds that verified position k, with T_1..T_{k−1} already fixed. Among
     equal-ECE candidates the one closest to T = 1 (in log scale) wins. A
     position with no valid round keeps T = 1.
+
+    Guards (``dspark.sts``): T_k keeps 1 unless position k has ``min_events``
+    accepted and ``min_events`` rejected prefixes, and (``folds`` = K ≥ 2) the
+    ECE of out-of-fold predictions (T fitted without each of K seeded folds dealt
+    by ``groups``, [N] request ids, None = by round) beats T = 1's with a 95 %
+    bootstrap interval (``resamples`` over the groups) above 0.
+    ``min_events=0, folds=0`` is the plain ECE argmin of the paper. Each record:
+    position, temperature, rounds, accepted, rejected, t_argmin, ece_t1,
+    ece_argmin, ece_held_out, gain_ci, kept (None, or why T_k stayed 1).
     """
     c = _as_conf(conf)
     gamma = c.shape[1]
     label, valid = prefix_labels(accepted, proposed, gamma)
     if label.shape[0] != c.shape[0]:
         raise ValueError(f"conf has {c.shape[0]} rounds but accepted has {label.shape[0]}")
+    if min_events < 0 or folds < 0 or folds == 1:
+        raise ValueError(f"need min_events >= 0 and folds = 0 (no check) or >= 2, got {min_events}, {folds}")
+    if groups is not None and np.asarray(groups).size != c.shape[0]:
+        raise ValueError(f"groups has {np.asarray(groups).size} entries but there are {c.shape[0]} rounds")
     grid_t = default_temperature_grid() if grid is None else _as_temperatures(grid)
-    # Visit candidates closest to T = 1 first so argmin's first-hit rule breaks ties towards 1.
-    grid_t = grid_t[np.argsort(np.abs(np.log(grid_t)), kind="stable")]
-    temps = np.ones(gamma, dtype=np.float64)
-    prefix = np.ones(c.shape[0], dtype=np.float64)  # Π_{i<k} c'_i
-    z = _logit(c)
-    for k in range(gamma):
-        rows = valid[:, k]
-        n = int(rows.sum())
-        if n > 0:
-            zk = z[rows, k]
-            pk = prefix[rows]
-            yk = label[rows, k].astype(np.float64)
-            # Bound the [G, n] working set to a few million entries.
-            chunk = max(1, 4_000_000 // n)
-            scores = np.concatenate(
-                [
-                    _ece_per_candidate(pk[None, :] * _sigmoid(zk[None, :] / g[:, None]), yk, n_bins)
-                    for g in (grid_t[i : i + chunk] for i in range(0, grid_t.size, chunk))
-                ]
-            )
-            temps[k] = grid_t[int(np.argmin(scores))]
-        prefix = prefix * _sigmoid(z[:, k] / temps[k])
-    return temps
+    return fit_temperatures(logit(c), label, valid, grid_t, n_bins, int(min_events), int(folds), groups, int(seed),
+                            int(resamples), DEFAULT_LEVEL)
 
 
 def _json_number(x: Any) -> Optional[float]:
@@ -507,6 +488,26 @@ def round_arrays(rounds: Sequence[Mapping[str, Any]]) -> tuple[np.ndarray, np.nd
     return conf, accepted, proposed
 
 
+def _rounds_with_confidences(rounds: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The rows that carry confidences, all of one width (one drafter)."""
+    with_conf = [r for r in rounds if r.get("confidences") is not None]
+    if not with_conf:
+        raise ValueError("no round has confidences: the log comes from a drafter without a confidence head")
+    widths = {len(r["confidences"]) for r in with_conf}
+    if len(widths) != 1:
+        raise ValueError(
+            f"rounds have confidences of different lengths {sorted(widths)}; calibrate one drafter at a time"
+        )
+    return with_conf
+
+
+def _request_ids(rows: Sequence[Mapping[str, Any]]) -> list[int]:
+    """Per row, the index of its request in order of first appearance (stable across processes,
+    unlike hash(), so seeded folds and resamples repeat)."""
+    ids: dict[tuple, int] = {}
+    return [ids.setdefault(tuple(r.get(k) for k in ("source", *_REQUEST_KEYS)), len(ids)) for r in rows]
+
+
 def calibrate_rounds(
     rounds: Sequence[Mapping[str, Any]],
     fit_fraction: float = 0.5,
@@ -514,12 +515,18 @@ def calibrate_rounds(
     n_bins: int = 20,
     grid: Optional[Any] = None,
     resamples: int = DEFAULT_RESAMPLES,
+    min_events: int = DEFAULT_MIN_EVENTS,
+    folds: int = DEFAULT_FOLDS,
 ) -> tuple[dict[str, Any], list[Mapping[str, Any]]]:
     """Fit STS on part of a round log and measure it on the held-out rest.
 
     ``rounds``: rows of rounds.jsonl (``dspark eval`` or ``dspark simulate``);
     rows without confidences are dropped. The requests are split with
-    ``split_rounds_by_request``; ``fit_sts`` runs on the fit part.
+    ``split_rounds_by_request``; ``fit_sts_explained`` runs on the fit part with
+    ``min_events`` and ``folds`` (dealt by request, seeded with ``seed``, ``resamples``
+    bootstrap resamples for the held-out gain): the
+    report's ``kept`` says per position why T_k stayed 1 (None where it was
+    fitted) and ``sts_fit`` holds those settings and the per-position records.
 
     Returns (report, evaluated rows). The report holds the SGLang fields ``temperatures``, ``ece_before``,
     ``ece_after`` (per position, ECE of a_k on the test part, on the fit part
@@ -533,17 +540,10 @@ def calibrate_rounds(
     ``ece_after_ci``: one [lo, hi] per position); ``bootstrap`` records
     resamples, seed and level. The rows are those the headline metrics
     were measured on (the test part, or the fit part when fit_fraction = 1)."""
-    with_conf = [r for r in rounds if r.get("confidences") is not None]
-    if not with_conf:
-        raise ValueError("no round has confidences: the log comes from a drafter without a confidence head")
-    widths = {len(r["confidences"]) for r in with_conf}
-    if len(widths) != 1:
-        raise ValueError(
-            f"rounds have confidences of different lengths {sorted(widths)}; calibrate one drafter at a time"
-        )
-    fit, test = split_rounds_by_request(with_conf, fit_fraction, seed)
+    fit, test = split_rounds_by_request(_rounds_with_confidences(rounds), fit_fraction, seed)
     conf, accepted, proposed = round_arrays(fit)
-    temps = fit_sts(conf, accepted, proposed, grid=grid, n_bins=n_bins)
+    temps, records = fit_sts_explained(conf, accepted, proposed, grid, n_bins, min_events, folds,
+                                       _request_ids(fit), seed, resamples)
 
     per_position = {part: _part_metrics(rows, temps, n_bins, resamples, seed)
                      for part, rows in (("fit", fit), ("test", test)) if rows}
@@ -551,18 +551,20 @@ def calibrate_rounds(
     main = per_position[evaluated_on]
 
     def requests(rows: Sequence[Mapping[str, Any]]) -> int:
-        return len({tuple(r.get(k) for k in ("source", *_REQUEST_KEYS)) for r in rows})
+        return len(set(_request_ids(rows)))
 
     return {
         "temperatures": [float(t) for t in temps],
         "ece_before": [p["ece"] for p in main["before"]],
         "ece_after": [p["ece"] for p in main["after"]],
+        "kept": [r["kept"] for r in records],
         "ece_before_ci": [p["ece_ci"] for p in main["before"]],
         "ece_after_ci": [p["ece_ci"] for p in main["after"]],
         "evaluated_on": evaluated_on,
         "split": {"fit_fraction": float(fit_fraction), "seed": int(seed), "fit_requests": requests(fit),
                   "test_requests": requests(test), "fit_rounds": len(fit), "test_rounds": len(test)},
         "per_position": per_position,
+        "sts_fit": {"min_events": int(min_events), "folds": int(folds), "seed": int(seed), "positions": records},
         "bootstrap": {"resamples": int(resamples), "seed": int(seed), "level": DEFAULT_LEVEL},
     }, (test if test else fit)
 
@@ -590,8 +592,7 @@ def _ece_intervals(
     resamples: int, seed: int,
 ) -> list[list[float]]:
     """[lo, hi] of the ECE of a_k per position, a bootstrap over the requests of ``rows``."""
-    keys: dict[tuple, int] = {}
-    groups = [keys.setdefault(tuple(r.get(k) for k in ("source", *_REQUEST_KEYS)), len(keys)) for r in rows]
-    sums = ece_sums(conf, accepted, proposed, groups, len(keys), n_bins)  # [requests, γ, n_bins + 1]
+    groups = _request_ids(rows)
+    sums = ece_sums(conf, accepted, proposed, groups, max(groups) + 1, n_bins)  # [requests, γ, n_bins + 1]
     _, lo, hi = stratified_ci([sums], lambda s: ece_from_sums(s.sum(axis=-3)), resamples=resamples, seed=seed)
     return [[float(a), float(b)] for a, b in zip(lo, hi)]

@@ -210,6 +210,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
           f"measured on the {report['evaluated_on']} part ({split['test_requests']} requests, "
           f"{split['test_rounds']} rounds)")
     print(calibration_markdown(report))
+    fit = report["sts_fit"]
+    kept = [(k + 1, why) for k, why in enumerate(report["kept"]) if why]
+    print(f"T_k kept at 1 (min_events={fit['min_events']}, folds={fit['folds']}): "
+          + ("; ".join(f"k={k}: {why}" for k, why in kept) if kept else "none"))
     print(f"STS: {paths['json']}; reliability diagrams: {paths['plot']}")
     return 0
 

@@ -60,6 +60,8 @@ FLAGS: dict[str, Flag] = {
     "--rounds": Flag("rounds.jsonl file(s) from dspark eval / simulate", kind="list"),
     "--fit-fraction": Flag("share of requests to fit on (the rest is the test part)"),
     "--bins": Flag("ECE bins"),
+    "--min-events": Flag("STS: accepted and rejected prefixes a position needs before T_k may leave 1 (0: no rule)"),
+    "--folds": Flag("STS: request folds of the held-out check that T_k beats T = 1 beyond noise (0: no check)"),
     "--prompt": Flag("the user message"),
     "--num-blocks": Flag("blocks proposed along the continuation"),
     "--resume": Flag("continue from the latest checkpoint in out_dir", kind="true"),
@@ -106,7 +108,8 @@ COMMANDS: dict[str, tuple[str, dict[str, str]]] = {
                   "--out": "serve.out"}),
     "calibrate": ("fit STS on eval round logs (split by request) and report calibration",
                   {"--rounds": "calibrate.rounds", "--fit-fraction": "calibrate.fit_fraction",
-                   "--seed": "calibrate.seed", "--bins": "calibrate.bins", "--out": "calibrate.out"}),
+                   "--seed": "calibrate.seed", "--bins": "calibrate.bins", "--min-events": "calibrate.min_events",
+                   "--folds": "calibrate.folds", "--out": "calibrate.out"}),
 }
 LIST_KEYS = {"serve.concurrencies"}  # a "value" flag whose field is a list (simulate's --concurrency)
 

@@ -209,6 +209,11 @@ class CalibrateConfig:
     fit_fraction: float = 0.5  # share of requests to fit on (the rest is the test part)
     seed: int = 0  # seed of the request split
     bins: int = 20  # ECE bins
+    # T_k leaves 1 only with >= min_events accepted and >= min_events rejected prefixes at k, and
+    # (folds = K >= 2) when the ECE of out-of-fold predictions (T fitted without each of K request
+    # folds) beats T = 1's beyond its 95 % bootstrap interval (dspark/sts.py). 0, 0: the paper's argmin.
+    min_events: int = 10
+    folds: int = 5
 
 
 @dataclass
@@ -332,7 +337,7 @@ _POSITIVE = (
 _NON_NEGATIVE = (
     "threads", "eval.num_samples", "eval.block_size", "serve.num_prompts", "serve.num_requests",
     "profile.tokens_per_request", "profile.warmup", "eval.temperature",
-    "propose.temperature", "drafter.draft_vocab_size",
+    "propose.temperature", "drafter.draft_vocab_size", "calibrate.min_events", "calibrate.folds",
 )
 
 
@@ -371,6 +376,8 @@ def validate(config: Config) -> None:
             f"train.global_batch_size={config.train.global_batch_size} must be a multiple of "
             f"train.micro_batch_size={config.train.micro_batch_size}"
         )
+    if config.calibrate.folds == 1:
+        raise ValueError("calibrate.folds=1 has no held-out fold: use 0 (no check) or K >= 2")
     for key in ("data.holdout_fraction", "calibrate.fit_fraction"):
         if not 0 <= get_key(config, key) < 1:
             raise ValueError(f"{key} must be in [0, 1), got {get_key(config, key)}")

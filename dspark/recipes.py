@@ -151,7 +151,7 @@ def calibrate(config: Config) -> tuple[dict[str, Any], dict[str, str]]:
     if not c.rounds:
         raise ValueError("calibrate.rounds is empty: give the rounds.jsonl of `dspark eval` (--rounds FILE ...)")
     report, evaluated = calibrate_rounds(read_round_logs(c.rounds), fit_fraction=c.fit_fraction, seed=c.seed,
-                                         n_bins=c.bins)
+                                         n_bins=c.bins, min_events=c.min_events, folds=c.folds)
     out = config.path(c.out, "sts.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     return report, write_sts_report(out, report, evaluated, n_bins=c.bins)
