@@ -254,13 +254,17 @@ def calibration_section(run: Mapping[str, Any]) -> str:
         return "No STS file (sts.json) found."
     split = sts.get("split", {})
     before, after = sts.get("ece_before") or [], sts.get("ece_after") or []
-    rows = [[str(k + 1), fmt_number(t, 3), fmt_number(_at(before, k), 4), fmt_number(_at(after, k), 4)]
+    kept = sts.get("kept") or []
+    rows = [[str(k + 1), fmt_number(t, 3), fmt_number(_at(before, k), 4), fmt_number(_at(after, k), 4),
+             "fitted" if k < len(kept) and _at(kept, k) is None else (_at(kept, k) or "–")]
             for k, t in enumerate(sts["temperatures"])]
     return "\n".join([
         f"Sequential Temperature Scaling fitted on {split.get('fit_requests', '?')} requests "
         f"({split.get('fit_rounds', '?')} rounds) of DSpark's T = 1 evaluation, ECE of a_k = Π c_i measured on the "
         f"{sts.get('evaluated_on', '?')} part ({split.get('test_requests', '?')} requests).", "",
-        markdown_table(["k", "T_k", "ECE before", "ECE after"], rows), "",
+        markdown_table(["k", "T_k", "ECE before", "ECE after", "T_k = 1 kept because"], rows), "",
+        "STS moves T_k off 1 only where the fit half holds `calibrate.min_events` accepted and rejected "
+        "prefixes and a cross-fitted ECE gain whose 95 % interval excludes 0 (`dspark/sts.py`).", "",
         f"Reliability diagrams: {_link(run, 'sts_reliability.png')}; the STS file: {_link(run, 'sts.json')}.",
     ])
 
