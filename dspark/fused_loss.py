@@ -53,6 +53,17 @@ def _fused_compute_dtype(hidden: Tensor, lm_head_weight: Tensor, w2: Tensor | No
 
 
 # ------------------------------------------------------------- one chunk of positions
+def _softmax_(z: Tensor) -> tuple[Tensor, Tensor]:
+    """softmax(z) written over z [m, V], as exp(z − max) / Σ exp(z − max); returns (max, Σ)
+    [m, 1] so that log p_y = z_y − max − log Σ. In place: no [m, V] tensor is allocated (a
+    fresh one costs page faults of the order of its exp pass on a CPU). Deterministic per
+    row: equal logits rows give bitwise-equal probabilities (the sign(0) = 0 ties of Eq. 10)."""
+    top = z.amax(dim=-1, keepdim=True)
+    total = z.sub_(top).exp_().sum(dim=-1, keepdim=True)
+    z.div_(total)
+    return top, total
+
+
 @dataclass
 class _Head:
     """The shared LM head as the fused loss applies it to a chunk of m positions."""
@@ -64,42 +75,58 @@ class _Head:
     vocab: DraftVocab | None = None
     target_weight: Tensor | None = None  # [V, d], the full head p^t comes from (None: ``weight``)
 
-    def project(self, x: Tensor, pos: Tensor, weight: Tensor | None = None) -> Tensor:
-        """x[pos] Wᵀ: rows ``pos`` [m] of x [N·γ, d] -> [m, V] in the compute dtype."""
+    def project(self, x: Tensor, pos: Tensor, weight: Tensor | None = None, out: Tensor | None = None) -> Tensor:
+        """x[pos] Wᵀ: rows ``pos`` [m] of x [N·γ, d] -> [m, V] in the compute dtype, written
+        into ``out`` (a reused [m, V] buffer of the compute dtype) when given."""
         w = self.weight if weight is None else weight
-        return (x[pos].to(w.dtype) @ w.T).to(self.dtype)
+        if out is None or w.dtype != self.dtype:
+            return (x[pos].to(w.dtype) @ w.T).to(self.dtype)
+        return torch.mm(x[pos].to(w.dtype), w.T, out=out)
 
-    def draft_log_probs(self, h: Tensor, pos: Tensor, lat: Tensor | None) -> tuple[Tensor, Tensor | None]:
-        """log p^d [m, V] of z = softcap(h[pos] W_lmᵀ) + lat W2ᵀ, and tanh(h[pos] W_lmᵀ / c)
-        (None without softcap), kept for the backward: softcap' = 1 − tanh²."""
-        u = self.project(h, pos)  # [m, V]
+    def draft_probs(self, h: Tensor, pos: Tensor, lat: Tensor | None, y: Tensor, bufs: "_Buffers") -> tuple[Tensor, Tensor, Tensor | None]:
+        """(p^d [m, V], CE = −log p^d_y [m], tanh(h[pos] W_lmᵀ / c) or None without softcap)
+        for z = softcap(h[pos] W_lmᵀ) + lat W2ᵀ; tanh is kept for the backward: softcap' = 1 − tanh²."""
+        m = pos.shape[0]
         if self.softcap is not None:
-            tanh_u = u.div_(self.softcap).tanh_()
-            z = tanh_u * self.softcap
+            tanh_u = self.project(h, pos, out=bufs.tanh[:m]).div_(self.softcap).tanh_()
+            z = torch.mul(tanh_u, self.softcap, out=bufs.draft[:m])
         else:
-            tanh_u, z = None, u
+            tanh_u, z = None, self.project(h, pos, out=bufs.draft[:m])
         if lat is not None:
             z.addmm_(lat, self.w2.T)  # + B_k
-        return torch.log_softmax(z, dim=-1), tanh_u
+        z_y = z.gather(1, y)
+        top, total = _softmax_(z)
+        return z, (total.log() + top - z_y).squeeze(1), tanh_u
 
-    def target_logits(self, t: Tensor, pos: Tensor) -> Tensor:
+    def target_logits(self, t: Tensor, pos: Tensor, out: Tensor | None = None) -> Tensor:
         """softcap(t[pos] Wᵀ) [m, V] over the full vocabulary."""
-        logits = self.project(t, pos, self.target_weight)
+        logits = self.project(t, pos, self.target_weight, out)
         if self.softcap is not None:  # in place: softcap(x) = c·tanh(x/c)
             logits.div_(self.softcap).tanh_().mul_(self.softcap)
         return logits
 
-    def minus_target_probs(self, p: Tensor, t: Tensor, pos: Tensor) -> Tensor:
-        """p^d − p^t [m, V] from p = p^d [m, V] and the target hidden states t[pos] [m, d]."""
-        # p^t through the same log_softmax → exp as p^d, so that equal logits give
-        # bitwise-equal probabilities and sign(p − p^t) = 0 exactly there.
-        return torch.log_softmax(self.target_logits(t, pos), dim=-1).exp_().neg_().add_(p)
+    def minus_target_probs(self, p: Tensor, t: Tensor, pos: Tensor, out: Tensor) -> Tensor:
+        """p^d − p^t [m, V] from p = p^d [m, V] and the target hidden states t[pos] [m, d], in ``out``."""
+        # p^t through the same _softmax_ as p^d, so that equal logits give bitwise-equal
+        # probabilities and sign(p − p^t) = 0 exactly there.
+        p_t = self.target_logits(t, pos, out)
+        _softmax_(p_t)
+        return torch.sub(p, p_t, out=p_t)
 
     def minus_restricted_target(self, p: Tensor, t: Tensor, pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Draft vocabulary: (p^d − p^t_D [m, k], target mass inside [m], argmax inside Bool [m]),
         p^t_D the target restricted to the k ids and renormalised (EAGLE-3)."""
         logp, argmax_in, log_mass_in = self.vocab.restrict_logits(self.target_logits(t, pos))
         return logp.exp_().neg_().add_(p), log_mass_in.exp(), argmax_in
+
+
+@dataclass
+class _Buffers:
+    """[rows, V] buffers reused by every chunk of one pass (rows = the largest chunk)."""
+
+    draft: Tensor  # z, then p^d
+    target: Tensor  # target logits, then p^t, then p^d − p^t, then the logits gradient
+    tanh: Tensor | None  # tanh(u/c), softcap only
 
 
 def _logits_grad(p: Tensor, diff: Tensor, y: Tensor, a: Tensor, b: Tensor | None) -> Tensor:
@@ -111,8 +138,9 @@ def _logits_grad(p: Tensor, diff: Tensor, y: Tensor, a: Tensor, b: Tensor | None
     """
     if b is not None:
         diff.sign_()  # s, in place; sign(0) = 0 is the subgradient torch.abs uses
-        p_dot_s = torch.bmm(p[:, None, :], diff[:, :, None]).reshape(p.shape[0], 1)  # ⟨p, s⟩
-        g = diff.sub_(p_dot_s).mul_(b).add_(a).mul_(p)  # p ⊙ (a + b (s − ⟨p, s⟩))
+        p_dot_s = torch.einsum("mv,mv->m", p, diff)[:, None]  # ⟨p, s⟩ [m, 1], no [m, V] temporary
+        # b·s + (a − b⟨p, s⟩): three passes over [m, V] instead of four
+        g = diff.mul_(b).add_(a - b * p_dot_s).mul_(p)  # p ⊙ (a + b (s − ⟨p, s⟩))
     else:
         g = p.mul_(a)
     g.scatter_add_(1, y, -a)  # − a·onehot(y)
@@ -132,6 +160,7 @@ class _Pass:
     grad_h: Tensor | None  # [N·γ, d], only if wanted
     grad_lat: Tensor | None  # [N·γ, r]
     grad_w2: Tensor | None  # [V, r]
+    bufs: _Buffers | None = None
     tv_full: Tensor | None = None  # [N·γ], TV against the full target (draft vocabulary only)
 
 
@@ -145,12 +174,10 @@ def _fused_chunk(run: _Pass, head: _Head, pos: Tensor, ce_coef: Tensor, tv_coef:
         label_in = y.squeeze(1) >= 0
         y = y.clamp_min(0)
     lat = None if run.latent is None else run.latent[pos].to(head.dtype)  # [m, r]
-    p, tanh_u = head.draft_log_probs(run.hidden, pos, lat)  # [m, V or k], log p^d for now
-    ce = -p.gather(1, y).squeeze(1)
-    p.exp_()  # p^d
+    p, ce, tanh_u = head.draft_probs(run.hidden, pos, lat, y, run.bufs)  # p^d [m, V or k]
     keep = None
     if head.vocab is None:
-        diff = head.minus_target_probs(p, run.target_hidden, pos)  # [m, V]
+        diff = head.minus_target_probs(p, run.target_hidden, pos, run.bufs.target[: pos.shape[0]])  # [m, V]
     else:
         diff, mass_in, argmax_in = head.minus_restricted_target(p, run.target_hidden, pos)  # [m, k]
         keep = label_in & argmax_in
@@ -177,6 +204,11 @@ def _fused_chunk(run: _Pass, head: _Head, pos: Tensor, ce_coef: Tensor, tv_coef:
         if tanh_u is not None:
             g.mul_(tanh_u.square_().neg_().add_(1))  # ∂z/∂u = 1 − tanh²(u/c)
         run.grad_h[pos] = (g.to(head.weight.dtype) @ head.weight).to(head.dtype)  # [m, d]
+
+
+def _buffer(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """An uninitialised [rows, cols] buffer (every element is written before it is read)."""
+    return torch.empty(rows, cols, dtype=dtype, device=device)
 
 
 def _fused_ce_tv(
@@ -226,6 +258,10 @@ def _fused_ce_tv(
     tv_grad = any_grad and bool((tv_coef != 0).any())
     positions = valid.reshape(-1).nonzero().squeeze(1)  # supervised positions, row-major
     step = chunk_rows * block_size
+    buf_rows, buf_cols = min(step, positions.numel()), lm_head_weight.shape[0]
+    run.bufs = _Buffers(_buffer(buf_rows, buf_cols, dtype, hidden.device),
+                        _buffer(buf_rows, buf_cols, dtype, hidden.device) if vocab is None else None,
+                        _buffer(buf_rows, buf_cols, dtype, hidden.device) if softcap is not None else None)
     for start in range(0, positions.numel(), step):
         _fused_chunk(run, head, positions[start : start + step], ce_coef, tv_coef if tv_grad else None, any_grad)
 
