@@ -137,10 +137,12 @@ def _logits_grad(p: Tensor, diff: Tensor, y: Tensor, a: Tensor, b: Tensor | None
     ``diff`` (or ``p`` when b is None): the caller must not read them again.
     """
     if b is not None:
-        diff.sign_()  # s, in place; sign(0) = 0 is the subgradient torch.abs uses
-        p_dot_s = torch.einsum("mv,mv->m", p, diff)[:, None]  # ⟨p, s⟩ [m, 1], no [m, V] temporary
-        # b·s + (a − b⟨p, s⟩): three passes over [m, V] instead of four
-        g = diff.mul_(b).add_(a - b * p_dot_s).mul_(p)  # p ⊙ (a + b (s − ⟨p, s⟩))
+        # s = sign(p − p^t) in place (sign(0) = 0 is the subgradient torch.abs uses), then
+        # q = p ⊙ s: ⟨p, s⟩ is a plain row sum of q (a cheaper pass than a row-wise dot product),
+        # and g = b·q + (a − b⟨p, s⟩)·p.
+        q = diff.sign_().mul_(p)
+        c = a - b * q.sum(dim=1, keepdim=True)  # [m, 1]
+        g = q.mul_(b).addcmul_(p, c)  # p ⊙ (a + b (s − ⟨p, s⟩))
     else:
         g = p.mul_(a)
     g.scatter_add_(1, y, -a)  # − a·onehot(y)
