@@ -79,8 +79,10 @@ class _Head:
         """x[pos] Wᵀ: rows ``pos`` [m] of x [N·γ, d] -> [m, V] in the compute dtype, written
         into ``out`` (a reused [m, V] buffer of the compute dtype) when given."""
         w = self.weight if weight is None else weight
-        if out is None or w.dtype != self.dtype:
+        if out is None:
             return (x[pos].to(w.dtype) @ w.T).to(self.dtype)
+        if w.dtype != self.dtype:  # a bf16 head: the product in its dtype, upcast into the buffer
+            return out.copy_(x[pos].to(w.dtype) @ w.T)
         return torch.mm(x[pos].to(w.dtype), w.T, out=out)
 
     def draft_probs(self, h: Tensor, pos: Tensor, lat: Tensor | None, y: Tensor, bufs: "_Buffers") -> tuple[Tensor, Tensor, Tensor | None]:
