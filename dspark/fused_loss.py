@@ -11,10 +11,12 @@ p^t = softmax(t), s = sign(p − p^t) with sign(0) = 0, torch.abs's subgradient)
     ∂Σ_v|p_v − p^t_v|/∂z_u  = Σ_v s_v p_v (δ_vu − p_u) = p_u (s_u − ⟨p, s⟩)  (Eq. 10)
 
 so one forward pass per chunk yields the terms AND the gradients w.r.t. the
-chunk's small inputs (hidden, latent, W2); no logits are recomputed and every
-[m, V] tensor dies inside its chunk. Per supervised position that is 4
+chunk's small inputs (hidden, latent, W2); no logits are recomputed and no
+[m, V] tensor outlives the call. Per supervised position that is 4
 vocabulary-sized matmuls (draft logits, target logits, grad → h, grad →
-W2/latent) and one pass of softmax/TV work. :func:`dspark.loss.dspark_loss`
+W2/latent) and one pass of softmax/TV work, done in place in two [m, V] buffers
+(three with softcap) that every chunk of the call reuses: on a CPU a fresh
+buffer costs page faults of the order of an exp pass over it. :func:`dspark.loss.dspark_loss`
 stays the general path (any logits) and the reference this one is tested
 against.
 
@@ -130,6 +132,15 @@ class _Buffers:
     target: Tensor  # target logits, then p^t, then p^d − p^t, then the logits gradient
     tanh: Tensor | None  # tanh(u/c), softcap only
 
+    @staticmethod
+    def make(rows: int, cols: int, dtype: torch.dtype, device: torch.device, target: bool, tanh: bool) -> "_Buffers":
+        """Uninitialised buffers (every element is written before it is read); ``target``
+        False with a draft vocabulary, whose target side is V-sized, not k-sized."""
+        def empty() -> Tensor:
+            return torch.empty(rows, cols, dtype=dtype, device=device)
+
+        return _Buffers(empty(), empty() if target else None, empty() if tanh else None)
+
 
 def _logits_grad(p: Tensor, diff: Tensor, y: Tensor, a: Tensor, b: Tensor | None) -> Tensor:
     """∂objective/∂z [m, V] = p ⊙ (a + b (s − ⟨p, s⟩)) − a·onehot(y) (Eq. 9-10 closed forms).
@@ -170,7 +181,7 @@ class _Pass:
 
 def _fused_chunk(run: _Pass, head: _Head, pos: Tensor, ce_coef: Tensor, tv_coef: Tensor | None, any_grad: bool) -> None:
     """CE and TV terms at the supervised positions ``pos`` [m] and, if ``any_grad``, their
-    gradients (``tv_coef`` None: no TV gradient); every [m, V] tensor dies here."""
+    gradients (``tv_coef`` None: no TV gradient); [m, V] work happens in ``run.bufs``."""
     block_size = ce_coef.shape[0]
     y = run.labels[pos][:, None]  # [m, 1], target ids
     if head.vocab is not None:
@@ -208,11 +219,6 @@ def _fused_chunk(run: _Pass, head: _Head, pos: Tensor, ce_coef: Tensor, tv_coef:
         if tanh_u is not None:
             g.mul_(tanh_u.square_().neg_().add_(1))  # ∂z/∂u = 1 − tanh²(u/c)
         run.grad_h[pos] = (g.to(head.weight.dtype) @ head.weight).to(head.dtype)  # [m, d]
-
-
-def _buffer(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """An uninitialised [rows, cols] buffer (every element is written before it is read)."""
-    return torch.empty(rows, cols, dtype=dtype, device=device)
 
 
 def _fused_ce_tv(
@@ -262,13 +268,10 @@ def _fused_ce_tv(
     tv_grad = any_grad and bool((tv_coef != 0).any())
     positions = valid.reshape(-1).nonzero().squeeze(1)  # supervised positions, row-major
     step = chunk_rows * block_size
-    buf_rows, buf_cols = min(step, positions.numel()), lm_head_weight.shape[0]
-    run.bufs = _Buffers(_buffer(buf_rows, buf_cols, dtype, hidden.device),
-                        _buffer(buf_rows, buf_cols, dtype, hidden.device) if vocab is None else None,
-                        _buffer(buf_rows, buf_cols, dtype, hidden.device) if softcap is not None else None)
+    run.bufs = _Buffers.make(min(step, positions.numel()), lm_head_weight.shape[0], dtype, hidden.device,
+                             target=vocab is None, tanh=softcap is not None)
     for start in range(0, positions.numel(), step):
         _fused_chunk(run, head, positions[start : start + step], ce_coef, tv_coef if tv_grad else None, any_grad)
-
     shape = (rows, block_size)
     return (
         run.ce.reshape(shape),
@@ -421,8 +424,8 @@ def fused_dspark_loss(
         w2: [V, r] the sequential head's W2, given iff ``latent`` is.
         softcap: c of the final-logit soft-cap c·tanh(x/c) (Gemma), or None.
         chunk_rows: supervised positions are processed ``chunk_rows·γ`` at a
-            time; peak memory grows with chunk_rows·γ·V (3 fp32 [chunk_rows·γ, V]
-            buffers, 4 with softcap).
+            time; peak memory grows with chunk_rows·γ·V (2 fp32 [chunk_rows·γ, V] buffers
+            reused by every chunk, 3 with softcap; + V-sized target logits with ``vocab``).
         vocab, target_lm_head_weight: a draft vocabulary of k ids (``lm_head_weight`` [k, d], ``w2``
             [k, r]) and the full [V, d] head p^t comes from (dspark.loss docstring), or both None.
 
