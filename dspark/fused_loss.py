@@ -87,8 +87,7 @@ class _Head:
             return out.copy_(x[pos].to(w.dtype) @ w.T)
         return torch.mm(x[pos].to(w.dtype), w.T, out=out)
 
-    def draft_probs(self, h: Tensor, pos: Tensor, lat: Tensor | None, y: Tensor,
-                    bufs: "_Buffers") -> tuple[Tensor, Tensor, Tensor | None]:
+    def draft_probs(self, h: Tensor, pos: Tensor, lat: Tensor | None, y: Tensor, bufs: "_Buffers") -> tuple[Tensor, Tensor, Tensor | None]:
         """(p^d [m, V], CE = −log p^d_y [m], tanh(h[pos] W_lmᵀ / c) or None without softcap)
         for z = softcap(h[pos] W_lmᵀ) + lat W2ᵀ; tanh is kept for the backward: softcap' = 1 − tanh²."""
         m = pos.shape[0]
@@ -118,11 +117,10 @@ class _Head:
         _softmax_(p_t)
         return torch.sub(p, p_t, out=p_t)
 
-    def minus_restricted_target(self, p: Tensor, t: Tensor, pos: Tensor, out: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def minus_restricted_target(self, p: Tensor, t: Tensor, pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Draft vocabulary: (p^d − p^t_D [m, k], target mass inside [m], argmax inside Bool [m]),
-        p^t_D the target restricted to the k ids and renormalised (EAGLE-3); the full target
-        logits go to ``out`` [m, V]."""
-        logp, argmax_in, log_mass_in = self.vocab.restrict_logits(self.target_logits(t, pos, out))
+        p^t_D the target restricted to the k ids and renormalised (EAGLE-3)."""
+        logp, argmax_in, log_mass_in = self.vocab.restrict_logits(self.target_logits(t, pos))
         return logp.exp_().neg_().add_(p), log_mass_in.exp(), argmax_in
 
 
@@ -131,18 +129,17 @@ class _Buffers:
     """[rows, V] buffers reused by every chunk of one pass (rows = the largest chunk)."""
 
     draft: Tensor  # z, then p^d
-    target: Tensor  # [rows, V]: target logits, p^t, p^d − p^t, the logits gradient (only logits with a vocab)
+    target: Tensor  # target logits, then p^t, then p^d − p^t, then the logits gradient
     tanh: Tensor | None  # tanh(u/c), softcap only
 
     @staticmethod
-    def make(rows: int, cols: int, target_cols: int, dtype: torch.dtype, device: torch.device,
-             tanh: bool) -> "_Buffers":
-        """Uninitialised buffers (every element is written before it is read): [rows, cols] (k
-        columns with a draft vocabulary) and the target's [rows, target_cols] (V)."""
-        def empty(n: int) -> Tensor:
-            return torch.empty(rows, n, dtype=dtype, device=device)
+    def make(rows: int, cols: int, dtype: torch.dtype, device: torch.device, target: bool, tanh: bool) -> "_Buffers":
+        """Uninitialised buffers (every element is written before it is read); ``target``
+        False with a draft vocabulary, whose target side is V-sized, not k-sized."""
+        def empty() -> Tensor:
+            return torch.empty(rows, cols, dtype=dtype, device=device)
 
-        return _Buffers(empty(cols), empty(target_cols), empty(cols) if tanh else None)
+        return _Buffers(empty(), empty() if target else None, empty() if tanh else None)
 
 
 def _logits_grad(p: Tensor, diff: Tensor, y: Tensor, a: Tensor, b: Tensor | None) -> Tensor:
@@ -197,8 +194,7 @@ def _fused_chunk(run: _Pass, head: _Head, pos: Tensor, ce_coef: Tensor, tv_coef:
     if head.vocab is None:
         diff = head.minus_target_probs(p, run.target_hidden, pos, run.bufs.target[: pos.shape[0]])  # [m, V]
     else:
-        target_out = run.bufs.target[: pos.shape[0]]
-        diff, mass_in, argmax_in = head.minus_restricted_target(p, run.target_hidden, pos, target_out)  # [m, k]
+        diff, mass_in, argmax_in = head.minus_restricted_target(p, run.target_hidden, pos)  # [m, k]
         keep = label_in & argmax_in
         p_t_in = p - diff
         run.tv_full[pos] = full_vocab_tv(p, p_t_in, mass_in)
@@ -243,7 +239,9 @@ def _fused_ce_tv(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None]:
     """Per-position CE and TV terms [N, γ], the TV c* is read from [N, γ] and, for the inputs
     flagged in ``want`` (hidden, latent, w2), the gradients of Σ (ce_coef_k·CE + tv_coef_k·TV),
-    in the compute dtype. Only supervised positions are read (``chunk_rows·γ`` of them per chunk), so
+    in the compute dtype.
+
+    Only supervised positions are read (``chunk_rows·γ`` of them per chunk), so
     whatever sits in unsupervised slots cannot leak into values or gradients.
     """
     rows, block_size, dim = hidden.shape
@@ -270,9 +268,8 @@ def _fused_ce_tv(
     tv_grad = any_grad and bool((tv_coef != 0).any())
     positions = valid.reshape(-1).nonzero().squeeze(1)  # supervised positions, row-major
     step = chunk_rows * block_size
-    full = lm_head_weight.shape[0] if vocab is None else vocab.vocab_size
-    rows_per_chunk = min(step, positions.numel())
-    run.bufs = _Buffers.make(rows_per_chunk, lm_head_weight.shape[0], full, dtype, hidden.device, softcap is not None)
+    run.bufs = _Buffers.make(min(step, positions.numel()), lm_head_weight.shape[0], dtype, hidden.device,
+                             target=vocab is None, tanh=softcap is not None)
     for start in range(0, positions.numel(), step):
         _fused_chunk(run, head, positions[start : start + step], ce_coef, tv_coef if tv_grad else None, any_grad)
     shape = (rows, block_size)
