@@ -11,10 +11,12 @@ p^t = softmax(t), s = sign(p − p^t) with sign(0) = 0, torch.abs's subgradient)
     ∂Σ_v|p_v − p^t_v|/∂z_u  = Σ_v s_v p_v (δ_vu − p_u) = p_u (s_u − ⟨p, s⟩)  (Eq. 10)
 
 so one forward pass per chunk yields the terms AND the gradients w.r.t. the
-chunk's small inputs (hidden, latent, W2); no logits are recomputed and every
-[m, V] tensor dies inside its chunk. Per supervised position that is 4
+chunk's small inputs (hidden, latent, W2); no logits are recomputed and no
+[m, V] tensor outlives the call. Per supervised position that is 4
 vocabulary-sized matmuls (draft logits, target logits, grad → h, grad →
-W2/latent) and one pass of softmax/TV work. :func:`dspark.loss.dspark_loss`
+W2/latent) and one pass of softmax/TV work, done in place in two [m, V] buffers
+(three with softcap) that every chunk of the call reuses: on a CPU a fresh
+buffer costs page faults of the order of an exp pass over it. :func:`dspark.loss.dspark_loss`
 stays the general path (any logits) and the reference this one is tested
 against.
 
@@ -53,6 +55,17 @@ def _fused_compute_dtype(hidden: Tensor, lm_head_weight: Tensor, w2: Tensor | No
 
 
 # ------------------------------------------------------------- one chunk of positions
+def _softmax_(z: Tensor) -> tuple[Tensor, Tensor]:
+    """softmax(z) written over z [m, V], as exp(z − max) / Σ exp(z − max); returns (max, Σ)
+    [m, 1] so that log p_y = z_y − max − log Σ. In place: no [m, V] tensor is allocated (a
+    fresh one costs page faults of the order of its exp pass on a CPU). Deterministic per
+    row: equal logits rows give bitwise-equal probabilities (the sign(0) = 0 ties of Eq. 10)."""
+    top = z.amax(dim=-1, keepdim=True)
+    total = z.sub_(top).exp_().sum(dim=-1, keepdim=True)
+    z.div_(total)
+    return top, total
+
+
 @dataclass
 class _Head:
     """The shared LM head as the fused loss applies it to a chunk of m positions."""
@@ -64,42 +77,69 @@ class _Head:
     vocab: DraftVocab | None = None
     target_weight: Tensor | None = None  # [V, d], the full head p^t comes from (None: ``weight``)
 
-    def project(self, x: Tensor, pos: Tensor, weight: Tensor | None = None) -> Tensor:
-        """x[pos] Wᵀ: rows ``pos`` [m] of x [N·γ, d] -> [m, V] in the compute dtype."""
+    def project(self, x: Tensor, pos: Tensor, weight: Tensor | None = None, out: Tensor | None = None) -> Tensor:
+        """x[pos] Wᵀ: rows ``pos`` [m] of x [N·γ, d] -> [m, V] in the compute dtype, written
+        into ``out`` (a reused [m, V] buffer of the compute dtype) when given."""
         w = self.weight if weight is None else weight
-        return (x[pos].to(w.dtype) @ w.T).to(self.dtype)
+        if out is None:
+            return (x[pos].to(w.dtype) @ w.T).to(self.dtype)
+        if w.dtype != self.dtype:  # a bf16 head: the product in its dtype, upcast into the buffer
+            return out.copy_(x[pos].to(w.dtype) @ w.T)
+        return torch.mm(x[pos].to(w.dtype), w.T, out=out)
 
-    def draft_log_probs(self, h: Tensor, pos: Tensor, lat: Tensor | None) -> tuple[Tensor, Tensor | None]:
-        """log p^d [m, V] of z = softcap(h[pos] W_lmᵀ) + lat W2ᵀ, and tanh(h[pos] W_lmᵀ / c)
-        (None without softcap), kept for the backward: softcap' = 1 − tanh²."""
-        u = self.project(h, pos)  # [m, V]
+    def draft_probs(self, h: Tensor, pos: Tensor, lat: Tensor | None, y: Tensor, bufs: "_Buffers") -> tuple[Tensor, Tensor, Tensor | None]:
+        """(p^d [m, V], CE = −log p^d_y [m], tanh(h[pos] W_lmᵀ / c) or None without softcap)
+        for z = softcap(h[pos] W_lmᵀ) + lat W2ᵀ; tanh is kept for the backward: softcap' = 1 − tanh²."""
+        m = pos.shape[0]
         if self.softcap is not None:
-            tanh_u = u.div_(self.softcap).tanh_()
-            z = tanh_u * self.softcap
+            tanh_u = self.project(h, pos, out=bufs.tanh[:m]).div_(self.softcap).tanh_()
+            z = torch.mul(tanh_u, self.softcap, out=bufs.draft[:m])
         else:
-            tanh_u, z = None, u
+            tanh_u, z = None, self.project(h, pos, out=bufs.draft[:m])
         if lat is not None:
             z.addmm_(lat, self.w2.T)  # + B_k
-        return torch.log_softmax(z, dim=-1), tanh_u
+        z_y = z.gather(1, y)
+        top, total = _softmax_(z)
+        return z, (total.log() + top - z_y).squeeze(1), tanh_u
 
-    def target_logits(self, t: Tensor, pos: Tensor) -> Tensor:
+    def target_logits(self, t: Tensor, pos: Tensor, out: Tensor | None = None) -> Tensor:
         """softcap(t[pos] Wᵀ) [m, V] over the full vocabulary."""
-        logits = self.project(t, pos, self.target_weight)
+        logits = self.project(t, pos, self.target_weight, out)
         if self.softcap is not None:  # in place: softcap(x) = c·tanh(x/c)
             logits.div_(self.softcap).tanh_().mul_(self.softcap)
         return logits
 
-    def minus_target_probs(self, p: Tensor, t: Tensor, pos: Tensor) -> Tensor:
-        """p^d − p^t [m, V] from p = p^d [m, V] and the target hidden states t[pos] [m, d]."""
-        # p^t through the same log_softmax → exp as p^d, so that equal logits give
-        # bitwise-equal probabilities and sign(p − p^t) = 0 exactly there.
-        return torch.log_softmax(self.target_logits(t, pos), dim=-1).exp_().neg_().add_(p)
+    def minus_target_probs(self, p: Tensor, t: Tensor, pos: Tensor, out: Tensor) -> Tensor:
+        """p^d − p^t [m, V] from p = p^d [m, V] and the target hidden states t[pos] [m, d], in ``out``."""
+        # p^t through the same _softmax_ as p^d, so that equal logits give bitwise-equal
+        # probabilities and sign(p − p^t) = 0 exactly there.
+        p_t = self.target_logits(t, pos, out)
+        _softmax_(p_t)
+        return torch.sub(p, p_t, out=p_t)
 
     def minus_restricted_target(self, p: Tensor, t: Tensor, pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Draft vocabulary: (p^d − p^t_D [m, k], target mass inside [m], argmax inside Bool [m]),
         p^t_D the target restricted to the k ids and renormalised (EAGLE-3)."""
         logp, argmax_in, log_mass_in = self.vocab.restrict_logits(self.target_logits(t, pos))
         return logp.exp_().neg_().add_(p), log_mass_in.exp(), argmax_in
+
+
+@dataclass
+class _Buffers:
+    """[rows, V] buffers reused by every chunk of one pass (rows = the largest chunk)."""
+
+    draft: Tensor  # z, then p^d
+    target: Tensor  # target logits, then p^t, then p^d − p^t, then the logits gradient
+    tanh: Tensor | None  # tanh(u/c), softcap only
+
+    @staticmethod
+    def make(rows: int, cols: int, dtype: torch.dtype, device: torch.device, target: bool, tanh: bool) -> "_Buffers":
+        """Uninitialised buffers (every element is written before it is read); ``target``
+        False with a draft vocabulary, whose target side is V-sized, not k-sized."""
+        def empty() -> Tensor:
+            return torch.empty(rows, cols, dtype=dtype, device=device)
+
+        return _Buffers(empty(), empty() if target else None, empty() if tanh else None)
 
 
 def _logits_grad(p: Tensor, diff: Tensor, y: Tensor, a: Tensor, b: Tensor | None) -> Tensor:
@@ -110,9 +150,12 @@ def _logits_grad(p: Tensor, diff: Tensor, y: Tensor, a: Tensor, b: Tensor | None
     ``diff`` (or ``p`` when b is None): the caller must not read them again.
     """
     if b is not None:
-        diff.sign_()  # s, in place; sign(0) = 0 is the subgradient torch.abs uses
-        p_dot_s = torch.bmm(p[:, None, :], diff[:, :, None]).reshape(p.shape[0], 1)  # ⟨p, s⟩
-        g = diff.sub_(p_dot_s).mul_(b).add_(a).mul_(p)  # p ⊙ (a + b (s − ⟨p, s⟩))
+        # s = sign(p − p^t) in place (sign(0) = 0 is the subgradient torch.abs uses), then
+        # q = p ⊙ s: ⟨p, s⟩ is a plain row sum of q (a cheaper pass than a row-wise dot product),
+        # and g = b·q + (a − b⟨p, s⟩)·p.
+        q = diff.sign_().mul_(p)
+        c = a - b * q.sum(dim=1, keepdim=True)  # [m, 1]
+        g = q.mul_(b).addcmul_(p, c)  # p ⊙ (a + b (s − ⟨p, s⟩))
     else:
         g = p.mul_(a)
     g.scatter_add_(1, y, -a)  # − a·onehot(y)
@@ -132,12 +175,13 @@ class _Pass:
     grad_h: Tensor | None  # [N·γ, d], only if wanted
     grad_lat: Tensor | None  # [N·γ, r]
     grad_w2: Tensor | None  # [V, r]
+    bufs: _Buffers | None = None
     tv_full: Tensor | None = None  # [N·γ], TV against the full target (draft vocabulary only)
 
 
 def _fused_chunk(run: _Pass, head: _Head, pos: Tensor, ce_coef: Tensor, tv_coef: Tensor | None, any_grad: bool) -> None:
     """CE and TV terms at the supervised positions ``pos`` [m] and, if ``any_grad``, their
-    gradients (``tv_coef`` None: no TV gradient); every [m, V] tensor dies here."""
+    gradients (``tv_coef`` None: no TV gradient); [m, V] work happens in ``run.bufs``."""
     block_size = ce_coef.shape[0]
     y = run.labels[pos][:, None]  # [m, 1], target ids
     if head.vocab is not None:
@@ -145,12 +189,10 @@ def _fused_chunk(run: _Pass, head: _Head, pos: Tensor, ce_coef: Tensor, tv_coef:
         label_in = y.squeeze(1) >= 0
         y = y.clamp_min(0)
     lat = None if run.latent is None else run.latent[pos].to(head.dtype)  # [m, r]
-    p, tanh_u = head.draft_log_probs(run.hidden, pos, lat)  # [m, V or k], log p^d for now
-    ce = -p.gather(1, y).squeeze(1)
-    p.exp_()  # p^d
+    p, ce, tanh_u = head.draft_probs(run.hidden, pos, lat, y, run.bufs)  # p^d [m, V or k]
     keep = None
     if head.vocab is None:
-        diff = head.minus_target_probs(p, run.target_hidden, pos)  # [m, V]
+        diff = head.minus_target_probs(p, run.target_hidden, pos, run.bufs.target[: pos.shape[0]])  # [m, V]
     else:
         diff, mass_in, argmax_in = head.minus_restricted_target(p, run.target_hidden, pos)  # [m, k]
         keep = label_in & argmax_in
@@ -226,9 +268,10 @@ def _fused_ce_tv(
     tv_grad = any_grad and bool((tv_coef != 0).any())
     positions = valid.reshape(-1).nonzero().squeeze(1)  # supervised positions, row-major
     step = chunk_rows * block_size
+    run.bufs = _Buffers.make(min(step, positions.numel()), lm_head_weight.shape[0], dtype, hidden.device,
+                             target=vocab is None, tanh=softcap is not None)
     for start in range(0, positions.numel(), step):
         _fused_chunk(run, head, positions[start : start + step], ce_coef, tv_coef if tv_grad else None, any_grad)
-
     shape = (rows, block_size)
     return (
         run.ce.reshape(shape),
@@ -381,8 +424,8 @@ def fused_dspark_loss(
         w2: [V, r] the sequential head's W2, given iff ``latent`` is.
         softcap: c of the final-logit soft-cap c·tanh(x/c) (Gemma), or None.
         chunk_rows: supervised positions are processed ``chunk_rows·γ`` at a
-            time; peak memory grows with chunk_rows·γ·V (3 fp32 [chunk_rows·γ, V]
-            buffers, 4 with softcap).
+            time; peak memory grows with chunk_rows·γ·V (2 fp32 [chunk_rows·γ, V] buffers
+            reused by every chunk, 3 with softcap; + V-sized target logits with ``vocab``).
         vocab, target_lm_head_weight: a draft vocabulary of k ids (``lm_head_weight`` [k, d], ``w2``
             [k, r]) and the full [V, d] head p^t comes from (dspark.loss docstring), or both None.
 
