@@ -156,7 +156,8 @@ def _with_draft_head(drafter: Drafter, tensors: dict[str, torch.Tensor]) -> dict
 def _refuse_draft_vocab(config: DrafterConfig, destination: str, why: str) -> None:
     if config.draft_vocab_size:
         _refuse(destination, f"this drafter has a draft vocabulary of {config.draft_vocab_size} ids and {why}; "
-                             "vLLM serves it (--to vllm)")
+                             "vLLM serves it (--to vllm); for this destination train with drafter.draft_vocab_size=0 "
+                             "(the full vocabulary)")
 
 
 # ------------------------------------------------------------------ what each destination can serve
