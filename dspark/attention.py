@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 NAME = "sdpa_gqa"
 
@@ -37,8 +38,6 @@ def sdpa_gqa_attention(
 ) -> tuple[Tensor, None]:
     """transformers' attention-function signature: query [B, H, q, D], key/value [B, H_kv, kv, D]
     -> ([B, q, H, D], None)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     groups = getattr(module, "num_key_value_groups", 1)
     q_len, kv_len = query.shape[2], key.shape[2]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)

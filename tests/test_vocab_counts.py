@@ -83,7 +83,9 @@ def test_coverage_table_measures_each_mode_on_each_set():
     assert by["hard", 4]["held"] == 0.75  # ids {0, 2, 4} + the lowest id of count 0, 1
 
 
-def test_the_vocab_recipe_writes_the_vocabulary_its_counts_and_coverage(tmp_path):
+def _prepared_run(tmp_path):
+    """A tiny target, 8 rendered samples split 6 / 2 in <tmp>/data, and a config asking for k = 40
+    from hard counts in online mode: (target, samples, data folder, config)."""
     target = make_tiny_target("llama")
     samples = synthetic_samples(target.vocab_size, n=8)
     data = tmp_path / "data"
@@ -93,6 +95,11 @@ def test_the_vocab_recipe_writes_the_vocabulary_its_counts_and_coverage(tmp_path
     config = dataclasses.replace(
         config, drafter=dataclasses.replace(config.drafter, draft_vocab_size=40),
         data=dataclasses.replace(config.data, data_dir=str(data), feature_mode="online", vocab_counts="hard"))
+    return target, samples, data, config
+
+
+def test_the_vocab_recipe_writes_the_vocabulary_its_counts_and_coverage(tmp_path):
+    target, samples, data, config = _prepared_run(tmp_path)
     path, info = write_draft_vocab(config, target, ks=[40], progress=False)
     assert path == data / "draft_vocab_40.safetensors"
     train_hard = hard_counts(RenderedSource(samples[:6]), target.vocab_size)
@@ -110,15 +117,7 @@ def test_train_counts_a_missing_vocabulary_at_its_default_place_only(tmp_path):
     would; a missing file the config names explicitly is an error, not a silent recount."""
     from dspark.cli import _draft_vocab_file
 
-    target = make_tiny_target("llama")
-    samples = synthetic_samples(target.vocab_size, n=8)
-    data = tmp_path / "data"
-    save_rendered(samples, data / "rendered.jsonl")
-    (data / "split.json").write_text(json.dumps({"train": list(range(6)), "holdout": [6, 7]}))
-    config = tiny_config(target, str(tmp_path))
-    config = dataclasses.replace(
-        config, drafter=dataclasses.replace(config.drafter, draft_vocab_size=40),
-        data=dataclasses.replace(config.data, data_dir=str(data), feature_mode="online", vocab_counts="hard"))
+    target, samples, data, config = _prepared_run(tmp_path)
     path = _draft_vocab_file(config, target, rank=0, world=1)
     assert path == data / "draft_vocab_40.safetensors"
     train_hard = hard_counts(RenderedSource(samples[:6]), target.vocab_size)

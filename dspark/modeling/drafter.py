@@ -59,10 +59,16 @@ class DraftContext:
 
     def crop(self, lengths: Tensor | int) -> None:
         """Forget context positions >= lengths (per row or for all rows)."""
-        new = torch.as_tensor(lengths, device=self.lengths.device).expand_as(self.lengths)
-        if bool((new > self.lengths).any()):
-            raise ValueError("DraftContext.crop can only shorten the context")
-        self.lengths = new.clone()
+        self.lengths = shortened(self.lengths, lengths, "DraftContext")
+
+
+def shortened(current: Tensor, lengths: Tensor | int, owner: str) -> Tensor:
+    """The new per-row lengths [B] of a context crop to ``lengths`` (per row or for all rows);
+    a crop only shortens."""
+    new = torch.as_tensor(lengths, device=current.device).expand_as(current)
+    if bool((new > current).any()):
+        raise ValueError(f"{owner}.crop can only shorten the context")
+    return new.clone()
 
 
 @dataclass

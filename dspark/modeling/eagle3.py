@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dspark.modeling.config import DrafterConfig, resolve_attention_dims
-from dspark.modeling.drafter import Drafter, Proposal, init_linears
+from dspark.modeling.drafter import Drafter, Proposal, init_linears, shortened
 from dspark.modeling.layers import GatedMLP, RMSNorm, Rotary, apply_rope, attention
 from dspark.modeling.vocab import DraftVocab, register_vocab_buffers
 from dspark.ops import vocab_logits
@@ -136,11 +136,8 @@ class Eagle3Context:
 
     def crop(self, lengths: Tensor | int) -> None:
         """Forget positions >= lengths (per row or for all rows)."""
-        new = torch.as_tensor(lengths, device=self.lengths.device).expand_as(self.lengths)
-        if bool((new > self.lengths).any()):
-            raise ValueError("Eagle3Context.crop can only shorten the context")
-        self.lengths = new.clone()
-        self.cached = torch.minimum(self.cached, (new - 1).clamp_min(0))
+        self.lengths = shortened(self.lengths, lengths, "Eagle3Context")
+        self.cached = torch.minimum(self.cached, (self.lengths - 1).clamp_min(0))
 
 
 class Eagle3Drafter(nn.Module):
