@@ -43,7 +43,8 @@ from pathlib import Path
 
 import torch
 
-from dspark.runtime import build_drafter, cpu_has_native_bf16, load_target
+from dspark import cpu_linear
+from dspark.runtime import build_drafter, cpu_has_native_bf16, load_target, prepare_for_decoding
 from dspark.config import load_config
 from dspark.decoding import speculative_generate, target_generate
 
@@ -92,11 +93,13 @@ def plain_transformers_steps(model, prompt: list[int], steps: int, temperature: 
     """Decode with the bare transformers model, one token a forward; return the start-to-start
     seconds of the decoding iterations (sample the token, forward it), as a step is timed."""
     # transformers' own attention too (TargetModel loads "sdpa" on CPU as dspark.attention's sdpa_gqa,
-    # which only differs for several query tokens: the same numbers for these one-token steps).
+    # which only differs for several query tokens: the same numbers for these one-token steps),
+    # and F.linear for every product (no oneDNN-packed weights: target.cpu_linear).
     own = model.config._attn_implementation
     model.set_attn_implementation("sdpa")
     try:
-        return _plain_steps(model, prompt, steps, temperature, generator)
+        with cpu_linear.suspended():
+            return _plain_steps(model, prompt, steps, temperature, generator)
     finally:
         model.set_attn_implementation(own)
 
@@ -131,7 +134,7 @@ def ms(seconds: float) -> str:
 def measure(config, args) -> dict[str, float]:
     """Time target-only steps and speculative rounds with the target and drafter of `config`."""
     target = load_target(config)
-    drafter = build_drafter(config, target)
+    drafter = prepare_for_decoding(target, build_drafter(config, target))
     gamma = drafter.config.block_size
     text = PROMPT
     while len(target.tokenizer(text)["input_ids"]) < args.prompt_tokens:  # a longer context, same question
@@ -143,7 +146,9 @@ def measure(config, args) -> dict[str, float]:
     print(
         f"\n== target SmolLM2-135M {config.target.dtype}, {config.drafter.variant} drafter "
         f"{config.drafter.num_draft_layers} layers "
-        f"{config.drafter.dtype}, γ={gamma}, prompt {len(prompt)} tokens, T={args.temperature}"
+        f"{config.drafter.dtype}, γ={gamma}, prompt {len(prompt)} tokens, T={args.temperature}, "
+        f"few-row products: {'oneDNN packed' if cpu_linear.is_registered(target.lm_head_weight()) else 'torch'} "
+        f"(target.cpu_linear={config.target.cpu_linear})"
     )
 
     # Target-only steps and speculative rounds are measured in alternating chunks, so that

@@ -40,6 +40,9 @@ class TargetConfig:
     device: str = "auto"  # "auto" (this rank's GPU if there is one, else cpu) | "cpu" | "cuda" | "cuda:N"
     attn_implementation: str = "sdpa"
     trust_remote_code: bool = False
+    # Few-row decoding products (1-32 rows) through oneDNN-packed weights (dspark.cpu_linear):
+    # "auto" (on a CPU in float32) | "onednn" (on a CPU, float32 or bfloat16) | "torch" (never)
+    cpu_linear: str = "auto"
 
 
 @dataclass
@@ -313,6 +316,7 @@ def eagle3_of(config: Config, preset: str = "eagle3_deepspec", num_target_layers
 # ----------------------------------------------------------------- validation
 _CHOICES = {
     "target.dtype": ("auto", "float32", "bfloat16", "float16"),
+    "target.cpu_linear": ("auto", "onednn", "torch"),
     "drafter.variant": ("dspark", "dflash", "eagle3"),
     "drafter.eagle3_preset": EAGLE3_PRESETS,
     "drafter.block_layout": ("anchor_first", "anchor_plus_masks"),

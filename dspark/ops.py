@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from dspark import cpu_linear
+
 # Up to this many rows, a float32 vocabulary projection on CPU is computed as W @ hᵀ.
 _CPU_FP32_FEW_ROWS = 8
 
@@ -25,7 +27,12 @@ def vocab_logits(hidden: Tensor, weight: Tensor, *, contiguous: bool = True) -> 
     the rows interleaved in memory) instead of copying it into row-major order: a
     caller that copies the logits anyway (the drafter's sampling loop makes its own
     fp32 copy to add the Markov biases to) saves one [rows, V] copy. Same values.
+
+    A weight registered with :mod:`dspark.cpu_linear` (``target.cpu_linear``) takes its
+    oneDNN-packed kernel for 1..32 rows instead (contiguous logits).
     """
+    if cpu_linear.is_registered(weight) and cpu_linear.applies(hidden, weight):
+        return cpu_linear.linear(hidden, weight)  # a oneDNN-packed weight (dspark.cpu_linear)
     rows = hidden.numel() // hidden.shape[-1] if hidden.shape[-1] else 0
     if hidden.device.type != "cpu" or hidden.dtype != torch.float32 or weight.dtype != torch.float32:
         return F.linear(hidden, weight)

@@ -7,6 +7,7 @@ import os
 
 import torch
 
+from dspark import cpu_linear
 from dspark.config import Config, DrafterSpec
 from dspark.modeling import Drafter, DrafterConfig, Eagle3Drafter, make_drafter
 from dspark.target import TargetModel
@@ -94,6 +95,7 @@ def load_target(config: Config, target_layer_ids: list[int] | None = None) -> Ta
         device=device,
         attn_implementation=t.attn_implementation,
         trust_remote_code=t.trust_remote_code,
+        cpu_linear=t.cpu_linear,
     )
 
 
@@ -130,6 +132,14 @@ def build_drafter(config: Config, target: TargetModel, seed: int | None = None) 
     return drafter.attach_target(target)
 
 
+def prepare_for_decoding(target: TargetModel, drafter: Drafter | Eagle3Drafter) -> Drafter | Eagle3Drafter:
+    """The drafter in eval mode, its few-row products on oneDNN-packed weights when the target's are
+    (``target.cpu_linear``, dspark.cpu_linear)."""
+    if cpu_linear.is_registered(target.lm_head_weight()):
+        cpu_linear.pack_linears(drafter)
+    return drafter.eval()
+
+
 def load_models(config: Config) -> tuple[TargetModel, Drafter | Eagle3Drafter, str]:
     """The target and the drafter that `propose`, `eval` and `simulate` decode with, and where
     the drafter comes from: the trained folder `eval.draft`, or else a fresh drafter built from
@@ -143,9 +153,9 @@ def load_models(config: Config) -> tuple[TargetModel, Drafter | Eagle3Drafter, s
         target = load_target(config, read_config(draft).target_layer_ids)
         drafter = load_drafter(draft, target, dtype=target.dtype, device=target.device,
                                **({"block_size": gamma} if gamma else {}))
-        return target, drafter.eval(), f"loaded from {draft}"
+        return target, prepare_for_decoding(target, drafter), f"loaded from {draft}"
     target = load_target(config)
     dtype = torch.float32 if target.dtype == torch.float16 else target.dtype
     spec = dataclasses.replace(config.drafter, dtype=dtype_name(dtype), **({"block_size": gamma} if gamma else {}))
     drafter = build_drafter(dataclasses.replace(config, drafter=spec), target)
-    return target, drafter.eval(), "freshly initialised from the config's drafter section (untrained: expect τ near 1)"
+    return target, prepare_for_decoding(target, drafter), "freshly initialised from the config's drafter section (untrained: expect τ near 1)"

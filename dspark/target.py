@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from dspark import cpu_linear as _cpu_linear
 from dspark import hub
 from dspark.ops import vocab_logits
 
@@ -180,6 +181,7 @@ class TargetModel(nn.Module):
         device: str | torch.device = "cpu",
         attn_implementation: str = "sdpa",
         trust_remote_code: bool = False,
+        cpu_linear: str = "auto",
     ) -> TargetModel:
         """Load a target by hub name, local folder, or ``"smollm2-135m"`` (see :mod:`dspark.hub`).
 
@@ -188,6 +190,9 @@ class TargetModel(nn.Module):
         The tokenizer is loaded too (``.tokenizer``, None if the folder has none).
         ``"sdpa"`` on CPU loads as ``dspark.attention``'s ``sdpa_gqa``: the same kernel and
         numbers, without the key/value head copies of a multi-token (verification) forward.
+        ``cpu_linear`` (``"auto"`` | ``"onednn"`` | ``"torch"``, :func:`dspark.cpu_linear.resolve`):
+        whether the few-row products of decoding (1-32 rows) use oneDNN-packed weights; ``"auto"``
+        does on a CPU in float32. Prefill and training products are unchanged.
         """
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -207,6 +212,8 @@ class TargetModel(nn.Module):
         )
         model.to(device)
         _own_cpu_memory(model)
+        if _cpu_linear.resolve(cpu_linear, device, dtype):
+            _cpu_linear.pack_linears(model)
         tokenizer = None
         if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
             # transformers 5 would otherwise build an empty tokenizer from the model type.
@@ -260,7 +267,7 @@ class TargetModel(nn.Module):
         """[..., d] final-normed hidden -> [..., V] logits, with final_logit_softcapping if the family has it."""
         head = self._parts.lm_head
         bias = getattr(head, "bias", None)
-        plain = type(head) is nn.Linear and bias is None and not head._forward_hooks and not head._forward_pre_hooks
+        plain = type(head) in (nn.Linear, _cpu_linear.PackedLinear) and bias is None and not head._forward_hooks and not head._forward_pre_hooks
         if plain and not hasattr(head, "_hf_hook"):  # no offloading hooks: use the CPU-friendly kernel choice
             logits = vocab_logits(hidden, head.weight)
         else:

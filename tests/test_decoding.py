@@ -19,6 +19,8 @@ import torch
 
 from helpers.targets import make_tiny_target
 from dspark.calibration import prefix_labels
+from dspark import cpu_linear
+from dspark.runtime import prepare_for_decoding
 from dspark.decoding import DecodeResult, RoundRecord, speculative_generate, target_generate
 from dspark.metrics import summarize_rounds
 from dspark.modeling import Drafter, DrafterConfig, Proposal
@@ -281,16 +283,18 @@ def test_a_drafter_with_the_targets_own_distribution_is_always_fully_accepted(te
 
 # --------------------------------------------------------------------------- T > 0
 @pytest.mark.parametrize(
-    "temperature,dtype",
-    [(1.0, torch.float32), (0.7, torch.float32), (1.0, torch.bfloat16)],
-    ids=["T1", "T0.7", "T1-bf16"],
+    "temperature,dtype,packed",
+    [(1.0, torch.float32, False), (0.7, torch.float32, False), (1.0, torch.bfloat16, False),
+     (1.0, torch.float32, True)],
+    ids=["T1", "T0.7", "T1-bf16", "T1-onednn"],
 )
-def test_output_distribution_is_the_targets_own(temperature, dtype):
+def test_output_distribution_is_the_targets_own(temperature, dtype, packed):
     """The first three tokens against their exact joint distribution under target-only
     sampling. With γ = 1, x_0 comes from the prefill, x_1 is an accepted draft or a
     correction, and x_2 is the bonus of the first round or comes from a second round
     (after the cache crop and context extend). In bf16 (what `--dtype auto` decodes in on a
-    GPU) the target and drafter run in bf16 and the probabilities stay fp32."""
+    GPU) the target and drafter run in bf16 and the probabilities stay fp32. ``packed``: the
+    target's and drafter's few-row products on oneDNN-packed weights (target.cpu_linear)."""
     target = make_tiny_target("llama", vocab_size=8, num_hidden_layers=2, target_layer_ids=(-1, 1))
     drafter = random_drafter(target, gamma=1, seed=2)
     with torch.no_grad():  # flatter drafts: about 60 % accepted, so both branches are sampled often
@@ -298,6 +302,11 @@ def test_output_distribution_is_the_targets_own(temperature, dtype):
     if dtype != torch.float32:
         target.model.to(dtype)
         drafter = drafter.to(dtype).attach_target(target)
+    if packed:
+        if not cpu_linear.available():
+            pytest.skip("this torch build has no oneDNN")
+        cpu_linear.pack_linears(target.model)
+        drafter = prepare_for_decoding(target, drafter)
     prompt, V, samples = [1, 3, 2, 0], target.vocab_size, 1000
     gen = torch.Generator().manual_seed(1234)
     counts = torch.zeros(V, V, V)

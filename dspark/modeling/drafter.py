@@ -36,6 +36,7 @@ from dspark.modeling.config import DrafterConfig
 from dspark.modeling.heads import ConfidenceHead, MarkovHead, build_sequential_head
 from dspark.modeling.layers import DraftLayer, Rotary, RMSNorm
 from dspark.modeling.vocab import DraftVocab, register_vocab_buffers
+from dspark import cpu_linear
 from dspark.ops import vocab_logits
 
 SHARED_PARAMS = ("embed_tokens.weight", "lm_head.weight")
@@ -193,6 +194,8 @@ class Drafter(nn.Module):
         cached = self.__dict__.get("_head_rows")
         if cached is None or cached[0] != key or cached[1] is not vocab:
             cached = (key, vocab, vocab.head_weight(w))
+            if cpu_linear.is_registered(w):  # the k rows decode through oneDNN like the head they come from
+                cpu_linear.register(cached[2])
             self.__dict__["_head_rows"] = cached
         return cached[2]
 
