@@ -177,6 +177,7 @@ def train_step(drafter: Drafter, batch: dict[str, Tensor], variant: str, weights
         out = fused_dspark_loss(
             h_flat, drafter.shared_weights()["lm_head.weight"], t_hidden, labels, valid, conf, weights,
             latent=head.block_latent(prev_flat, h_flat), w2=head.markov_w2.weight, chunk_rows=CHUNK_ROWS,
+            target_rows=(torch.arange(B)[:, None, None] * S + tpos).reshape(-1, GAMMA),
         )
     else:
         out = dspark_loss(

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["FEW_ROWS", "PackedLinear", "applies", "available", "is_registered", "linear", "pack_linears",
+__all__ = ["FEW_ROWS", "PackedLinear", "applies", "available", "can_pack", "is_registered", "linear", "pack_linears",
            "register", "resolve", "suspended", "unpack_linears", "unregister"]
 
 # Up to this many rows the packed kernel is used; above it (prefill, training batches)
@@ -51,21 +51,41 @@ def available() -> bool:
     return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def can_pack(dtype: torch.dtype) -> bool:
+    """Whether this CPU and torch build can pack (and multiply) a ``dtype`` weight: oneDNN's bf16
+    packing needs AVX512 (BW, VL, DQ) or AVX-NE-CONVERT, float32 packing a plain x86-64 or Arm CPU."""
+    if dtype not in _DTYPES or not available():
+        return False
+    if dtype not in _CAN_PACK:
+        try:
+            w = torch.ops.mkldnn._reorder_linear_weight(torch.ones(4, 4, dtype=dtype), _PACK_ROWS)
+            y = torch.ops.mkldnn._linear_pointwise(torch.ones(1, 4, dtype=dtype), w, None, "none", [], "")
+            _CAN_PACK[dtype] = bool(torch.equal(y.float(), torch.full((1, 4), 4.0)))
+        except RuntimeError:
+            _CAN_PACK[dtype] = False
+    return _CAN_PACK[dtype]
+
+
+_CAN_PACK: dict[torch.dtype, bool] = {}
+
+
 def resolve(choice: str, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether decoding on ``device`` in ``dtype`` uses packed weights under ``choice``.
 
     ``"auto"``: on a CPU in float32, where it was measured faster (bfloat16 already runs on
-    oneDNN through ``F.linear``); ``"onednn"``: on a CPU in float32 or bfloat16; ``"torch"``: never.
+    oneDNN through ``F.linear``); ``"onednn"``: on a CPU in float32 or bfloat16 (an error if this
+    CPU cannot pack that dtype); ``"torch"``: never.
     """
     if choice not in CHOICES:
         raise ValueError(f"target.cpu_linear must be one of {CHOICES}, got {choice!r}")
     if choice == "torch" or torch.device(device).type != "cpu":
         return False
-    if choice == "onednn" and not available():
-        raise ValueError("target.cpu_linear='onednn' needs a torch build with oneDNN (mkldnn); "
-                         "use 'auto' or 'torch'")
-    wanted = _DTYPES if choice == "onednn" else (torch.float32,)
-    return available() and dtype in wanted
+    if choice == "auto":
+        return dtype == torch.float32 and can_pack(dtype)
+    if dtype not in _DTYPES or not can_pack(dtype):
+        raise ValueError(f"target.cpu_linear='onednn' cannot pack {dtype} weights with this torch build and CPU "
+                         "(oneDNN's bf16 packing needs AVX512-BW/VL/DQ or AVX-NE-CONVERT): use 'auto' or 'torch'")
+    return True
 
 
 @dataclass
@@ -164,7 +184,7 @@ def applies(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
         return False
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
         return False  # the packed op has no autograd formula
-    return True
+    return can_pack(x.dtype)
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:

@@ -14,7 +14,7 @@ so one forward pass per chunk yields the terms AND the gradients w.r.t. the
 chunk's small inputs (hidden, latent, W2); no logits are recomputed and no
 [m, V] tensor outlives the call. Per supervised position that is 4
 vocabulary-sized matmuls (draft logits, target logits, grad → h, grad →
-W2/latent) and one pass of softmax/TV work, done in place in two [m, V] buffers
+W2/latent; the target logits once per distinct target position with ``target_rows``) and one pass of softmax/TV work, done in place in two [m, V] buffers
 (three with softcap) that every chunk of the call reuses: on a CPU a fresh
 buffer costs page faults of the order of an exp pass over it. :func:`dspark.loss.dspark_loss`
 stays the general path (any logits) and the reference this one is tested
@@ -117,10 +117,22 @@ class _Head:
         _softmax_(p_t)
         return torch.sub(p, p_t, out=p_t)
 
-    def minus_restricted_target(self, p: Tensor, t: Tensor, pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def minus_distinct_target_probs(self, p: Tensor, t: Tensor, rows: Tensor, expand: Tensor, bufs: "_Buffers") -> Tensor:
+        """p^d − p^t [m, V] like :meth:`minus_target_probs`, with p^t computed once per distinct target
+        position: rows [u] of t to project, expand [m] the distinct row of each of the m positions."""
+        p_t = self.target_logits(t, rows, bufs.distinct[: rows.shape[0]])
+        _softmax_(p_t)
+        diff = torch.index_select(p_t, 0, expand, out=bufs.target[: expand.shape[0]])
+        return torch.sub(p, diff, out=diff)
+
+    def minus_restricted_target(self, p: Tensor, t: Tensor, pos: Tensor,
+                                expand: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """Draft vocabulary: (p^d − p^t_D [m, k], target mass inside [m], argmax inside Bool [m]),
-        p^t_D the target restricted to the k ids and renormalised (EAGLE-3)."""
+        p^t_D the target restricted to the k ids and renormalised (EAGLE-3). With ``expand`` [m],
+        ``pos`` are the distinct target rows and row i of the result reads distinct row expand[i]."""
         logp, argmax_in, log_mass_in = self.vocab.restrict_logits(self.target_logits(t, pos))
+        if expand is not None:
+            logp, argmax_in, log_mass_in = logp[expand], argmax_in[expand], log_mass_in[expand]
         return logp.exp_().neg_().add_(p), log_mass_in.exp(), argmax_in
 
 
@@ -131,15 +143,18 @@ class _Buffers:
     draft: Tensor  # z, then p^d
     target: Tensor  # target logits, then p^t, then p^d − p^t, then the logits gradient
     tanh: Tensor | None  # tanh(u/c), softcap only
+    distinct: Tensor | None = None  # p^t of a chunk's distinct target positions (``target_rows``)
 
     @staticmethod
-    def make(rows: int, cols: int, dtype: torch.dtype, device: torch.device, target: bool, tanh: bool) -> "_Buffers":
+    def make(rows: int, cols: int, dtype: torch.dtype, device: torch.device, target: bool, tanh: bool,
+             distinct: bool = False) -> "_Buffers":
         """Uninitialised buffers (every element is written before it is read); ``target``
         False with a draft vocabulary, whose target side is V-sized, not k-sized."""
         def empty() -> Tensor:
             return torch.empty(rows, cols, dtype=dtype, device=device)
 
-        return _Buffers(empty(), empty() if target else None, empty() if tanh else None)
+        return _Buffers(empty(), empty() if target else None, empty() if tanh else None,
+                        empty() if target and distinct else None)
 
 
 def _logits_grad(p: Tensor, diff: Tensor, y: Tensor, a: Tensor, b: Tensor | None) -> Tensor:
@@ -177,6 +192,25 @@ class _Pass:
     grad_w2: Tensor | None  # [V, r]
     bufs: _Buffers | None = None
     tv_full: Tensor | None = None  # [N·γ], TV against the full target (draft vocabulary only)
+    target_rows: Tensor | None = None  # [N·γ] int64: equal ids have equal target hidden states
+
+
+# Below this share of distinct target positions in a chunk, p^t is computed once per distinct
+# position and gathered; above it the gather costs more than the rows it saves.
+_DISTINCT_SHARE = 0.9
+
+
+def _distinct_target_rows(run: _Pass, pos: Tensor) -> tuple[Tensor, Tensor | None]:
+    """(rows of the target hidden states to project, [m] index of each position's row in them or
+    None): one row per distinct ``run.target_rows`` id among ``pos`` (the smallest), when that
+    saves enough; else (pos, None)."""
+    if run.target_rows is None:
+        return pos, None
+    distinct, expand = torch.unique(run.target_rows[pos], return_inverse=True)
+    if distinct.numel() > _DISTINCT_SHARE * pos.numel():
+        return pos, None
+    first = torch.full_like(distinct, run.target_rows.numel()).scatter_reduce_(0, expand, pos, reduce="amin")
+    return first, expand
 
 
 def _fused_chunk(run: _Pass, head: _Head, pos: Tensor, ce_coef: Tensor, tv_coef: Tensor | None, any_grad: bool) -> None:
@@ -191,10 +225,13 @@ def _fused_chunk(run: _Pass, head: _Head, pos: Tensor, ce_coef: Tensor, tv_coef:
     lat = None if run.latent is None else run.latent[pos].to(head.dtype)  # [m, r]
     p, ce, tanh_u = head.draft_probs(run.hidden, pos, lat, y, run.bufs)  # p^d [m, V or k]
     keep = None
-    if head.vocab is None:
+    t_rows, expand = _distinct_target_rows(run, pos)  # p^t once per distinct target position
+    if head.vocab is None and expand is None:
         diff = head.minus_target_probs(p, run.target_hidden, pos, run.bufs.target[: pos.shape[0]])  # [m, V]
+    elif head.vocab is None:
+        diff = head.minus_distinct_target_probs(p, run.target_hidden, t_rows, expand, run.bufs)  # [m, V]
     else:
-        diff, mass_in, argmax_in = head.minus_restricted_target(p, run.target_hidden, pos)  # [m, k]
+        diff, mass_in, argmax_in = head.minus_restricted_target(p, run.target_hidden, t_rows, expand)  # [m, k]
         keep = label_in & argmax_in
         p_t_in = p - diff
         run.tv_full[pos] = full_vocab_tv(p, p_t_in, mass_in)
@@ -236,6 +273,7 @@ def _fused_ce_tv(
     want: tuple[bool, bool, bool],
     vocab: DraftVocab | None = None,
     target_weight: Tensor | None = None,
+    target_rows: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None]:
     """Per-position CE and TV terms [N, γ], the TV c* is read from [N, γ] and, for the inputs
     flagged in ``want`` (hidden, latent, w2), the gradients of Σ (ce_coef_k·CE + tv_coef_k·TV),
@@ -263,13 +301,14 @@ def _fused_ce_tv(
         grad_lat=zeros(*flat_lat.shape) if want[1] else None,
         grad_w2=zeros(*w2.shape) if want[2] else None,
         tv_full=None if vocab is None else zeros(rows * block_size),
+        target_rows=None if target_rows is None else target_rows.reshape(-1),
     )
     any_grad = any(want)
     tv_grad = any_grad and bool((tv_coef != 0).any())
     positions = valid.reshape(-1).nonzero().squeeze(1)  # supervised positions, row-major
     step = chunk_rows * block_size
     run.bufs = _Buffers.make(min(step, positions.numel()), lm_head_weight.shape[0], dtype, hidden.device,
-                             target=vocab is None, tanh=softcap is not None)
+                             target=vocab is None, tanh=softcap is not None, distinct=target_rows is not None)
     for start in range(0, positions.numel(), step):
         _fused_chunk(run, head, positions[start : start + step], ce_coef, tv_coef if tv_grad else None, any_grad)
     shape = (rows, block_size)
@@ -294,7 +333,7 @@ class _FusedCeTv(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, latent, w2, lm_head_weight, target_hidden, labels, valid,
-                ce_coef, tv_coef, softcap, chunk_rows, grad_enabled, vocab, target_weight):
+                ce_coef, tv_coef, softcap, chunk_rows, grad_enabled, vocab, target_weight, target_rows):
         # Inside forward grad mode is off and needs_input_grad ignores it: hence grad_enabled.
         want = tuple(bool(grad_enabled and flag) for flag in ctx.needs_input_grad[:3])
         # The precision is explicit inside (vocabulary matmuls in the LM head's dtype, softmaxes
@@ -302,7 +341,7 @@ class _FusedCeTv(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False):
             ce_terms, tv_terms, tv_c_star, grad_h, grad_lat, grad_w2 = _fused_ce_tv(
                 hidden, latent, w2, lm_head_weight, target_hidden, labels, valid,
-                ce_coef, tv_coef, softcap, chunk_rows, want, vocab, target_weight,
+                ce_coef, tv_coef, softcap, chunk_rows, want, vocab, target_weight, target_rows,
             )
             objective = (ce_terms * ce_coef).sum() + (tv_terms * tv_coef).sum()
         ctx.save_for_backward(grad_h, grad_lat, grad_w2)
@@ -321,7 +360,7 @@ class _FusedCeTv(torch.autograd.Function):
             None if g is None else (grad_objective * g).to(dtype)
             for g, dtype in zip(ctx.saved_tensors, ctx.input_dtypes)
         ]
-        return (*grads, None, None, None, None, None, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None, None, None, None, None, None)
 
 
 def _check_fused_inputs(
@@ -404,6 +443,7 @@ def fused_dspark_loss(
     denominator: Tensor | None = None,
     vocab: DraftVocab | None = None,
     target_lm_head_weight: Tensor | None = None,
+    target_rows: Tensor | None = None,
 ) -> LossOutput:
     """The DSpark loss (Eq. 8-12) fused with the LM head, for drafter-shaped logits.
 
@@ -436,6 +476,10 @@ def fused_dspark_loss(
     check_loss_inputs(labels, valid, confidence_logits, weights, denominator)
     _check_fused_inputs(hidden, lm_head_weight, target_hidden, labels, latent, w2, softcap, chunk_rows)
     _check_vocab_inputs(lm_head_weight, vocab, target_lm_head_weight)
+    if target_rows is not None and (target_rows.shape != labels.shape or target_rows.dtype.is_floating_point
+                                    or target_rows.dtype == torch.bool):
+        raise ValueError(f"target_rows must be integer ids [N, γ] = {tuple(labels.shape)}, got "
+                         f"{target_rows.dtype} {tuple(target_rows.shape)}")
     valid = valid.to(device=hidden.device, dtype=torch.bool)
     safe_labels = torch.where(valid, labels.long(), torch.zeros_like(labels, dtype=torch.long))
     dtype = _fused_compute_dtype(hidden, lm_head_weight, w2)
@@ -445,7 +489,8 @@ def fused_dspark_loss(
     objective, ce_terms, tv_terms, tv_c_star = _FusedCeTv.apply(
         hidden, latent, w2, lm_head_weight, target_hidden.detach(), safe_labels, valid,
         ce_coef, tv_coef, None if softcap is None else float(softcap), chunk_rows, torch.is_grad_enabled(),
-        vocab, None if target_lm_head_weight is None else target_lm_head_weight.detach())
+        vocab, None if target_lm_head_weight is None else target_lm_head_weight.detach(),
+        None if target_rows is None else target_rows.to(device=hidden.device, dtype=torch.long))
     c_star = (1.0 - 0.5 * tv_c_star).clamp(0.0, 1.0)  # [N, γ], Eq. 8 (detached: no graph)
     return reduce_terms(ce_terms, tv_terms, c_star, confidence_logits, valid, weights, denominator,
                         ce_tv_loss=objective)

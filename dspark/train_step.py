@@ -54,7 +54,8 @@ class DraftLossModule(nn.Module):
         h_flat = hidden.reshape(-1, gamma, hidden.shape[-1])  # [N, γ, d]
         prev_flat = prev.reshape(-1, gamma)
         conf = drafter.confidence_logits(h_flat, prev_flat)
-        out = self._loss(h_flat, prev_flat, t_hidden, labels.reshape(-1, gamma), valid.reshape(-1, gamma), conf)
+        t_rows = (torch.arange(B, device=tpos.device)[:, None, None] * S + tpos).reshape(-1, gamma)  # [N, γ]
+        out = self._loss(h_flat, prev_flat, t_hidden, t_rows, labels.reshape(-1, gamma), valid.reshape(-1, gamma), conf)
         w = position_weights(gamma, self.weights.decay_gamma, device=input_ids.device)
         metrics = {
             "ce": out.ce.detach(),
@@ -80,7 +81,8 @@ class DraftLossModule(nn.Module):
         return out.features, out.last_hidden
 
     def _loss(
-        self, h_flat: Tensor, prev_flat: Tensor, t_hidden: Tensor, labels: Tensor, valid: Tensor, conf: Tensor | None
+        self, h_flat: Tensor, prev_flat: Tensor, t_hidden: Tensor, t_rows: Tensor, labels: Tensor, valid: Tensor,
+        conf: Tensor | None,
     ) -> LossOutput:
         """The loss of the N blocks ([N, γ, d] hidden states, [N, γ] the rest) as raw weighted
         sums (denominator 1): the trainer divides by the global D."""
@@ -95,6 +97,7 @@ class DraftLossModule(nn.Module):
                 w2=None if head is None else head.markov_w2.weight,
                 softcap=drafter.config.final_logit_softcapping, chunk_rows=self.chunk_rows, denominator=one,
                 vocab=vocab, target_lm_head_weight=None if vocab is None else drafter.target_lm_head_weight(),
+                target_rows=t_rows,
             )
 
         def draft_logits_fn(r0: int, r1: int) -> Tensor:

@@ -112,7 +112,13 @@ def test_resolve_picks_float32_cpu_for_auto_and_names_the_field_on_a_bad_value()
     cpu = torch.device("cpu")
     assert cpu_linear.resolve("auto", cpu, torch.float32)
     assert not cpu_linear.resolve("auto", cpu, torch.bfloat16)
-    assert cpu_linear.resolve("onednn", cpu, torch.bfloat16)
+    if cpu_linear.can_pack(torch.bfloat16):
+        assert cpu_linear.resolve("onednn", cpu, torch.bfloat16)
+    else:  # this CPU cannot pack bf16 (no AVX512 / AVX-NE-CONVERT): an explicit request is an error
+        with pytest.raises(ValueError, match="target.cpu_linear='onednn' cannot pack"):
+            cpu_linear.resolve("onednn", cpu, torch.bfloat16)
+    with pytest.raises(ValueError, match="cannot pack"):
+        cpu_linear.resolve("onednn", cpu, torch.float64)
     assert not cpu_linear.resolve("torch", cpu, torch.float32)
     assert not cpu_linear.resolve("auto", torch.device("cuda"), torch.float32)
     with pytest.raises(ValueError, match="target.cpu_linear"):

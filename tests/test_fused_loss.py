@@ -353,3 +353,63 @@ def test_an_enclosing_autocast_changes_nothing(setup, dtype):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         under = _run(case, fused=True, chunk_rows=2, **SETUPS[setup])
     _assert_same(under, plain, tol=0)
+
+
+# --------------------------------------------------------------------------- distinct target rows
+@pytest.mark.parametrize("draft_vocab", [False, True], ids=["full", "draft-vocab"])
+@pytest.mark.parametrize("chunk_rows", [2, 64])
+def test_target_rows_compute_each_target_position_once_with_the_same_loss_and_gradients(
+        draft_vocab, chunk_rows, monkeypatch):
+    """Blocks of nearby anchors overlap (anchor a reads positions a..a+γ−1): with target_rows the
+    fused loss projects each distinct position once per chunk; nothing else may change."""
+    from dspark import fused_loss
+    from dspark.modeling.vocab import DraftVocab
+
+    gen = torch.Generator().manual_seed(5)
+    S, rows, V = 24, 9, 40
+    seq = torch.randn(S, DIM, generator=gen, dtype=torch.float64)  # the target's final hidden states
+    anchors = torch.tensor([0, 1, 2, 4, 5, 9, 10, 11, 18])  # ascending, overlapping blocks
+    tpos = anchors[:, None] + torch.arange(GAMMA)  # [rows, γ]
+    valid = torch.arange(GAMMA)[None] < torch.tensor([4, 3, 4, 2, 4, 1, 4, 4, 3])[:, None]
+    case = _case(rows=rows, vocab=V, valid=valid, seed=6)
+    case["target_hidden"] = seq[tpos]
+    vocab = DraftVocab(torch.arange(0, V, 2), V) if draft_vocab else None
+    head = vocab.head_weight(case["lm_head"]) if draft_vocab else case["lm_head"]
+    w2 = case["w2"][vocab.d2t] if draft_vocab else case["w2"]
+    weights = LossWeights(ce=0.4, tv=0.6, conf=0.5)
+
+    saved = []
+    real = fused_loss._distinct_target_rows
+
+    def spy(run, pos):
+        out = real(run, pos)
+        saved.append((pos.numel(), out[0].numel(), out[1] is not None))
+        return out
+
+    monkeypatch.setattr(fused_loss, "_distinct_target_rows", spy)
+
+    def run(target_rows):
+        leaves = [x.clone().requires_grad_(True) for x in (case["hidden"], case["latent"], w2, case["conf"])]
+        out = fused_dspark_loss(leaves[0], head, case["target_hidden"], case["labels"], valid, leaves[3], weights,
+                                latent=leaves[1], w2=leaves[2], chunk_rows=chunk_rows, vocab=vocab,
+                                target_lm_head_weight=case["lm_head"] if draft_vocab else None, target_rows=target_rows)
+        return out, torch.autograd.grad(out.loss, leaves)
+
+    plain, plain_grads = run(None)
+    saved.clear()
+    once, once_grads = run(tpos)
+    assert any(used for _, _, used in saved)  # some chunk projected fewer rows than positions
+    assert sum(distinct for _, distinct, _ in saved) < int(valid.sum())
+    for name in ("loss", "ce", "tv", "conf", "accept_sum"):
+        torch.testing.assert_close(getattr(once, name), getattr(plain, name), rtol=1e-12, atol=1e-12)
+    for mine, theirs in zip(once_grads, plain_grads):
+        torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=1e-12)
+
+
+def test_target_rows_must_be_integer_ids_of_the_labels_shape():
+    case = _case()
+    args = (case["hidden"], case["lm_head"], case["target_hidden"], case["labels"], case["valid"], None, DFLASH)
+    with pytest.raises(ValueError, match="target_rows"):
+        fused_dspark_loss(*args, target_rows=torch.zeros(N, GAMMA))
+    with pytest.raises(ValueError, match="target_rows"):
+        fused_dspark_loss(*args, target_rows=torch.zeros(N, GAMMA + 1, dtype=torch.long))
