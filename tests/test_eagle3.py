@@ -195,6 +195,52 @@ def test_loss_equals_a_float64_reference(parity):
     assert got == pytest.approx(reference_loss(drafter, hidden, out_t.last_hidden, mask, parity), rel=1e-5)
 
 
+@pytest.mark.parametrize("family,vocab_k", [("qwen3", 0), ("qwen3", 40), ("gemma4", 40)],
+                         ids=["qwen3", "qwen3-draft-vocab", "gemma4-softcap-draft-vocab"])
+def test_loss_gradients_equal_autograd_through_a_float64_reference(family, vocab_k):
+    """The closed-form gradients of the TTT loss (computed in its forward pass) against autograd through
+    the loss written from its definition, in float64: w.r.t. every step's hidden states and the norm."""
+    from dspark.modeling.vocab import DraftVocab
+
+    target = make_tiny_target(family)
+    V = target.vocab_size
+    drafter = tiny_eagle3(target, "eagle3", **({"draft_vocab_size": vocab_k} if vocab_k else {}))
+    if vocab_k:
+        drafter.set_vocab(DraftVocab.from_target_ids(list(range(0, 2 * vocab_k, 2)), V))
+    drafter = drafter.double()
+    shared = drafter._shared
+    drafter.attach_shared(shared["embed_tokens.weight"].double(), shared["lm_head.weight"].double())
+    g = torch.Generator().manual_seed(3)
+    B, S, d, T = 2, 11, target.hidden_size, 4
+    mask = torch.ones(B, S, dtype=torch.long)
+    mask[0, :2], mask[1, 8:] = 0, 0
+    final = torch.randn(B, S, d, generator=g, dtype=torch.float64)
+    hidden = [torch.randn(B, S, d, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(T)]
+    out = eagle3_loss(drafter, hidden, final, mask, chunk_rows=7)  # several chunks of teacher positions
+    grads = torch.autograd.grad(out.loss, [*hidden, drafter.norm.weight])
+
+    W = drafter.target_lm_head_weight()
+    ids = drafter.vocab.draft_ids if vocab_k else torch.arange(V)
+    cap = drafter.config.final_logit_softcapping
+
+    def softcap(x):
+        return torch.tanh(x / cap) * cap if cap else x
+
+    sup = supervision_mask(mask, T)
+    total = torch.zeros((), dtype=torch.float64)
+    for s, h in enumerate(hidden):
+        b, i = sup[s].nonzero(as_tuple=True)
+        p_full = torch.softmax(softcap(final[b, i + s + 1] @ W.T), -1)
+        p_t = p_full[:, ids] / p_full[:, ids].sum(-1, keepdim=True)
+        keep = torch.isin(p_full.argmax(-1), ids)
+        logp = torch.log_softmax(softcap(drafter.norm(h[b, i]) @ W[ids].T), -1)
+        total = total + 0.8**s * (-(p_t * logp).sum(-1) * keep).sum()
+    ref_grads = torch.autograd.grad(total, [*hidden, drafter.norm.weight])
+    assert float(out.loss.detach()) == pytest.approx(float(total.detach()), rel=1e-12)
+    for mine, theirs in zip(grads, ref_grads):
+        torch.testing.assert_close(mine, theirs, rtol=1e-10, atol=1e-12)
+
+
 # ----------------------------------------------------------------------- TTT unroll = inference
 @pytest.mark.parametrize("family,preset", [("qwen3", "eagle3_deepspec"), ("llama", "eagle3"), ("gemma4", "eagle3")])
 def test_ttt_step_k_equals_k_autoregressive_draft_forwards(family, preset):
