@@ -9,6 +9,9 @@
 - ``demo``: anchor positions per CPU-second of the real trainer (`dspark.train.Trainer`)
   on the SmolLM2 demo data (`--demo-data`, copied to a temporary folder first), DSpark
   and DFlash, length bucketing off and on, cache and online features.
+- ``eagle3``: the Eagle3 TTT step at each size (draft vocabulary V/3) with the closed-form loss
+  (`dspark.eagle3_loss.eagle3_loss`: one teacher distribution per position for all steps) against
+  the checkpointed autograd one (`checkpointed_eagle3_loss`).
 - ``vocab``: the fused step with a draft vocabulary of k ids (dspark.modeling.vocab; k = 8,192
   and 32,768 where k < V) against the full-vocabulary fused step of the same drafter and batch:
   its draft side is k-sized, its target side still projects onto all V ids once (argmax and
@@ -526,7 +529,59 @@ def section_vocab(args: argparse.Namespace, device: torch.device) -> None:
     print("time k/full: paired median ratio of step times; mem: peak bytes allocated by the step.")
 
 
-SECTIONS = {"steps": section_steps, "precision": section_precision, "demo": section_demo, "vocab": section_vocab}
+def section_eagle3(args: argparse.Namespace, device: torch.device) -> None:
+    """The Eagle3 TTT step (drafter forward over T steps + loss + backward) with the closed-form loss
+    (`eagle3_loss`, what the trainer runs) against the checkpointed autograd one, per size."""
+    from dspark.eagle3_loss import checkpointed_eagle3_loss, eagle3_loss
+    from dspark.modeling import Eagle3Drafter
+
+    sizes = [QUICK] if args.quick else [SIZES[name] for name in args.sizes]
+    print(f"\n== eagle3: TTT step (7 steps, forward + backward, optimizer excluded), batch 1 sequence of the size's "
+          f"tokens, draft vocabulary k = V/3, {device.type}, threads {args.threads}")
+    header = f"{'size':<6}{'fused s':>10}{'autograd s':>12}{'time f/a':>10}{'|Δloss|/loss':>14}"
+    print(header)
+    print("-" * len(header))
+    for size in sizes:
+        torch.manual_seed(0)
+        hf = Qwen3Config(vocab_size=size.vocab, hidden_size=size.d, intermediate_size=3 * size.d,
+                         num_attention_heads=size.heads, num_key_value_heads=size.kv_heads,
+                         head_dim=size.d // size.heads, num_hidden_layers=36)
+        k = size.vocab // 3
+        config = DrafterConfig.from_target_config(
+            hf, target_layer_ids=TARGET_LAYER_IDS[:3], mask_token_id=MASK_TOKEN_ID, num_draft_layers=1,
+            block_size=GAMMA, variant="eagle3", markov_rank=0, enable_confidence_head=False,
+            confidence_head_with_markov=False, draft_vocab_size=k)
+        drafter = Eagle3Drafter(config).to(device)
+        gen = torch.Generator().manual_seed(1)
+        embed = torch.randn(size.vocab, size.d, generator=gen) * 0.02
+        lm_head = torch.randn(size.vocab, size.d, generator=gen) * 0.02
+        drafter.attach_shared(embed.to(device), lm_head.to(device))
+        drafter.set_vocab(DraftVocab.from_target_ids(torch.randperm(size.vocab, generator=gen)[:k].sort().values,
+                                                     size.vocab)).train()
+        S = size.tokens
+        ids = torch.randint(0, size.vocab, (1, S), generator=gen).to(device)
+        feats = torch.randn(1, S, 3 * size.d, generator=gen).to(device)
+        final = torch.randn(1, S, size.d, generator=gen).to(device)
+        mask = torch.ones(1, S, dtype=torch.long, device=device)
+        mask[:, : S // 8] = 0
+
+        def step(loss_fn) -> float:
+            drafter.zero_grad(set_to_none=True)
+            out = loss_fn(drafter, drafter(feats, ids), final, mask)
+            (out.loss / out.denominator).backward()
+            return float(out.loss.detach())
+
+        steps = {"fused": lambda: step(eagle3_loss), "autograd": lambda: step(checkpointed_eagle3_loss)}
+        loss = {v: f() for v, f in steps.items()}  # warm-up
+        times = interleaved_times(steps, args.repeats or size.repeats, device)
+        print(f"{size.name:<6}{statistics.median(times['fused']):>10.3f}{statistics.median(times['autograd']):>12.3f}"
+              f"{paired_ratio(times, 'fused', 'autograd'):>10.3f}"
+              f"{abs(loss['fused'] - loss['autograd']) / abs(loss['autograd']):>14.1e}")
+    print("time f/a: paired median ratio of step times.")
+
+
+SECTIONS = {"steps": section_steps, "precision": section_precision, "demo": section_demo, "vocab": section_vocab,
+            "eagle3": section_eagle3}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -27,7 +27,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from dspark.ops import vocab_logits
 
@@ -192,6 +194,73 @@ def eagle3_loss(
     denominator = torch.tensor(float(B * S), device=device) if parity else (weights * count).sum()
     chain_ok = sup[0]
     survive = torch.cumprod(acc * sup.float(), dim=0)  # [T, B, S]: Π_{s' ≤ s} accept·mask
+    prefix_sum = (survive.sum(0) * chain_ok).sum()
+    return Eagle3LossOutput(loss, denominator, ce_sum, count, accept_sum, correct, prefix_sum, chain_ok.sum().float())
+
+
+def _chunk_terms(drafter: Any, h: Tensor, t_hidden: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per-row (CE, accept, correct, keep) of draft hidden rows h [n, d] against teacher rows [n, d]."""
+    with torch.no_grad():
+        w = drafter.target_lm_head_weight()  # the full [V, d] head: p_t is the target's whole distribution
+        p_t = torch.softmax(teacher_logits(t_hidden, w, drafter.config.final_logit_softcapping).float(), -1)
+        keep = torch.ones(p_t.shape[0], dtype=torch.bool, device=p_t.device)
+        if drafter.vocab is not None:
+            p_t, keep = drafter.vocab.restrict(p_t)
+    logp = F.log_softmax(drafter.compute_logits(h).float(), dim=-1)
+    ce = -(p_t * logp).sum(-1) * keep
+    with torch.no_grad():
+        accept = torch.minimum(logp.exp(), p_t).sum(-1) * keep
+        correct = (logp.argmax(-1) == p_t.argmax(-1)) & keep
+    return ce, accept, correct.float(), keep
+
+
+def checkpointed_eagle3_loss(
+    drafter: Any,
+    step_hidden: list[Tensor],
+    final_hidden: Tensor,
+    loss_mask: Tensor,
+    *,
+    parity: bool = False,
+    lengths: Tensor | None = None,
+    chunk_rows: int = 1024,
+) -> Eagle3LossOutput:
+    """:func:`eagle3_loss` through autograd: per step, the supervised rows' draft and teacher logits,
+    ``chunk_rows`` at a time, each chunk recomputed in the backward pass (activation checkpointing).
+    The general path and the baseline `bench/train_step.py --sections eagle3` measures against:
+    every teacher distribution is computed once per step that reads it, twice with the recomputation."""
+    T = len(step_hidden)
+    B, S = loss_mask.shape
+    device = final_hidden.device
+    sup = supervision_mask(loss_mask, T, parity=parity, lengths=lengths)  # [T, B, S]
+    decay = drafter.config.step_loss_decay
+    loss = torch.zeros((), device=device)
+    ce_sum, count, accept_sum, correct = (torch.zeros(T, device=device) for _ in range(4))
+    accept_map = torch.zeros(T, B, S, device=device)
+    for s, h in enumerate(step_hidden):
+        b, i = sup[s].nonzero(as_tuple=True)
+        if b.numel() == 0:
+            continue
+        rows_h, rows_t = h[b, i], final_hidden[b, i + s + 1]  # [N, d]
+        ce_parts, acc_parts = [], []
+        for r0 in range(0, rows_h.shape[0], chunk_rows):
+            chunk = (rows_h[r0 : r0 + chunk_rows], rows_t[r0 : r0 + chunk_rows])
+            if torch.is_grad_enabled() and rows_h.requires_grad:
+                ce, acc, cor, keep = checkpoint(_chunk_terms, drafter, *chunk, use_reentrant=False)
+            else:
+                ce, acc, cor, keep = _chunk_terms(drafter, *chunk)
+            ce_parts.append(ce)
+            acc_parts.append(acc)
+            correct[s] += cor.sum()
+            count[s] += keep.sum()
+        ce, acc = torch.cat(ce_parts), torch.cat(acc_parts)
+        ce_sum[s] = ce.detach().sum()
+        accept_sum[s] = acc.sum()
+        accept_map[s, b, i] = acc
+        loss = loss + decay**s * ce.sum()
+    weights = decay ** torch.arange(T, device=device, dtype=torch.float32)
+    denominator = torch.tensor(float(B * S), device=device) if parity else (weights * count).sum()
+    chain_ok = sup[0]
+    survive = torch.cumprod(accept_map * sup.float(), dim=0)  # [T, B, S]: Π_{s' ≤ s} accept·mask
     prefix_sum = (survive.sum(0) * chain_ok).sum()
     return Eagle3LossOutput(loss, denominator, ce_sum, count, accept_sum, correct, prefix_sum, chain_ok.sum().float())
 

@@ -21,7 +21,7 @@ from helpers.training import synthetic_samples, tiny_config
 from dspark.config import Config, eagle3_of, load_config, set_values, standard_eagle3_layer_ids
 from dspark.data.dataset import RenderedSource
 from dspark.decoding import speculative_generate, target_generate
-from dspark.eagle3_loss import Eagle3LossModule, eagle3_loss, supervision_mask
+from dspark.eagle3_loss import Eagle3LossModule, checkpointed_eagle3_loss, eagle3_loss, supervision_mask
 from dspark.modeling import DrafterConfig, Eagle3Drafter, load_drafter, save_drafter
 from dspark.modeling.eagle3 import Eagle3Layer
 from dspark.runtime import build_drafter
@@ -239,6 +239,14 @@ def test_loss_gradients_equal_autograd_through_a_float64_reference(family, vocab
     assert float(out.loss.detach()) == pytest.approx(float(total.detach()), rel=1e-12)
     for mine, theirs in zip(grads, ref_grads):
         torch.testing.assert_close(mine, theirs, rtol=1e-10, atol=1e-12)
+    # the autograd path (fp32 logits, checkpointed chunks) is the same function with the same metrics
+    general = checkpointed_eagle3_loss(drafter, hidden, final, mask, chunk_rows=7)
+    general_grads = torch.autograd.grad(general.loss, [*hidden, drafter.norm.weight])
+    for name in ("loss", "ce_sum", "count", "accept_sum", "correct", "prefix_sum", "chains"):
+        torch.testing.assert_close(getattr(out, name).detach().float(), getattr(general, name).detach().float(),
+                                   rtol=1e-5, atol=1e-5)
+    for mine, theirs in zip(grads, general_grads):
+        torch.testing.assert_close(mine.float(), theirs.float(), rtol=1e-4, atol=1e-6)
 
 
 # ----------------------------------------------------------------------- TTT unroll = inference
