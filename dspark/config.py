@@ -41,7 +41,8 @@ class TargetConfig:
     attn_implementation: str = "sdpa"
     trust_remote_code: bool = False
     # Few-row decoding products (1-32 rows) through oneDNN-packed weights (dspark.cpu_linear):
-    # "auto" (on a CPU in float32) | "onednn" (on a CPU, float32 or bfloat16) | "torch" (never)
+    # "auto" (on a CPU in float32, and in bfloat16 where the CPU has native bf16)
+    # | "onednn" (on a CPU, float32 or bfloat16) | "torch" (never)
     cpu_linear: str = "auto"
 
 

@@ -29,6 +29,7 @@ k-sized and one V-sized matmul per supervised position instead of 4 V-sized ones
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -45,7 +46,7 @@ from dspark.loss import (
 )
 from dspark.modeling.vocab import DraftVocab
 
-__all__ = ["fused_dspark_loss"]
+__all__ = ["fused_dspark_loss", "release_workspace"]
 
 
 def _fused_compute_dtype(hidden: Tensor, lm_head_weight: Tensor, w2: Tensor | None) -> torch.dtype:
@@ -144,17 +145,57 @@ class _Buffers:
     target: Tensor  # target logits, then p^t, then p^d − p^t, then the logits gradient
     tanh: Tensor | None  # tanh(u/c), softcap only
     distinct: Tensor | None = None  # p^t of a chunk's distinct target positions (``target_rows``)
+    l1: Tensor | None = None  # [≤ _L1_ROWS, V] scratch for the row L1 norms (TV)
 
     @staticmethod
     def make(rows: int, cols: int, dtype: torch.dtype, device: torch.device, target: bool, tanh: bool,
              distinct: bool = False) -> "_Buffers":
         """Uninitialised buffers (every element is written before it is read); ``target``
-        False with a draft vocabulary, whose target side is V-sized, not k-sized."""
-        def empty() -> Tensor:
-            return torch.empty(rows, cols, dtype=dtype, device=device)
+        False with a draft vocabulary, whose target side is V-sized, not k-sized. On a CPU they
+        are this thread's workspace (:func:`release_workspace`), kept from one call to the next."""
+        def empty(name: str, n: int = rows) -> Tensor:
+            if torch.device(device).type == "cpu":
+                return _cpu_workspace(name, n, cols, dtype)
+            return torch.empty(n, cols, dtype=dtype, device=device)  # CUDA's caching allocator reuses
 
-        return _Buffers(empty(), empty() if target else None, empty() if tanh else None,
-                        empty() if target and distinct else None)
+        return _Buffers(empty("draft"), empty("target") if target else None, empty("tanh") if tanh else None,
+                        empty("distinct") if target and distinct else None, empty("l1", min(rows, _L1_ROWS)))
+
+    def row_l1(self, x: Tensor) -> Tensor:
+        """Σ_v |x_v| per row of x [m, V] -> [m], |x| written a few rows at a time into ``l1``:
+        torch.linalg.vector_norm(ord=1) took 3.5x as long here, x.abs().sum() allocates [m, V]."""
+        out = torch.empty(x.shape[0], dtype=x.dtype, device=x.device)
+        step = self.l1.shape[0]
+        for start in range(0, x.shape[0], step):
+            rows = x[start : start + step]
+            torch.sum(torch.abs(rows, out=self.l1[: rows.shape[0]]), dim=1, out=out[start : start + rows.shape[0]])
+        return out
+
+
+# Rows of |p − p^t| per pass of :meth:`_Buffers.row_l1` (a [32, V] scratch: 6 MB at V = 49k).
+_L1_ROWS = 32
+
+# The CPU buffers of the last call, per thread. A fresh [m, V] buffer is fresh pages from the OS:
+# writing it the first time costs page faults of the order of a matmul over it (at S2 of
+# bench/train_step.py the target logits took 5.1 ms into a fresh buffer, 3.3 ms into a used one),
+# and PyTorch keeps no CPU cache of freed memory.
+_WORKSPACE = threading.local()
+
+
+def _cpu_workspace(name: str, rows: int, cols: int, dtype: torch.dtype) -> Tensor:
+    """A [rows, cols] view of this thread's buffer ``name``, grown (never shrunk) on demand."""
+    store: dict[str, Tensor] = _WORKSPACE.__dict__.setdefault("buffers", {})
+    buf = store.get(name)
+    if buf is None or buf.dtype != dtype or buf.shape[1] != cols or buf.shape[0] < rows:
+        store[name] = buf = torch.empty(rows, cols, dtype=dtype)
+    return buf[:rows]
+
+
+def release_workspace() -> int:
+    """Free this thread's CPU workspace of :func:`fused_dspark_loss` (2-5 [chunk_rows·γ, V] buffers,
+    kept between calls); returns the bytes released. The next call allocates it again."""
+    store: dict[str, Tensor] = _WORKSPACE.__dict__.pop("buffers", {})
+    return sum(b.numel() * b.element_size() for b in store.values())
 
 
 def _logits_grad(p: Tensor, diff: Tensor, y: Tensor, a: Tensor, b: Tensor | None) -> Tensor:
@@ -189,7 +230,7 @@ class _Pass:
     tv: Tensor  # [N·γ]
     grad_h: Tensor | None  # [N·γ, d], only if wanted
     grad_lat: Tensor | None  # [N·γ, r]
-    grad_w2: Tensor | None  # [V, r]
+    grad_w2_t: Tensor | None  # [r, V]: W2's gradient transposed (latᵀ g accumulates faster than gᵀ lat)
     bufs: _Buffers | None = None
     tv_full: Tensor | None = None  # [N·γ], TV against the full target (draft vocabulary only)
     target_rows: Tensor | None = None  # [N·γ] int64: equal ids have equal target hidden states
@@ -236,7 +277,7 @@ def _fused_chunk(run: _Pass, head: _Head, pos: Tensor, ce_coef: Tensor, tv_coef:
         p_t_in = p - diff
         run.tv_full[pos] = full_vocab_tv(p, p_t_in, mass_in)
         del p_t_in
-    tv = torch.linalg.vector_norm(diff, ord=1, dim=-1)
+    tv = run.bufs.row_l1(diff)
     run.ce[pos] = ce if keep is None else torch.where(keep, ce, 0.0)
     run.tv[pos] = tv if keep is None else torch.where(keep, tv, 0.0)
     if not any_grad:
@@ -250,8 +291,8 @@ def _fused_chunk(run: _Pass, head: _Head, pos: Tensor, ce_coef: Tensor, tv_coef:
     del p, diff
     if run.grad_lat is not None:
         run.grad_lat[pos] = g @ head.w2  # [m, r]
-    if run.grad_w2 is not None:
-        run.grad_w2.addmm_(g.T, lat)  # [V, r]
+    if run.grad_w2_t is not None:
+        run.grad_w2_t.addmm_(lat.T, g)  # [r, V]
     if run.grad_h is not None:
         if tanh_u is not None:
             g.mul_(tanh_u.square_().neg_().add_(1))  # ∂z/∂u = 1 − tanh²(u/c)
@@ -299,7 +340,7 @@ def _fused_ce_tv(
         tv=zeros(rows * block_size),
         grad_h=zeros(rows * block_size, dim) if want[0] else None,
         grad_lat=zeros(*flat_lat.shape) if want[1] else None,
-        grad_w2=zeros(*w2.shape) if want[2] else None,
+        grad_w2_t=zeros(w2.shape[1], w2.shape[0]) if want[2] else None,
         tv_full=None if vocab is None else zeros(rows * block_size),
         target_rows=None if target_rows is None else target_rows.reshape(-1),
     )
@@ -318,7 +359,7 @@ def _fused_ce_tv(
         (run.tv if run.tv_full is None else run.tv_full).reshape(shape),
         None if run.grad_h is None else run.grad_h.reshape(hidden.shape),
         None if run.grad_lat is None else run.grad_lat.reshape(latent.shape),
-        run.grad_w2,
+        None if run.grad_w2_t is None else run.grad_w2_t.T,
     )
 
 
@@ -465,7 +506,9 @@ def fused_dspark_loss(
         softcap: c of the final-logit soft-cap c·tanh(x/c) (Gemma), or None.
         chunk_rows: supervised positions are processed ``chunk_rows·γ`` at a
             time; peak memory grows with chunk_rows·γ·V (2 fp32 [chunk_rows·γ, V] buffers
-            reused by every chunk, 3 with softcap; + V-sized target logits with ``vocab``).
+            reused by every chunk, 3 with softcap, 4 with ``target_rows``, and a 32-row L1 scratch;
+            + V-sized target logits with ``vocab``). On a CPU these buffers are kept for the next
+            call (fresh pages cost page faults there); :func:`release_workspace` frees them.
         vocab, target_lm_head_weight: a draft vocabulary of k ids (``lm_head_weight`` [k, d], ``w2``
             [k, r]) and the full [V, d] head p^t comes from (dspark.loss docstring), or both None.
 

@@ -18,8 +18,7 @@ DTYPE_CHOICES = ("auto", *DTYPES)
 
 def cpu_has_native_bf16() -> bool:
     """True when this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX), through oneDNN."""
-    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in checks)
+    return cpu_linear.native_bf16()
 
 
 def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:

@@ -56,6 +56,18 @@ def test_packed_linear_matches_a_float64_product(rows, with_bias, packed_calls):
     assert len(packed_calls) == 1
 
 
+@pytest.mark.skipif(not cpu_linear.can_pack(torch.bfloat16), reason="this CPU cannot pack bf16 weights")
+@pytest.mark.parametrize("rows", [1, 8])
+def test_packed_bfloat16_linear_matches_a_float64_product_of_the_bf16_operands(rows, packed_calls):
+    w, x = _weight(48, 64).bfloat16(), _weight(rows, 64, seed=1).bfloat16()
+    cpu_linear.register(w)
+    out = cpu_linear.linear(x, w)
+    expected = x.double() @ w.double().T  # exact products of the bf16 values, rounded once at the end
+    assert out.dtype == torch.bfloat16 and len(packed_calls) == 1
+    # the output is rounded to bf16 (8 bits of mantissa): 2^-8 of the value, plus fp32 accumulation
+    torch.testing.assert_close(out.double(), expected, rtol=2**-8, atol=1e-3)
+
+
 @pytest.mark.parametrize("case", ["many rows", "unregistered", "suspended", "autograd", "float64"])
 def test_everything_else_is_f_linear_bit_for_bit(case, packed_calls):
     w = _weight(48, 64)
@@ -111,7 +123,6 @@ def test_vocab_logits_takes_the_packed_head(packed_calls):
 def test_resolve_picks_float32_cpu_for_auto_and_names_the_field_on_a_bad_value():
     cpu = torch.device("cpu")
     assert cpu_linear.resolve("auto", cpu, torch.float32)
-    assert not cpu_linear.resolve("auto", cpu, torch.bfloat16)
     if cpu_linear.can_pack(torch.bfloat16):
         assert cpu_linear.resolve("onednn", cpu, torch.bfloat16)
     else:  # this CPU cannot pack bf16 (no AVX512 / AVX-NE-CONVERT): an explicit request is an error
@@ -123,6 +134,15 @@ def test_resolve_picks_float32_cpu_for_auto_and_names_the_field_on_a_bad_value()
     assert not cpu_linear.resolve("auto", torch.device("cuda"), torch.float32)
     with pytest.raises(ValueError, match="target.cpu_linear"):
         cpu_linear.resolve("mkl", cpu, torch.float32)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_packs_bfloat16_only_on_a_cpu_with_native_bf16(monkeypatch, native):
+    monkeypatch.setattr(cpu_linear, "native_bf16", lambda: native)
+    monkeypatch.setitem(cpu_linear._CAN_PACK, torch.bfloat16, True)  # whatever this CPU can
+    assert cpu_linear.resolve("auto", torch.device("cpu"), torch.bfloat16) is native
+    assert cpu_linear.resolve("onednn", torch.device("cpu"), torch.bfloat16)  # asked for: packed either way
+    assert not cpu_linear.resolve("auto", torch.device("cpu"), torch.float16)
 
 
 def test_config_rejects_an_unknown_cpu_linear():
