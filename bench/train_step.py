@@ -38,15 +38,24 @@ The tracked step is the warm-up step, so its overhead does not enter the
 timings. Timings are interleaved (variants alternate, in rotating order) and
 only medians and paired ratios are reported.
 
+Page faults: on a CPU, PyTorch returns a freed tensor's memory to the OS (glibc maps every block
+over a few MB on its own), so a step that allocates fresh [N, γ, V] tensors (the naive loss) pays
+for faulting their pages in again every step, in system time, which process_time counts. CUDA's
+caching allocator has no such cost. ``--allocator retain`` reruns the script with glibc keeping
+freed memory, so that the ratios show what is left without it (bench/README.md).
+
 Run:  .venv/bin/python bench/train_step.py [--sections steps precision demo vocab] [--sizes S2 S3 S4] [--quick]
+      .venv/bin/python bench/train_step.py --sections steps --sizes S2 S3 S4 --allocator retain
       .venv/bin/python bench/train_step.py --sections vocab [--vocab-sizes S3 S4 SQ]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 import weakref
@@ -600,11 +609,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--demo-repeats", type=int, default=2, help="timed steps per demo run")
     p.add_argument("--vocab-sizes", nargs="+", choices=sorted(VOCAB_SIZES), default=["S3", "S4", "SQ"],
                    help="sizes of the vocab section")
+    p.add_argument("--allocator", choices=["system", "retain"], default="system",
+                   help="CPU memory: 'system' as every PyTorch CPU process gets it (freed [N, γ, V] tensors go back "
+                        "to the OS, and the next step page-faults them in again); 'retain' reruns this script with "
+                        "glibc keeping freed memory (MALLOC_MMAP_MAX_=0, no trimming), like CUDA's caching allocator")
     return p.parse_args(argv)
+
+
+# glibc settings under which freed memory stays in the process: no mmap for large blocks, no trimming.
+RETAIN_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**50), "MALLOC_TOP_PAD_": "0"}
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.allocator == "retain" and any(os.environ.get(k) != v for k, v in RETAIN_ENV.items()):
+        argv = sys.argv[1:] if argv is None else argv
+        os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *argv], {**os.environ, **RETAIN_ENV})
+    if args.device == "cpu" or args.device.startswith("cpu"):
+        print(f"CPU allocator: {args.allocator}" + (" (glibc keeps freed memory: no page faults on reuse)"
+                                                    if args.allocator == "retain" else ""))
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     for name in args.sections:

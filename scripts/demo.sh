@@ -27,10 +27,12 @@ for arg in "$@"; do
 done
 
 # The verification policies of stage 6 and 7 (dspark.serving.make_policy specs), in table order:
-# static γ (verify every draft), static ℓ = 1 (MTP-1-like), Algorithm 1 (STS + the measured SPS), and
+# static γ (verify every draft), static ℓ = 1 (MTP-1-like), Algorithm 1 (STS + the measured SPS),
+# async (the paper's deployed variant, Section 5.2: no early stop, a capacity from confidences two
+# steps old, so it sees past a dip in the SPS table where Algorithm 1's break stops), and
 # algorithm1+skip (beyond the paper: Algorithm 1 that also skips drafting while a request's recent
 # calibrated confidences say a block will not pay for its draft; dspark/skipping.py).
-POLICIES="static static1 algorithm1 algorithm1+skip"
+POLICIES="static static1 algorithm1 async algorithm1+skip"
 
 OUT="${DSPARK_DEMO_OUT:-runs/demo}"
 EVAL_DATA="${DSPARK_EVAL_DATA:-}"
@@ -57,11 +59,11 @@ case "$MODE" in
   long)
     OUT="$OUT-long"; EPOCHS=5; CAP_MIN=40
     SAMPLES=8; MAXNEW=64; SCHED_SAMPLES=4; SCHED_MAXNEW=64
-    SPS_B=1,2,4,8,16,32,64,128,256,512; SPS_REPEATS=5; SIM_R=1,4,16,64 ;;
+    SPS_B=1,2,4,8,16,32,64,128,256,512; SPS_REPEATS=10; SIM_R=1,4,16,64 ;;
   *)
     EPOCHS=1.25; CAP_MIN=10
     SAMPLES=4; MAXNEW=32; SCHED_SAMPLES=2; SCHED_MAXNEW=32
-    SPS_B=1,2,4,8,16,32,64,128; SPS_REPEATS=3; SIM_R=1,4 ;;
+    SPS_B=1,2,4,8,16,32,64,128; SPS_REPEATS=10; SIM_R=1,4 ;;
 esac
 DATA="$OUT/data"
 DS=config/dspark/dspark_smollm2_135m.py
