@@ -29,7 +29,7 @@ CPU with native bf16, and on GPUs). bfloat16 is skipped with a note on a CPU
 without native bf16, where oneDNN emulates it.
 
     .venv/bin/python bench/decode_round.py [--rounds 30] [--threads 2] [--clock wall|cpu] [--dtypes float32 bfloat16]
-                                           [--temperature 1.0] [key=value config overrides ...]
+                                           [--temperature 1.0] [--isa native|avx2] [key=value config overrides ...]
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ import argparse
 import inspect
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -48,6 +49,9 @@ from dspark.runtime import build_drafter, cpu_has_native_bf16, load_target, prep
 from dspark.config import load_config
 from dspark.decoding import speculative_generate, target_generate
 
+# The libraries' own ISA switches: oneDNN (packed and bf16 products), MKL (float32 F.linear) and ATen's
+# vectorised kernels all stop at AVX2, as on a CPU without AVX-512.
+AVX2_ENV = {"ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
 CONFIG = Path(__file__).resolve().parents[1] / "config" / "dspark" / "dspark_smollm2_135m.py"
 PROMPT = "Explain in a few sentences why the sky is blue, then give one everyday example of light scattering."
 
@@ -225,8 +229,13 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=0,
                         help="repeat the prompt to at least this many tokens (default: one copy, ~50 tokens)")
     parser.add_argument("--config", default=str(CONFIG), help="drafter config (default: the DSpark SmolLM2 one)")
+    parser.add_argument("--isa", choices=["native", "avx2"], default="native",
+                        help="avx2: rerun with oneDNN, MKL and ATen capped to AVX2 (a stand-in for a CPU without "
+                             "AVX-512; bfloat16 is then skipped)")
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. drafter.num_draft_layers=1")
     args = parser.parse_args()
+    if args.isa == "avx2" and any(os.environ.get(k) != v for k, v in AVX2_ENV.items()):
+        os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *sys.argv[1:]], {**os.environ, **AVX2_ENV})
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     global clock
@@ -235,15 +244,16 @@ def main() -> None:
         print("warning: --clock cpu counts the calling thread only; with more threads it misses the workers' time")
     print(
         f"torch {torch.__version__}, threads {torch.get_num_threads()}, clock {args.clock}, load average {os.getloadavg()[0]:.1f} "
-        f"on {os.cpu_count()} CPUs, native bf16: {cpu_has_native_bf16()}"
+        f"on {os.cpu_count()} CPUs, native bf16: {cpu_has_native_bf16()}, ISA: {args.isa}"
     )
     if os.getloadavg()[0] > os.cpu_count():
         print("warning: other processes share these CPUs; multi-threaded matmuls then stall and timings are unreliable")
 
     results = {}
     for dtype in args.dtypes:
-        if dtype == "bfloat16" and not cpu_has_native_bf16():
-            print("\n== bfloat16 skipped: this CPU has no native bf16 (AVX512-BF16 / AMX), oneDNN would emulate it")
+        if dtype == "bfloat16" and (not cpu_has_native_bf16() or args.isa == "avx2"):
+            print("\n== bfloat16 skipped: no native bf16 (AVX512-BF16 / AMX) on this CPU or under --isa avx2, "
+                  "oneDNN would emulate it")
             continue
         config = load_config(args.config, [*args.overrides, f"target.dtype={dtype}", f"drafter.dtype={dtype}"])
         results[dtype] = measure(config, args)
