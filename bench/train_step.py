@@ -625,7 +625,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.allocator == "retain" and any(os.environ.get(k) != v for k, v in RETAIN_ENV.items()):
         argv = sys.argv[1:] if argv is None else argv
         os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *argv], {**os.environ, **RETAIN_ENV})
-    if args.device == "cpu" or args.device.startswith("cpu"):
+    if args.device.startswith("cpu"):
         print(f"CPU allocator: {args.allocator}" + (" (glibc keeps freed memory: no page faults on reuse)"
                                                     if args.allocator == "retain" else ""))
     torch.set_num_threads(args.threads)

@@ -100,6 +100,16 @@ def test_equals_dspark_loss_in_float64(setup, chunk_rows):
     assert fused[0].tv > 0  # the TV metric is reported in DFlash mode too
 
 
+def test_a_chunk_longer_than_the_l1_scratch_equals_dspark_loss():
+    # 12 rows x γ = 48 supervised positions in one chunk: the TV row norms take two passes of the
+    # 32-row scratch; the reference computes them in one.
+    rows = 12
+    case = _case(seed=3, rows=rows, valid=torch.ones(rows, GAMMA, dtype=torch.bool))
+    fused = _run(case, LossWeights(), fused=True, chunk_rows=rows)
+    reference = _run(case, LossWeights(), fused=False, chunk_rows=rows)
+    _assert_same(fused, reference, tol=1e-10)
+
+
 @pytest.mark.parametrize("setup", SETUPS)
 def test_equals_dspark_loss_in_float32(setup):
     case = _case(torch.float32, seed=2)
