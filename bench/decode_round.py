@@ -20,6 +20,13 @@ steps a user of transformers would compare against.
                      from the loop's own PhaseClock)
     bookkeeping      target cache crop + drafter context extend
 
+A last measurement isolates the kernels: the target's products alone (every linear of its
+decoder layers in forward order, then the LM head, through `dspark.cpu_linear.linear` as the
+forward calls them, on random inputs; no attention, norms or cache) for 1 row and for γ + 1
+rows. Their difference, in target steps, is the kernels' part of what a verification forward
+costs beyond a step (the code around the products cannot take it back); on a CPU whose 8-row
+kernel is compute-bound it is most of that excess.
+
 A random-init drafter is enough: only the cost matters, so every round verifies
 all γ drafts (τ ≈ 1 and the rounds do not end early).
 
@@ -128,6 +135,27 @@ def _plain_steps(model, prompt: list[int], steps: int, temperature: float, gener
     return [b - a for a, b in zip(starts, starts[1:])]
 
 
+def product_stack_ms(target, rows: tuple[int, ...], passes: int) -> dict[int, float]:
+    """Median milliseconds of one pass of the target's products alone per row count: each linear of
+    the decoder layers in module order (q, k, v, o, gate, up, down for Llama), then the LM head,
+    through `cpu_linear.linear` (the packed weight where the forward would take it) on random
+    [1, rows, in] inputs. Row counts alternate pass by pass, so both see the same machine."""
+    weights = [(m.weight, m.bias) for m in target.layers.modules() if isinstance(m, torch.nn.Linear)]
+    weights.append((target.lm_head_weight(), None))
+    dtype = target.dtype
+    inputs = {n: {w.shape[1]: torch.randn(1, n, w.shape[1], dtype=dtype) for w, _ in weights} for n in rows}
+    times: dict[int, list[float]] = {n: [] for n in rows}
+    with torch.inference_mode():
+        for p in range(passes + 1):  # the first pass warms up (and packs) every weight
+            for n in rows:
+                start = clock()
+                for w, b in weights:
+                    cpu_linear.linear(inputs[n][w.shape[1]], w, b)
+                if p:
+                    times[n].append(clock() - start)
+    return {n: 1e3 * statistics.median(t) for n, t in times.items()}
+
+
 PARTS = ("draft backbone", "sequential loop", "verification", "acceptance", "bookkeeping")
 
 
@@ -194,7 +222,14 @@ def measure(config, args) -> dict[str, float]:
         parts["bookkeeping"] += [e + c for e, c in zip(extend.seconds[1:], timed.crop_cache.seconds)]
         if any(r.accepted for r in result.rounds):
             print(f"note: {sum(r.accepted for r in result.rounds)} drafts accepted in chunk {chunk}")
-    return report(steps, plain, rounds, parts)
+    summary = report(steps, plain, rounds, parts)
+    products = product_stack_ms(target, (1, gamma + 1), passes=args.rounds)
+    summary["products"] = (products[gamma + 1] - products[1]) / (1e3 * summary["step"])
+    print(f"the target's products alone ({len(target.layers)} layers' linears + LM head, random inputs, median of "
+          f"{args.rounds}): 1 row {products[1]:.2f} ms, {gamma + 1} rows {products[gamma + 1]:.2f} ms "
+          f"({products[gamma + 1] / products[1]:.2f}x): {gamma + 1} rows cost {summary['products']:.2f} target steps "
+          "more: the kernels' share of verify/step − 1")
+    return summary
 
 
 def report(steps: list[float], plain: list[float], rounds: list[float], parts: dict[str, list[float]]) -> dict:
@@ -261,13 +296,13 @@ def main() -> None:
     print("\n== summary (ratios are what matter; the machine is shared)")
     print(
         f"{'dtype':10s} {'plain ms':>9s} {'step ms':>9s} {'round ms':>9s} {'step/plain':>11s} {'verify/step':>12s} "
-        f"{'draft/step':>11s} {'round/step':>11s} {'round/plain':>12s}"
+        f"{'draft/step':>11s} {'round/step':>11s} {'round/plain':>12s} {'products +steps':>16s}"
     )
     for dtype, r in results.items():
         print(
             f"{dtype:10s} {1e3 * r['plain']:9.2f} {1e3 * r['step']:9.2f} {1e3 * r['round']:9.2f} "
             f"{r['step'] / r['plain']:11.2f} {r['verify'] / r['step']:12.2f} {r['draft'] / r['step']:11.2f} "
-            f"{r['round'] / r['step']:11.2f} {r['round'] / r['plain']:12.2f}"
+            f"{r['round'] / r['step']:11.2f} {r['round'] / r['plain']:12.2f} {r['products']:16.2f}"
         )
 
 
