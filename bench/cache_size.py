@@ -64,7 +64,7 @@ def regenerate(target, num_prompts: int, max_new_tokens: int) -> list:
     """Greedy SmolLM2 answers to built-in prompts, rendered with the chat template (SPEC 4's data, small)."""
     from dspark.data.prompts import load_builtin_prompts
     from dspark.data.render import render_conversation, render_prompt
-    from dspark.proposals import greedy_continuation
+    from dspark.evaluation.proposals import greedy_continuation
 
     tok = target.tokenizer
     domains = [load_builtin_prompts(d) for d in ("math", "code", "chat")]

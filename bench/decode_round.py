@@ -3,7 +3,7 @@
 A round (draft a block of γ = 7, verify γ+1 = 8 tokens in one target forward,
 accept) must cost few target-only steps for speculation to pay as soon as τ
 passes that ratio. This script measures both with the library's own loops
-(`dspark.decoding.speculative_generate` / `target_generate`), timing each call
+(`dspark.decoding.loop.speculative_generate` / `target_generate`), timing each call
 of the pieces they use, and prints the medians, their ratio and the breakdown
 of a round. A third loop is the baseline both are held against: plain
 transformers decoding on the same weights (`model(input_ids=..., past_key_values=...,
@@ -21,7 +21,7 @@ steps a user of transformers would compare against.
     bookkeeping      target cache crop + drafter context extend
 
 A last measurement isolates the kernels: the target's products alone (every linear of its
-decoder layers in forward order, then the LM head, through `dspark.cpu_linear.linear` as the
+decoder layers in forward order, then the LM head, through `dspark.kernels.cpu_linear.linear` as the
 forward calls them, on random inputs; no attention, norms or cache) for 1 row and for γ + 1
 rows. Their difference, in target steps, is the kernels' part of what a verification forward
 costs beyond a step (the code around the products cannot take it back); on a CPU whose 8-row
@@ -51,10 +51,10 @@ from pathlib import Path
 
 import torch
 
-from dspark import cpu_linear
-from dspark.runtime import build_drafter, cpu_has_native_bf16, load_target, prepare_for_decoding
+from dspark.kernels import cpu_linear
+from dspark.build import build_drafter, cpu_has_native_bf16, load_target, prepare_for_decoding
 from dspark.config import load_config
-from dspark.decoding import speculative_generate, target_generate
+from dspark.decoding.loop import speculative_generate, target_generate
 
 # The libraries' own ISA switches: oneDNN (packed and bf16 products), MKL (float32 F.linear) and ATen's
 # vectorised kernels all stop at AVX2, as on a CPU without AVX-512.
@@ -103,7 +103,7 @@ class TimedTarget:
 def plain_transformers_steps(model, prompt: list[int], steps: int, temperature: float, generator) -> list[float]:
     """Decode with the bare transformers model, one token a forward; return the start-to-start
     seconds of the decoding iterations (sample the token, forward it), as a step is timed."""
-    # transformers' own attention too (TargetModel loads "sdpa" on CPU as dspark.attention's sdpa_gqa,
+    # transformers' own attention too (TargetModel loads "sdpa" on CPU as dspark.kernels.attention's sdpa_gqa,
     # which only differs for several query tokens: the same numbers for these one-token steps),
     # and F.linear for every product (no oneDNN-packed weights: target.cpu_linear).
     own = model.config._attn_implementation

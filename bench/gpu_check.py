@@ -42,12 +42,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dspark.data.anchors import sample_anchors  # noqa: E402
-from dspark.decoding import speculative_generate, target_generate  # noqa: E402
-from dspark.loss import LossWeights  # noqa: E402
+from dspark.decoding.loop import speculative_generate, target_generate  # noqa: E402
+from dspark.training.loss import LossWeights  # noqa: E402
 from dspark.modeling import Drafter, DrafterConfig  # noqa: E402
 from dspark.target import TargetModel  # noqa: E402
-from dspark.train_step import DraftLossModule  # noqa: E402
-from dspark.verify import rejection_sample  # noqa: E402
+from dspark.training.step import DraftLossModule  # noqa: E402
+from dspark.decoding.verify import rejection_sample  # noqa: E402
 
 SIZES = {
     # name: target geometry, drafter layers, Markov rank, batch, sequence length, anchors
@@ -272,7 +272,7 @@ def check_lossless(device: torch.device, samples: int) -> dict:
 # ------------------------------------------------------------------------------- sps
 @section("sps")
 def check_sps(size: dict, device: torch.device, sizes: list[int]) -> dict:
-    from dspark.sps import profile_sps_runs
+    from dspark.scheduling.sps_profile import profile_sps_runs
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     target = build_target(size, device, dtype)

@@ -5,19 +5,19 @@
   [N, γ, V] logits: the in-process stand-in for DeepSpec's loss); time ratios to the
   naive step and peak memory.
 - ``precision``: the fused step in bf16 (autocast, bf16 LM head) against fp32, and
-  whether this CPU has native bf16 (`dspark.runtime.cpu_has_native_bf16`).
-- ``demo``: anchor positions per CPU-second of the real trainer (`dspark.train.Trainer`)
+  whether this CPU has native bf16 (`dspark.build.cpu_has_native_bf16`).
+- ``demo``: anchor positions per CPU-second of the real trainer (`dspark.training.trainer.Trainer`)
   on the SmolLM2 demo data (`--demo-data`, copied to a temporary folder first), DSpark
   and DFlash, length bucketing off and on, cache and online features.
 - ``eagle3``: the Eagle3 TTT step at each size (draft vocabulary V/3) with the closed-form loss
-  (`dspark.eagle3_loss.eagle3_loss`: one teacher distribution per position for all steps) against
+  (`dspark.training.eagle3_loss.eagle3_loss`: one teacher distribution per position for all steps) against
   the checkpointed autograd one (`checkpointed_eagle3_loss`).
 - ``vocab``: the fused step with a draft vocabulary of k ids (dspark.modeling.vocab; k = 8,192
   and 32,768 where k < V) against the full-vocabulary fused step of the same drafter and batch:
   its draft side is k-sized, its target side still projects onto all V ids once (argmax and
   mass for EAGLE-3's restriction). "SQ" is a size with Qwen3's V (`--vocab-sizes`).
 
-The step is what `dspark.train_step.DraftLossModule` does for one micro-batch of
+The step is what `dspark.training.step.DraftLossModule` does for one micro-batch of
 one sequence in offline mode (target features and final hidden states come
 from the cache, here random): block labels, drafter forward over all anchor
 blocks, confidence logits, the loss, and `loss.backward()`. The optimizer
@@ -69,8 +69,8 @@ from torch.utils._pytree import tree_leaves
 from transformers import Qwen3Config
 
 from dspark.data.anchors import block_labels, sample_anchors, target_positions
-from dspark.fused_loss import fused_dspark_loss
-from dspark.loss import LossWeights, dspark_loss, naive_dspark_loss
+from dspark.training.fused_loss import fused_dspark_loss
+from dspark.training.loss import LossWeights, dspark_loss, naive_dspark_loss
 from dspark.modeling import Drafter, DrafterConfig
 from dspark.modeling.vocab import DraftVocab
 
@@ -307,7 +307,7 @@ def section_steps(args: argparse.Namespace, device: torch.device) -> None:
 def section_precision(args: argparse.Namespace, device: torch.device) -> None:
     """The fused step under bf16 autocast with a bf16 LM head (train.mixed_precision=bf16,
     target.dtype=bfloat16) against the fp32 step, per size."""
-    from dspark.runtime import cpu_has_native_bf16, resolve_mixed_precision
+    from dspark.build import cpu_has_native_bf16, resolve_mixed_precision
 
     sizes = [QUICK] if args.quick else [SIZES[name] for name in args.sizes]
     native = cpu_has_native_bf16() if device.type == "cpu" else None
@@ -359,8 +359,8 @@ def _demo_trainer(variant: str, mode: str, bucketing: bool, precision: str, data
     from dspark.config import load_config, set_values
     from dspark.data.dataset import CachedSource, RenderedSource
     from dspark.data.prepare import training_sources
-    from dspark.runtime import build_drafter, load_target
-    from dspark.train import Trainer
+    from dspark.build import build_drafter, load_target
+    from dspark.training.trainer import Trainer
 
     values = {"data.data_dir": str(data), "out_dir": str(out), "data.feature_mode": mode,
               "train.bucketing": bucketing, "train.max_steps": 1, "train.eval_every": 0, "train.save_every": 10**6,
@@ -380,7 +380,7 @@ def section_demo(args: argparse.Namespace, device: torch.device) -> None:
     """Anchor positions per CPU-second of the trainer on the SmolLM2 demo data: DSpark and
     DFlash, bucketing off and on, cache and online features (and DSpark in fp32 vs auto)."""
     from dspark.data.dataset import padding_share, sample_lengths
-    from dspark.runtime import resolve_mixed_precision
+    from dspark.build import resolve_mixed_precision
 
     src = Path(args.demo_data)
     print(f"\n== demo: trainer steps on the SmolLM2 demo data ({src}), first {args.demo_samples} training samples "
@@ -427,7 +427,7 @@ def _epoch_padding(src: Path, config) -> None:
     import json
 
     from dspark.data.dataset import load_rendered, padding_share
-    from dspark.train import Schedule
+    from dspark.training.trainer import Schedule
 
     rendered = load_rendered(src / "rendered.jsonl")
     train = json.loads((src / "split.json").read_text())["train"]
@@ -541,7 +541,7 @@ def section_vocab(args: argparse.Namespace, device: torch.device) -> None:
 def section_eagle3(args: argparse.Namespace, device: torch.device) -> None:
     """The Eagle3 TTT step (drafter forward over T steps + loss + backward) with the closed-form loss
     (`eagle3_loss`, what the trainer runs) against the checkpointed autograd one, per size."""
-    from dspark.eagle3_loss import checkpointed_eagle3_loss, eagle3_loss
+    from dspark.training.eagle3_loss import checkpointed_eagle3_loss, eagle3_loss
     from dspark.modeling import Eagle3Drafter
 
     sizes = [QUICK] if args.quick else [SIZES[name] for name in args.sizes]

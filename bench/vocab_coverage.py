@@ -29,7 +29,7 @@ def generated_counts(target_name: str, per_benchmark: int, max_new_tokens: int, 
     """Hard counts [V] of the target's own answers to benchmark prompts (sampled at T = 0.7)."""
     from dspark.data.benchmarks import load_benchmark_prompts
     from dspark.data.render import render_prompt
-    from dspark.decoding import target_generate
+    from dspark.decoding.loop import target_generate
     from dspark.target import TargetModel
 
     target = TargetModel.from_pretrained(target_name, [0])

@@ -40,7 +40,7 @@ class TargetConfig:
     device: str = "auto"  # "auto" (this rank's GPU if there is one, else cpu) | "cpu" | "cuda" | "cuda:N"
     attn_implementation: str = "sdpa"
     trust_remote_code: bool = False
-    # Few-row decoding products (1-32 rows) through oneDNN-packed weights (dspark.cpu_linear):
+    # Few-row decoding products (1-32 rows) through oneDNN-packed weights (dspark.kernels.cpu_linear):
     # "auto" (on a CPU in float32, and in bfloat16 where the CPU has native bf16)
     # | "onednn" (on a CPU, float32 or bfloat16) | "torch" (never)
     cpu_linear: str = "auto"
@@ -135,7 +135,7 @@ class TrainConfig:
     epochs: float = 10.0
     max_steps: int = 0  # 0 = from epochs
     # "auto" (bf16 on GPUs and on CPUs with native bf16, else "no") | "bf16" (autocast over fp32
-    # master weights) | "no"; dspark.runtime.resolve_mixed_precision
+    # master weights) | "no"; dspark.build.resolve_mixed_precision
     mixed_precision: str = "auto"
     # Length-bucketed micro-batches: each holds samples of similar length (less padding for the
     # target and the drafter); the samples of an epoch and each sample's loss are unchanged.
@@ -187,7 +187,7 @@ class ServeConfig:
     cycle: bool = True  # simulate: cycle the prompts so every slot stays busy
     max_new_tokens: int = 128  # simulate
     # simulate: drafting on the SPS clock: a fraction of a verification step (0 = ignored), or
-    # "measured" (each step also pays the drafting seconds measured in it; see dspark.serving)
+    # "measured" (each step also pays the drafting seconds measured in it; see dspark.scheduling.simulator)
     draft_overhead: float | str = 0.0
     out: str = ""  # simulate: "" = <out_dir>/simulate
 
@@ -215,7 +215,7 @@ class CalibrateConfig:
     bins: int = 20  # ECE bins
     # T_k leaves 1 only with >= min_events accepted and >= min_events rejected prefixes at k, and
     # (folds = K >= 2) when the ECE of out-of-fold predictions (T fitted without each of K request
-    # folds) beats T = 1's beyond its 95 % bootstrap interval (dspark/sts.py). 0, 0: the paper's argmin.
+    # folds) beats T = 1's beyond its 95 % bootstrap interval (dspark/scheduling/sts.py). 0, 0: the paper's argmin.
     min_events: int = 10
     folds: int = 5
 

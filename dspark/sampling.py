@@ -1,7 +1,7 @@
 """From logits to tokens: the temperature softmax, inverse-CDF sampling and the next-token rule.
 
 Shared by the drafter (``dspark.modeling.drafter``), the verifiers
-(``dspark.verify``), the decoding loops (``dspark.decoding``) and, through
+(``dspark.decoding.verify``), the decoding loops (``dspark.decoding.loop``) and, through
 them, the serving simulator: every token of the library is drawn here, so a
 wall-clock comparison between two loops measures the loops and nothing else.
 Every random draw goes through the ``generator`` argument.

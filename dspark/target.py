@@ -32,9 +32,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from dspark import cpu_linear as _cpu_linear
+from dspark.kernels import cpu_linear as _cpu_linear
 from dspark import hub
-from dspark.ops import vocab_logits
+from dspark.kernels.lm_head import vocab_logits
 
 logger = logging.getLogger(__name__)
 
@@ -188,15 +188,15 @@ class TargetModel(nn.Module):
         Multimodal Gemma checkpoints load as their ConditionalGeneration class
         (transformers' AutoModelForCausalLM mapping); only the text path is used.
         The tokenizer is loaded too (``.tokenizer``, None if the folder has none).
-        ``"sdpa"`` on CPU loads as ``dspark.attention``'s ``sdpa_gqa``: the same kernel and
+        ``"sdpa"`` on CPU loads as ``dspark.kernels.attention``'s ``sdpa_gqa``: the same kernel and
         numbers, without the key/value head copies of a multi-token (verification) forward.
-        ``cpu_linear`` (``"auto"`` | ``"onednn"`` | ``"torch"``, :func:`dspark.cpu_linear.resolve`):
+        ``cpu_linear`` (``"auto"`` | ``"onednn"`` | ``"torch"``, :func:`dspark.kernels.cpu_linear.resolve`):
         whether the few-row products of decoding (1-32 rows) use oneDNN-packed weights; ``"auto"``
         does on a CPU in float32. Prefill and training products are unchanged.
         """
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from dspark import attention
+        from dspark.kernels import attention
 
         path = hub.resolve_target_path(name_or_path)
         device = torch.device(device)

@@ -26,12 +26,12 @@ for arg in "$@"; do
   esac
 done
 
-# The verification policies of stage 6 and 7 (dspark.serving.make_policy specs), in table order:
+# The verification policies of stage 6 and 7 (dspark.scheduling.simulator.make_policy specs), in table order:
 # static γ (verify every draft), static ℓ = 1 (MTP-1-like), Algorithm 1 (STS + the measured SPS),
 # async (the paper's deployed variant, Section 5.2: no early stop, a capacity from confidences two
 # steps old, so it sees past a dip in the SPS table where Algorithm 1's break stops), and
 # algorithm1+skip (beyond the paper: Algorithm 1 that also skips drafting while a request's recent
-# calibrated confidences say a block will not pay for its draft; dspark/skipping.py).
+# calibrated confidences say a block will not pay for its draft; dspark/scheduling/skipping.py).
 POLICIES="static static1 algorithm1 async algorithm1+skip"
 
 OUT="${DSPARK_DEMO_OUT:-runs/demo}"

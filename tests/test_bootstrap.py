@@ -1,5 +1,5 @@
 """Bootstrap intervals over requests (dspark.bootstrap) and their use in the evaluation report
-(dspark.intervals via dspark.report.build_report) and the STS report (dspark.calibration).
+(dspark.evaluation.intervals via dspark.evaluation.report.build_report) and the STS report (dspark.scheduling.calibration).
 
 Oracles: hand-computed quantiles of a fixed resample set; a brute-force bootstrap that resamples
 the request records themselves and calls the plain metric functions; the exact τ of a synthetic
@@ -20,11 +20,11 @@ from dspark.bootstrap import (
     resample_counts,
     stratified_ci,
 )
-from dspark.calibration import calibrate_rounds, confidence_metrics, ece, ece_from_sums, ece_sums, prefix_labels
-from dspark.intervals import add_intervals
-from dspark.jsonutil import to_jsonable
-from dspark.metrics import macro_average, macro_average_array, tau_pooled
-from dspark.report import build_report
+from dspark.scheduling.calibration import calibrate_rounds, confidence_metrics, ece, ece_from_sums, ece_sums, prefix_labels
+from dspark.evaluation.intervals import add_intervals
+from dspark.io.jsonsafe import to_jsonable
+from dspark.evaluation.metrics import macro_average, macro_average_array, tau_pooled
+from dspark.evaluation.report import build_report
 
 
 def ratio(s):

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Union
 
 from dspark.data.prompts import Conversation, load_eval_benchmark, seeded_subset
-from dspark.metrics import BENCHMARKS, DEFAULT_NUM_SAMPLES
+from dspark.evaluation.metrics import BENCHMARKS, DEFAULT_NUM_SAMPLES
 
 PathLike = Union[str, os.PathLike]
 BUILD_HINT = "python eval_datasets/make_benchmarks.py --out {dir}"

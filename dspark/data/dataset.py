@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from dspark.data.render import RenderedSample
-from dspark.fsutil import atomic_file
+from dspark.io.atomic import atomic_file
 
 
 class SampleSource(Protocol):

@@ -17,7 +17,7 @@ from typing import Any
 
 from dspark.config import Config
 from dspark.data.dataset import CachedSource, RenderedSource, load_rendered, save_rendered
-from dspark.fsutil import atomic_write_text
+from dspark.io.atomic import atomic_write_text
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from dspark.fsutil import replace_dir
+from dspark.io.atomic import replace_dir
 from dspark.modeling.config import DrafterConfig
 from dspark.modeling.drafter import SHARED_PARAMS, Drafter
 from dspark.modeling.eagle3 import Eagle3Drafter

@@ -36,8 +36,8 @@ from dspark.modeling.config import DrafterConfig
 from dspark.modeling.heads import ConfidenceHead, MarkovHead, build_sequential_head
 from dspark.modeling.layers import DraftLayer, Rotary, RMSNorm
 from dspark.modeling.vocab import DraftVocab, register_vocab_buffers
-from dspark import cpu_linear
-from dspark.ops import vocab_logits
+from dspark.kernels import cpu_linear
+from dspark.kernels.lm_head import vocab_logits
 
 SHARED_PARAMS = ("embed_tokens.weight", "lm_head.weight")
 
@@ -222,7 +222,7 @@ class Drafter(nn.Module):
     def compute_logits(self, hidden: Tensor, *, full: bool = False, contiguous: bool = True) -> Tensor:
         """Frozen LM head (+ Gemma soft-capping): U = LMHead(h), [..., k] over the draft vocabulary
         (k = V without one); ``full`` gives the target's logits over all V ids. ``contiguous=False``:
-        see ``dspark.ops.vocab_logits`` (for a caller that copies the logits anyway)."""
+        see ``dspark.kernels.lm_head.vocab_logits`` (for a caller that copies the logits anyway)."""
         w = self.target_lm_head_weight() if full else self.shared_weights()["lm_head.weight"]
         logits = vocab_logits(hidden.to(w.dtype), w, contiguous=contiguous)
         cap = self.config.final_logit_softcapping

@@ -31,7 +31,7 @@ rows gathered from the target's frozen head), borrowed from it rather than re-im
 at `head_weight()` (the k rows), `to_target_tokens` / `to_target_probs` / `to_target_logits` (what
 propose returns: target ids, probabilities over all V ids with zeros outside, so verification stays
 lossless) and the loss's teacher, restricted and renormalised by `DraftVocab.restrict` (EAGLE-3's
-rule: positions whose target argmax lies outside are dropped; dspark.eagle3_loss).
+rule: positions whose target argmax lies outside are dropped; dspark.training.eagle3_loss).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from dspark.modeling.config import DrafterConfig, resolve_attention_dims
 from dspark.modeling.drafter import Drafter, Proposal, init_linears, shortened
 from dspark.modeling.layers import GatedMLP, RMSNorm, Rotary, apply_rope, attention
 from dspark.modeling.vocab import DraftVocab, register_vocab_buffers
-from dspark.ops import vocab_logits
+from dspark.kernels.lm_head import vocab_logits
 from dspark.sampling import sample_categorical
 
 
@@ -142,7 +142,7 @@ class Eagle3Context:
 
 class Eagle3Drafter(nn.Module):
     """Eagle3 drafter: `forward_ttt` for training, `new_context` / `extend_context` / `propose`
-    for decoding (the protocol of `dspark.decoding`)."""
+    for decoding (the protocol of `dspark.decoding.loop`)."""
 
     reads_tokens = True  # extend_context wants the tokens of the rows (decoding passes input_ids)
 

@@ -196,7 +196,7 @@ class DraftVocab:
         vocab_size} + ``info``, e.g. the counting mode and coverage)."""
         from safetensors.torch import save_file
 
-        from dspark.fsutil import atomic_write_text
+        from dspark.io.atomic import atomic_write_text
 
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -21,7 +21,7 @@ from helpers.targets import make_tiny_target  # noqa: E402
 from helpers.training import synthetic_samples, tiny_trainer  # noqa: E402
 
 from dspark.data.dataset import RenderedSource  # noqa: E402
-from dspark.train import setup_distributed  # noqa: E402
+from dspark.training.trainer import setup_distributed  # noqa: E402
 
 
 def fsdp_trainer(target, out_dir: str):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from dspark.runtime import build_drafter
+from dspark.build import build_drafter
 from dspark.config import Config, DataConfig, DrafterSpec, LossConfig, TargetConfig, TrainConfig
 from dspark.data.dataset import RenderedSource
 from dspark.data.render import RenderedSample
@@ -43,7 +43,7 @@ def tiny_config(target, out_dir: str, **train_overrides) -> Config:
 
 
 def tiny_trainer(target, out_dir: str, samples=None, **train_overrides):
-    from dspark.train import Trainer
+    from dspark.training.trainer import Trainer
 
     config = tiny_config(target, out_dir, **train_overrides)
     drafter = build_drafter(config, target)

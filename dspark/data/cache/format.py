@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from dspark.data.cache.codec import check_precision, record_bytes
-from dspark.fsutil import atomic_write_bytes
+from dspark.io.atomic import atomic_write_bytes
 
 FORMAT_NAME = "dspark-target-cache"
 FORMAT_VERSION = 1

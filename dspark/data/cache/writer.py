@@ -34,7 +34,7 @@ from dspark.data.cache.format import (
     shard_name,
     target_fingerprint,
 )
-from dspark.fsutil import atomic_write_bytes, fsync_dir, is_leftover
+from dspark.io.atomic import atomic_write_bytes, fsync_dir, is_leftover
 
 Sample = tuple[list[int], list[int], np.ndarray]  # ids, loss mask, packed uint32 tokens
 

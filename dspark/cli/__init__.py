@@ -1,0 +1,1 @@
+"""`dspark <command>`: argument parsing and printing only; the library does the work."""

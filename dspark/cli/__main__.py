@@ -1,0 +1,3 @@
+from dspark.cli.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,568 @@
+"""The summary of a `scripts/demo.sh` run folder: one markdown page (README.md) and a short text.
+
+`dspark summary RUN_DIR` reads what the demo's stages wrote and says, top to bottom,
+what was trained, the accepted length τ with its intervals, the calibration, the
+scheduling table, the simulation, the time each stage took and where every file is.
+Every input is optional: a stage that has not run (or a file an older version wrote
+without some key) is named as missing, never an error.
+
+The run folder (``scripts/demo.sh`` writes it; the names are this module's contract):
+
+    demo.json                     the demo's mode and budgets
+    timings.json                  {stage: wall-clock seconds}, in run order
+    <run>/train_log.jsonl         a training run (any subfolder holding one), drafter/ next to it
+    eval-T<temp>/<name>/report.json   `dspark eval` reports (+ report.md, rounds.jsonl, plots)
+    sps.json (.profile.json, .png)    `dspark profile-sps`
+    sts.json (sts_reliability.png)    `dspark calibrate`
+    sched/<policy>-R<r>/report.json   `dspark eval --scheduler <policy> --concurrency <r>`
+    simulate/results.json (figure8.png, frontier.png)   `dspark simulate`
+
+Intervals: a metric ``x`` of a report may carry a sibling ``x_ci: [lo, hi]`` (a 95 %
+bootstrap interval over requests); for macro averages ``x_ci`` is then a dict of the
+same keys (``{"avg": [lo, hi], ...}``). Present intervals are shown as ``1.14 ± 0.05``
+(half the interval's width), absent ones leave the bare value.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from dspark.io.atomic import atomic_write_text
+from dspark.evaluation.markdown import fmt_ci, fmt_number, markdown_table
+from dspark.evaluation.metrics import DISPLAY_NAMES, TABLE1_ORDER
+
+TAU_KEYS = ("tau_pooled", "tau")  # the bootstrap work renames τ pooled over rounds; older reports say "tau"
+DOMAIN_NAMES = {"math": "Math", "code": "Code", "chat": "Chat", "avg": "Avg"}
+STAGE_NAMES = {"data": "answers, rendering, fp8 feature cache", "vocab": "draft vocabulary (dspark vocab)",
+               "profile-sps": "SPS profile of the target", "calibrate": "STS calibration",
+               "simulate": "serving simulation"}
+STAGE_PREFIXES = {"train-": "training", "eval-": "evaluation", "sched-": "scheduled evaluation"}
+
+
+# ---------------------------------------------------------------------------
+# Reading
+# ---------------------------------------------------------------------------
+
+
+def _read_json(path: Path) -> Any:
+    """The JSON at ``path``, or None when the file is missing or damaged (a stage still running)."""
+    try:
+        with path.open(encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    rows = []
+    try:
+        with path.open(encoding="utf-8") as f:
+            for line in f:
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue  # a line cut by a killed run
+    except OSError:
+        return []
+    return rows
+
+
+def load_run(run_dir: str | os.PathLike) -> dict[str, Any]:
+    """Everything the summary shows, read from ``run_dir`` (layout: module docstring).
+
+    Keys: dir, demo, timings, training {name: {...}}, evals {(temp, name): report},
+    sps (the table dict), sts, sched {(policy, R): report}, simulate (results.json)."""
+    root = Path(run_dir)
+    if not root.is_dir():
+        raise FileNotFoundError(f"{root}: no such run folder (the folder scripts/demo.sh writes, e.g. runs/demo)")
+    evals = {}
+    for path in sorted(root.glob("eval-T*/*/report.json")):
+        report = _read_json(path)
+        if report is not None:
+            evals[(path.parent.parent.name.removeprefix("eval-T"), path.parent.name)] = report
+    sched = {}
+    for path in sorted(root.glob("sched/*/report.json")):
+        report = _read_json(path)
+        policy, _, r = path.parent.name.rpartition("-R")
+        if report is not None and policy and r.isdigit():
+            sched[(policy, int(r))] = report
+    return {
+        "dir": root,
+        "demo": _read_json(root / "demo.json") or {},
+        "timings": _read_json(root / "timings.json") or {},
+        "training": {p.parent.name: _training(p.parent) for p in sorted(root.glob("*/train_log.jsonl"))},
+        "evals": evals,
+        "sps": _read_json(root / "sps.json"),
+        "sts": _read_json(root / "sts.json"),
+        "sched": sched,
+        "simulate": _read_json(root / "simulate" / "results.json"),
+    }
+
+
+def _training(run: Path) -> dict[str, Any]:
+    """Steps, minutes and held-out τ_prob (first and last logged) of one training run."""
+    log = _read_jsonl(run / "train_log.jsonl")
+    evals = [r for r in log if "eval_tau_prob" in r]
+    drafter = _read_json(run / "drafter" / "config.json") or {}
+    return {
+        "steps": max((int(r.get("step", 0)) for r in log), default=None),
+        "minutes": max((float(r.get("wall_min", 0.0)) for r in log), default=None),
+        "tau_prob_first": evals[0]["eval_tau_prob"] if evals else None,
+        "tau_prob_last": evals[-1]["eval_tau_prob"] if evals else None,
+        "variant": drafter.get("dspark_variant"),
+        "block_size": drafter.get("block_size"),
+        "layers": drafter.get("num_hidden_layers"),
+        "finished": (run / "drafter" / "config.json").is_file(),
+    }
+
+
+# ---------------------------------------------------------------------------
+# Values with intervals
+# ---------------------------------------------------------------------------
+
+
+def _interval(ci: Any) -> tuple[float, float] | None:
+    """[lo, hi] as floats, or None when ``ci`` is not two finite numbers."""
+    if not isinstance(ci, (list, tuple)) or len(ci) != 2:
+        return None
+    try:
+        lo, hi = float(ci[0]), float(ci[1])
+    except (TypeError, ValueError):
+        return None
+    return (lo, hi) if math.isfinite(lo) and math.isfinite(hi) else None
+
+
+def metric(container: Mapping[str, Any] | None, keys: str | Sequence[str], sub: str | None = None
+           ) -> tuple[float | None, tuple[float, float] | None]:
+    """(value, interval) of the first of ``keys`` present in ``container``; with ``sub`` the
+    value is ``container[key][sub]`` (a macro dict) and the interval ``container[key + "_ci"][sub]``."""
+    if not isinstance(container, Mapping):
+        return None, None
+    for key in (keys,) if isinstance(keys, str) else keys:
+        if key not in container:
+            continue
+        value, ci = container[key], container.get(f"{key}_ci")
+        if sub is not None:
+            value = value.get(sub) if isinstance(value, Mapping) else None
+            ci = ci.get(sub) if isinstance(ci, Mapping) else None
+        number = value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+        return number, _interval(ci)
+    return None, None
+
+
+# ---------------------------------------------------------------------------
+# Sections
+# ---------------------------------------------------------------------------
+
+
+def _stage_name(stage: str) -> str:
+    if stage in STAGE_NAMES:
+        return STAGE_NAMES[stage]
+    return next((what for prefix, what in STAGE_PREFIXES.items() if stage.startswith(prefix)), "")
+
+
+def _drafters_trained(run: Mapping[str, Any]) -> str:
+    """"a DSpark, a DFlash and an Eagle3 drafter" from the training runs found (their variants)."""
+    shown = {"dspark": "a DSpark", "dflash": "a DFlash", "eagle3": "an Eagle3"}
+    names = [shown.get(str(t.get("variant")), f"a {t.get('variant')}")
+             for _, t in sorted(run["training"].items(), key=lambda kv: _drafter_order(kv[0]))]
+    if not names:
+        return "drafters"
+    return (", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else names[0]) + " drafter"
+
+
+def _link(run: Mapping[str, Any], rel: str, text: str | None = None) -> str:
+    return f"[{text or rel}]({rel})" if (run["dir"] / rel).exists() else f"{text or rel} (missing)"
+
+
+def training_section(run: Mapping[str, Any]) -> str:
+    demo = run["demo"]
+    budget = (f"{demo['epochs']} epochs over the regenerated answers (wall-clock cap {demo.get('max_wall_minutes')} min)"
+              if "epochs" in demo else "budget not recorded (no demo.json)")
+    extra = " ".join(demo.get("train_overrides") or [])
+    lines = [f"Mode `{demo.get('mode', '?')}`; configs {', '.join(f'`{c}`' for c in demo.get('configs', [])) or '?'}; "
+             f"{budget}{'; overrides `' + extra + '`' if extra else ''}.", ""]
+    rows = [[name, str(t["variant"] or "?"), fmt_number(t["block_size"]), fmt_number(t["layers"]),
+             fmt_number(t["steps"]), fmt_number(t["minutes"], 1), fmt_number(t["tau_prob_first"], 3),
+             fmt_number(t["tau_prob_last"], 3), "yes" if t["finished"] else "no"]
+            for name, t in sorted(run["training"].items(), key=lambda kv: _drafter_order(kv[0]))]
+    if not rows:
+        return "\n".join(lines + ["No training run found."])
+    header = ["run", "variant", "γ", "draft layers", "steps", "minutes", "held-out τ_prob (start)", "(end)", "drafter saved"]
+    return "\n".join(lines + [markdown_table(header, rows)])
+
+
+def _eval_columns(run: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """(temperature, name) of the evaluations, T = 1 first."""
+    return sorted(run["evals"], key=lambda k: (-float(k[0]) if _is_float(k[0]) else 0.0, _drafter_order(k[1])))
+
+
+def _drafter_order(name: str) -> tuple[int, str]:
+    """DSpark first, then DFlash, then the rest by name."""
+    return (0 if name.startswith("dspark") else 1 if name.startswith("dflash") else 2, name)
+
+
+def _is_float(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
+def tau_table(run: Mapping[str, Any]) -> str:
+    """τ per benchmark and Math / Code / Chat / Avg macro averages, one column per evaluation,
+    and the macro wall-clock speedup; "" without evaluations."""
+    columns = _eval_columns(run)
+    if not columns:
+        return ""
+    reports = [run["evals"][c] for c in columns]
+    header = ["benchmark"] + [f"{r.get('label') or name} T={temp}" for (temp, name), r in zip(columns, reports)]
+    names = [n for n in TABLE1_ORDER if any(n in r.get("benchmarks", {}) for r in reports)]
+    rows = [[DISPLAY_NAMES.get(n, n)] + [fmt_ci(*metric(r.get("benchmarks", {}).get(n), TAU_KEYS)) for r in reports]
+            for n in names]
+    for domain, shown in DOMAIN_NAMES.items():
+        rows.append([f"**{shown}**"] + [fmt_ci(*metric(r.get("macro"), TAU_KEYS, domain)) for r in reports])
+    rows.append(["speedup (wall, avg)"] + [fmt_ci(*metric(r.get("macro"), "speedup", "avg")) for r in reports])
+    return markdown_table(header, rows)
+
+
+def tau_section(run: Mapping[str, Any]) -> str:
+    table = tau_table(run)
+    if not table:
+        return "No evaluation report found."
+    columns = _eval_columns(run)
+    counts = run["evals"][columns[0]].get("config", {})
+    n = counts.get("num_samples")
+    per = f"{'/'.join(str(v) for v in sorted(set(n.values())))} prompts per benchmark" if isinstance(n, Mapping) and n else "?"
+    note = (f"{per}, {counts.get('max_new_tokens', '?')} new tokens each, dtype {counts.get('dtype', '?')}; "
+            "τ pooled over rounds; Math / Code / Chat / Avg are macro averages; ± is half the 95 % bootstrap "
+            "interval over requests where the report has one. Speedup: tokens/s against target-only decoding "
+            "of the same prompts in the same process.")
+    plots = ", ".join(_link(run, f"eval-T{t}/{n}/acceptance.png", f"{n} T={t}") for t, n in columns)
+    return "\n".join([table, "", note, "", f"Acceptance plots: {plots}."])
+
+
+def calibration_section(run: Mapping[str, Any]) -> str:
+    sts = run["sts"]
+    if not isinstance(sts, Mapping) or "temperatures" not in sts:
+        return "No STS file (sts.json) found."
+    split = sts.get("split", {})
+    before, after = sts.get("ece_before") or [], sts.get("ece_after") or []
+    kept = sts.get("kept") or []
+    rows = [[str(k + 1), fmt_number(t, 3), fmt_number(_at(before, k), 4), fmt_number(_at(after, k), 4),
+             "fitted" if k < len(kept) and _at(kept, k) is None else (_at(kept, k) or "–")]
+            for k, t in enumerate(sts["temperatures"])]
+    return "\n".join([
+        f"Sequential Temperature Scaling fitted on {split.get('fit_requests', '?')} requests "
+        f"({split.get('fit_rounds', '?')} rounds) of DSpark's T = 1 evaluation, ECE of a_k = Π c_i measured on the "
+        f"{sts.get('evaluated_on', '?')} part ({split.get('test_requests', '?')} requests).", "",
+        markdown_table(["k", "T_k", "ECE before", "ECE after", "T_k = 1 kept because"], rows), "",
+        "STS moves T_k off 1 only where the fit half holds `calibrate.min_events` accepted and rejected "
+        "prefixes and a cross-fitted ECE gain whose 95 % interval excludes 0 (`dspark/scheduling/sts.py`).", "",
+        f"Reliability diagrams: {_link(run, 'sts_reliability.png')}; the STS file: {_link(run, 'sts.json')}.",
+    ])
+
+
+def _at(values: Sequence[Any], k: int) -> Any:
+    return values[k] if k < len(values) else None
+
+
+def _target_only_theta(run: Mapping[str, Any], r: int) -> float | None:
+    """Target-only tokens per SPS-clock second with R requests always live: R · SPS(R)."""
+    if not isinstance(run["sps"], Mapping):
+        return None
+    from dspark.scheduling.algorithm1 import SPSTable
+
+    try:
+        return r * float(SPSTable.from_dict(run["sps"])(r))
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _simulated(run: Mapping[str, Any]) -> dict[tuple[str, int], Mapping[str, Any]]:
+    """The simulator's results by (policy, R)."""
+    sim = run["simulate"] if isinstance(run["simulate"], Mapping) else {}
+    return {(str(r["policy"]), int(r["concurrency"])): r for r in sim.get("results", [])
+            if isinstance(r, Mapping) and "policy" in r and "concurrency" in r}
+
+
+def sched_row(run: Mapping[str, Any], policy: str, r: int, report: Mapping[str, Any] | None,
+              simulated: Mapping[str, Any] | None) -> dict[str, Any]:
+    """One row of the scheduling table. From the scheduled evaluation (``report``, R = 1): τ with
+    its interval, mean ℓ, wall-clock tokens/s against target-only decoding, and per round the
+    drafting / verification time in target steps. From the simulator (``simulated``): Θ on the
+    SPS clock against target-only decoding, R·SPS(R); its τ and mean ℓ where there is no report."""
+    a = (report or {}).get("all", {})
+    tau, tau_ci = metric(a, TAU_KEYS)
+    gamma, rate = (report or {}).get("gamma"), a.get("verify_rate")
+    mean_ell = rate * gamma if isinstance(rate, (int, float)) and gamma else None
+    sim = simulated or {}
+    if report is None:
+        tau, mean_ell = sim.get("tau"), sim.get("mean_ell")
+    theta, theta0 = sim.get("throughput"), _target_only_theta(run, r)
+    speedup, speedup_ci = metric(a, "speedup")
+    return {"policy": policy, "R": r, "tau": tau, "tau_ci": tau_ci, "mean_ell": mean_ell,
+            "tokens_per_s": a.get("tokens_per_s"), "baseline_tokens_per_s": a.get("baseline_tokens_per_s"),
+            "speedup": speedup, "speedup_ci": speedup_ci, "theta": theta, "theta_target": theta0,
+            "theta_ratio": theta / theta0 if isinstance(theta, (int, float)) and theta0 else None,
+            **_round_costs(report or {})}
+
+
+def _round_costs(report: Mapping[str, Any]) -> dict[str, float | None]:
+    """Draft and verify seconds per round over the target-only seconds per decode step (prefills out)."""
+    t, a = report.get("timings", {}), report.get("all", {})
+    phases, base_phases = t.get("spec_phases_s") or {}, t.get("baseline_phases_s") or {}
+    rounds, base_tokens, requests = a.get("num_rounds"), a.get("baseline_tokens"), a.get("num_requests")
+    base_s = t.get("baseline_s")
+    if not (rounds and base_tokens and requests and base_s) or base_tokens <= requests:
+        return {"draft_steps": None, "verify_steps": None}
+    step = (base_s - float(base_phases.get("prefill", 0.0))) / (base_tokens - requests)
+    if step <= 0:
+        return {"draft_steps": None, "verify_steps": None}
+    return {"draft_steps": float(phases.get("draft", math.nan)) / rounds / step,
+            "verify_steps": float(phases.get("verify", math.nan)) / rounds / step}
+
+
+def _policy_order(run: Mapping[str, Any]) -> Any:
+    """Sort key of (policy, R): the demo's policy order, then the name, then R."""
+    order = {p: i for i, p in enumerate((run["demo"].get("schedule") or {}).get("policies", []))}
+    return lambda k: (order.get(k[0], len(order)), k[0], k[1])
+
+
+def sched_rows(run: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """One row per policy and R of the demo's scheduling concurrencies (default 1 and 4), in the
+    demo's policy order: the scheduled evaluations and the simulator's results of those R."""
+    wanted = set((run["demo"].get("schedule") or {}).get("concurrencies") or (1, 4))
+    simulated = _simulated(run)
+    keys = set(run["sched"]) | {k for k in simulated if k[1] in wanted}
+    keys = sorted(keys, key=_policy_order(run))
+    return [sched_row(run, p, r, run["sched"].get((p, r)), simulated.get((p, r))) for p, r in keys]
+
+
+PAIRED_BASELINE = "static"  # the paper's fixed γ: every other policy is compared with it
+
+
+def paired_rows(run: Mapping[str, Any], baseline: str = PAIRED_BASELINE) -> list[dict[str, Any]]:
+    """For every other policy with a scheduled evaluation at R = 1: its speedup and τ over the
+    baseline's on the same requests (``dspark.evaluation.paired.paired_ratio``, each speedup against its own
+    target-only decodes), as {policy, paired: PairedRatio or None, error: why not or None}.
+    Empty without the baseline's evaluation."""
+    from dspark.evaluation.paired import paired_ratio
+
+    if (baseline, 1) not in run["sched"]:
+        return []
+    folder = run["dir"] / "sched"
+    rows = []
+    for policy, _ in sorted((k for k in run["sched"] if k[1] == 1 and k[0] != baseline), key=_policy_order(run)):
+        try:
+            paired, error = paired_ratio(folder / f"{policy}-R1", folder / f"{baseline}-R1"), None
+        except (OSError, ValueError, KeyError, TypeError) as e:  # a stage still running, an older folder
+            paired, error = None, str(e)
+        rows.append({"policy": policy, "paired": paired, "error": error})
+    return rows
+
+
+def _fmt_ratio(interval: Any) -> tuple[str, str]:
+    """("1.04 ± 0.04", "[1.01, 1.08]") of an Interval, "–" without one."""
+    if interval is None:
+        return "–", "–"
+    return fmt_ci(interval.estimate, [interval.lo, interval.hi]), f"[{interval.lo:.2f}, {interval.hi:.2f}]"
+
+
+def _paired_verdict(interval: Any, baseline: str) -> str:
+    from dspark.evaluation.paired import verdict
+
+    words = {"above 1": f"above {baseline} beyond the interval", "below 1": f"below {baseline} beyond the interval",
+             "includes 1": "not separated (the interval includes 1)"}
+    return words.get(verdict(interval), "–")
+
+
+def paired_section(run: Mapping[str, Any], baseline: str = PAIRED_BASELINE) -> str:
+    """The short table "speedup vs static (paired)" under the scheduling table ('' without rows)."""
+    rows = paired_rows(run, baseline)
+    if not rows:
+        return ""
+    cells = []
+    for x in rows:
+        p = x["paired"]
+        if p is None:
+            cells.append([x["policy"], "–", "–", "–", f"not computed: {x['error']}", "–"])
+            continue
+        speed, speed_ci = _fmt_ratio(p.speedup)
+        cells.append([x["policy"], speed, speed_ci, _fmt_ratio(p.tau)[0], _paired_verdict(p.speedup, baseline),
+                      str(p.common)])
+    header = ["policy (R = 1)", f"speedup vs {baseline} (paired)", "95 % interval", f"τ vs {baseline} (paired)",
+              "speedup verdict", "common requests"]
+    note = (f"Speedup vs {baseline} (paired): the policy's wall-clock speedup over {baseline}'s, each against its "
+            "own target-only decodes, pooled over the requests both evaluated; its 95 % interval resamples those "
+            "requests jointly (the same draws for both policies, within each benchmark, "
+            "`eval.bootstrap_resamples`), so the request-to-request variation both policies share cancels. An "
+            "interval that excludes 1 separates the two policies even where their own intervals above overlap.")
+    return "\n".join([markdown_table(header, cells), "", note])
+
+
+def sched_section(run: Mapping[str, Any]) -> str:
+    rows = sched_rows(run)
+    if not rows:
+        return "No scheduled evaluation found."
+    header = ["policy", "R", "τ", "mean ℓ", "tok/s (wall)", "target-only tok/s", "speedup (wall)",
+              "Θ (SPS clock)", "target-only Θ = R·SPS(R)", "Θ ratio", "draft / round", "verify / round"]
+    cells = [[x["policy"], str(x["R"]), fmt_ci(x["tau"], x["tau_ci"]), fmt_number(x["mean_ell"]),
+              fmt_number(x["tokens_per_s"], 1), fmt_number(x["baseline_tokens_per_s"], 1),
+              fmt_ci(x["speedup"], x["speedup_ci"]), fmt_number(x["theta"], 1), fmt_number(x["theta_target"], 1),
+              fmt_number(x["theta_ratio"]), fmt_number(x["draft_steps"]), fmt_number(x["verify_steps"])]
+             for x in rows]
+    note = (
+        "DSpark at T = 1 on the same prompts under each policy. **Wall clock** (R = 1, `dspark eval --scheduler "
+        "POLICY`, folders `sched/`): tokens/s of the speculative decode against target-only decoding of the same "
+        "prompts, measured in the same process; τ, mean ℓ and the per-round costs come from it. Draft / verify per "
+        "round: seconds per round over the target-only seconds per decode step (prefills excluded); a round costs "
+        "about draft + verify target steps and yields τ tokens, so the drafting cost is what keeps a policy that "
+        "verifies nothing (ℓ = 0) below target-only speed. **SPS clock** (`dspark simulate`, folder `simulate/`): "
+        "R requests live at every step (the prompts are cycled), each step charged 1 / SPS(B) for its "
+        "B = Σ(1 + ℓ_r) tokens from the measured table plus the drafting seconds measured in it (the demo runs it with `--draft-overhead measured`; a request that skips drafting pays none), against R·SPS(R) for target-only "
+        "decoding; the serving loop verifies each request on its own, so its wall clock says nothing about "
+        "batching and only the SPS clock measures R > 1. Rows without a scheduled evaluation (R > 1) show the "
+        "simulator's τ and mean ℓ.")
+    paired = paired_section(run)
+    return "\n".join([markdown_table(header, cells), "", note] + (["", paired] if paired else []))
+
+
+def simulate_section(run: Mapping[str, Any]) -> str:
+    sim = run["simulate"]
+    if not isinstance(sim, Mapping) or not sim.get("results"):
+        return "No serving simulation (simulate/results.json) found."
+    rows = []
+    for r in sim["results"]:
+        theta0 = _target_only_theta(run, int(r["concurrency"]))
+        ratio = r["throughput"] / theta0 if theta0 and isinstance(r.get("throughput"), (int, float)) else None
+        rows.append([str(r["policy"]), str(r["concurrency"]), fmt_number(r.get("throughput"), 1),
+                     fmt_number(theta0, 1), fmt_number(ratio), fmt_number(r.get("tau")), fmt_number(r.get("mean_ell"))])
+    config = sim.get("config", {})
+    return "\n".join([
+        markdown_table(["policy", "R", "Θ (SPS clock, tok/s)", "target-only R·SPS(R)", "ratio", "τ", "mean ℓ"], rows), "",
+        f"{config.get('num_prompts', '?')} prompts cycled, {config.get('max_new_tokens', '?')} new tokens, "
+        f"drafting charged {_draft_charge(config.get('draft_overhead', 0))}. Plots: "
+        f"{_link(run, 'simulate/figure8.png')}, {_link(run, 'simulate/frontier.png')}, SPS table "
+        f"{_link(run, 'sps.png')}.",
+    ])
+
+
+def _draft_charge(overhead: Any) -> str:
+    if overhead == "measured":
+        return "as measured (each step pays the seconds its drafts took)"
+    return f"as {overhead} of a step" if overhead else "not at all (draft_overhead 0)"
+
+
+def timings_section(run: Mapping[str, Any]) -> str:
+    timings = run["timings"]
+    if not timings:
+        return "No timings.json found."
+    rows = [[stage, _stage_name(stage), fmt_number(float(s) / 60, 1)] for stage, s in timings.items()]
+    rows.append(["**total**", "", fmt_number(sum(float(s) for s in timings.values()) / 60, 1)])
+    return markdown_table(["stage", "", "minutes"], rows) + "\n\nTimes of the stages run in this folder (a resumed " \
+        "stage counts its last, completing run only)."
+
+
+FILES = (
+    ("demo.json", "the demo's mode and budgets"), ("timings.json", "wall-clock seconds per stage"),
+    ("data/", "regenerated answers (responses.jsonl), rendered samples, split.json, the fp8 feature cache"),
+    ("*/drafter/", "the trained drafters (config.json + model.safetensors); train_log.jsonl and checkpoints/ next to them"),
+    ("curves.png", "held-out τ_prob against wall-clock minutes"),
+    ("eval-T*/*/", "evaluations: report.md / report.json, requests.jsonl, rounds.jsonl (the log STS is fitted on), plots"),
+    ("report-T*.md", "Table-1-style comparisons (dspark compare)"),
+    ("sps.json", "the SPS table (sps.profile.json: timings; sps.png)"),
+    ("sts.json", "STS temperatures and ECE before / after (sts_reliability.png)"),
+    ("sched/*/", "scheduled evaluations, one folder per policy and R"),
+    ("simulate/", "the serving simulation: results.md / .json, rounds.jsonl, figure8.png, frontier.png"),
+)
+
+
+def files_section(run: Mapping[str, Any]) -> str:
+    root = run["dir"]
+    lines = []
+    for pattern, what in FILES:
+        found = sorted(p.relative_to(root).as_posix() for p in root.glob(pattern.rstrip("/")))
+        where = ", ".join(f"`{f}`" for f in found[:8]) + (" ..." if len(found) > 8 else "") if found else "(not yet)"
+        lines.append(f"- {what}: {where}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------
+# The page and the short text
+# ---------------------------------------------------------------------------
+
+
+def summary_markdown(run: Mapping[str, Any]) -> str:
+    """The run's README.md: the sections above, with the plots linked relative to the run folder."""
+    parts = [
+        f"# dspark demo: {run['dir'].name}", "",
+        f"SmolLM2-135M-Instruct as the target; {_drafters_trained(run)} trained with the same budget, "
+        "evaluated against target-only decoding, calibrated, and served under verification policies.",
+        "", "## 1. What was trained", "", training_section(run),
+        "", f"Learning curves: {_link(run, 'curves.png')}.",
+        "", "## 2. Accepted length τ", "", tau_section(run),
+        "", "## 3. Calibration of DSpark's confidences", "", calibration_section(run),
+        "", "## 4. Scheduled verification", "", sched_section(run),
+        "", "## 5. Serving simulation (Fig. 8 analogue)", "", simulate_section(run),
+        "", "## 6. Time per stage", "", timings_section(run),
+        "", "## 7. Files", "", files_section(run), "",
+    ]
+    return "\n".join(parts)
+
+
+def summary_short(run: Mapping[str, Any]) -> str:
+    """A few lines for the terminal: training, macro τ, ECE, the scheduling rows, total time."""
+    lines = []
+    for name, t in sorted(run["training"].items(), key=lambda kv: _drafter_order(kv[0])):
+        lines.append(f"trained {name}: {fmt_number(t['steps'])} steps, {fmt_number(t['minutes'], 1)} min, "
+                     f"held-out τ_prob {fmt_number(t['tau_prob_first'], 3)} -> {fmt_number(t['tau_prob_last'], 3)}")
+    for temp, name in _eval_columns(run):
+        report = run["evals"][(temp, name)]
+        lines.append(f"τ macro avg, {name} T={temp}: {fmt_ci(*metric(report.get('macro'), TAU_KEYS, 'avg'))}"
+                     f" (speedup {fmt_ci(*metric(report.get('macro'), 'speedup', 'avg'))}x)")
+    if run["evals"]:
+        lines += ["", "accepted length τ (± half the 95 % interval over requests, where reported):", tau_table(run), ""]
+    sts = run["sts"]
+    if isinstance(sts, Mapping) and sts.get("ece_before"):
+        pairs = [f"{fmt_number(b, 3)}->{fmt_number(a, 3)}" for b, a in zip(sts["ece_before"], sts.get("ece_after", []))]
+        lines.append("ECE per position before->after STS: " + " ".join(pairs))
+    for x in sched_rows(run):
+        lines.append(f"{x['policy']:>12} R={x['R']}: τ {fmt_ci(x['tau'], x['tau_ci'])}, mean ℓ {fmt_number(x['mean_ell'])}, "
+                     f"wall speedup {fmt_ci(x['speedup'], x['speedup_ci'])}, SPS-clock Θ ratio {fmt_number(x['theta_ratio'])}"
+                     f", draft/round {fmt_number(x['draft_steps'])} steps")
+    if run["sched"] or run["simulate"]:
+        lines.append("(R = 1: wall clock of dspark eval --scheduler; R > 1: the simulator's SPS clock)")
+    for x in paired_rows(run):
+        if x["paired"] is not None:
+            speed, speed_ci = _fmt_ratio(x["paired"].speedup)
+            lines.append(f"{x['policy']:>12} / {PAIRED_BASELINE} (paired, R=1): speedup ratio {speed} {speed_ci}, "
+                         f"{_paired_verdict(x['paired'].speedup, PAIRED_BASELINE)}; τ ratio {_fmt_ratio(x['paired'].tau)[0]}")
+    if run["timings"]:
+        lines.append("minutes per stage: " + ", ".join(f"{k} {float(v) / 60:.1f}" for k, v in run["timings"].items())
+                     + f"; total {sum(float(v) for v in run['timings'].values()) / 60:.1f}")
+    lines.append(f"files in {run['dir']}: data/, <drafter>/drafter/, eval-T*/<drafter>/ (report.md, rounds.jsonl), "
+                 "sps.json, sts.json, sched/<policy>-R1/, simulate/ (figure8.png); README.md lists each")
+    return "\n".join(lines)
+
+
+def write_summary(run_dir: str | os.PathLike) -> tuple[Path, str]:
+    """Write ``<run_dir>/README.md`` (and curves.png from the training logs when there are any);
+    returns its path and the short text."""
+    run = load_run(run_dir)
+    if run["training"]:
+        from dspark.evaluation.plots import plot_learning_curves
+
+        try:
+            plot_learning_curves({name: run["dir"] / name for name in run["training"]}, run["dir"] / "curves.png")
+        except ValueError:  # a log line cut by a killed run: the page says the plot is missing
+            pass
+    path = run["dir"] / "README.md"
+    atomic_write_text(path, summary_markdown(run))
+    return path, summary_short(run)

@@ -1,0 +1,252 @@
+"""95 % bootstrap intervals of the evaluation report's numbers (``dspark.evaluation.report.build_report``).
+
+Requests are resampled within each benchmark (stratified, ``dspark.bootstrap``):
+each benchmark keeps its number of requests in every resample, as the
+evaluation protocol fixes it, and one set of draw counts per benchmark is used
+for every metric, so that τ, acceptance, ECE and the speedups of one resample
+come from the same requests, and a speedup resamples each request's
+speculative and target-only decodes together.
+
+``add_intervals`` adds, next to each metric ``x`` it covers, ``x_ci``: [lo, hi]
+(for a per-position list, one [lo, hi] per position; for the macro dicts, one
+per column). Covered: tau, tau_per_request, conditional_acceptance,
+acceptance_rate, verify_rate, speedup, decode_speedup (benchmarks, domains,
+all), each domain's tau_macro, the ECE of every confidence entry
+(``confidence[k]["ece_ci"]``, ``confidence_calibrated`` too) and the macro
+averages of tau, tau_per_request, speedup and decode_speedup.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from dspark.bootstrap import DEFAULT_LEVEL, check_settings, resample_counts, stratified_ci
+from dspark.scheduling.calibration import apply_temperatures, ece_from_sums, ece_sums
+from dspark.evaluation.metrics import ECE_BINS, MACRO_KEYS, conditional_acceptance_counts, macro_average_array, round_tau
+
+__all__ = ["BenchmarkAggregates", "add_intervals", "request_aggregates"]
+
+
+@dataclass
+class BenchmarkAggregates:
+    """Per-request aggregates of one benchmark, each array [n_requests, ...] in one request order."""
+
+    arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    num_requests: int = 0
+
+
+# Each statistic maps sums over requests, stacked over benchmarks [..., G, d...], to the
+# number pooled over those benchmarks' rounds.
+def _ratio(s: np.ndarray) -> np.ndarray:
+    s = s.sum(axis=-2)
+    return s[..., 0] / s[..., 1]
+
+
+def _conditional(s: np.ndarray) -> np.ndarray:
+    s = s.sum(axis=-3)  # [..., γ, 2]
+    return s[..., 0] / s[..., 1]
+
+
+def _ece(s: np.ndarray) -> np.ndarray:
+    return ece_from_sums(s.sum(axis=-3))
+
+
+def _speedup(s: np.ndarray) -> np.ndarray:
+    s = s.sum(axis=-2)
+    return (s[..., 0] / s[..., 1]) / (s[..., 2] / s[..., 3])
+
+
+_STATISTICS: dict[str, tuple[str, Callable[[np.ndarray], np.ndarray]]] = {
+    # report key -> (aggregate name, statistic)
+    "tau": ("tau", _ratio),
+    "tau_per_request": ("tau_per_request", _ratio),
+    "acceptance_rate": ("acceptance", _ratio),
+    "verify_rate": ("verify", _ratio),
+    "conditional_acceptance": ("conditional", _conditional),
+    "speedup": ("speed", _speedup),
+    "decode_speedup": ("decode_speed", _speedup),
+}
+
+
+def request_aggregates(
+    records: Sequence[Mapping[str, Any]],
+    rounds: Sequence[Mapping[str, Any]],
+    gamma: int,
+    temperatures: Any = None,
+    n_bins: int = ECE_BINS,
+) -> dict[str, BenchmarkAggregates]:
+    """Per benchmark, the per-request sums every covered metric is a ratio (or ECE) of.
+
+    tau [Σ τ, rounds]; tau_per_request [mean τ, 1] (0, 0 without rounds);
+    acceptance [Σ m, Σ ℓ]; verify [Σ ℓ / γ, rounds]; conditional [γ, 2]
+    (passed, reached); ece / ece_calibrated [γ, n_bins + 1] (``ece_sums``, if
+    any round has confidences); speed [tokens, wall_s, baseline tokens,
+    baseline wall_s] and decode_speed (the same after the prefill), when every
+    record has them, as ``dspark.evaluation.report`` computes the speedups."""
+    names = list(dict.fromkeys([r["benchmark"] for r in records] + [r["benchmark"] for r in rounds]))
+    out = {}
+    for name in names:
+        mine = [r for r in records if r["benchmark"] == name]
+        its_rounds = [r for r in rounds if r["benchmark"] == name]
+        keys = list(dict.fromkeys([r["request"] for r in mine] + [r["request"] for r in its_rounds]))
+        index = {k: i for i, k in enumerate(keys)}
+        arrays = _round_sums(its_rounds, [index[r["request"]] for r in its_rounds], len(keys), gamma)
+        arrays.update(_ece_aggregates(its_rounds, index, len(keys), temperatures, n_bins))
+        arrays.update(_speed_aggregates(mine, index, len(keys)))
+        out[name] = BenchmarkAggregates(arrays, len(keys))
+    return out
+
+
+def _round_sums(rounds: Sequence[Mapping[str, Any]], group: list[int], n: int, gamma: int) -> dict[str, np.ndarray]:
+    g = np.asarray(group, dtype=np.int64)
+    m = np.asarray([int(r["accepted"]) for r in rounds], dtype=np.int64)
+    ell = np.asarray([int(r["proposed"]) for r in rounds], dtype=np.int64)
+    tau = np.asarray([round_tau(r) for r in rounds], dtype=np.float64)
+
+    def per_request(values: np.ndarray) -> np.ndarray:
+        return np.bincount(g, weights=values, minlength=n) if g.size else np.zeros(n)
+
+    count = per_request(np.ones(g.size))
+    tau_sum = per_request(tau)
+    has = count > 0
+    mean_tau = np.divide(tau_sum, count, out=np.zeros(n), where=has)
+    conditional = np.zeros((n, gamma, 2))
+    k = np.arange(1, gamma + 1)
+    passed = (m[:, None] >= k).astype(np.float64)  # [N, γ]; the oracle is conditional_acceptance_counts
+    reached = ((m[:, None] >= k - 1) & (ell[:, None] >= k)).astype(np.float64)
+    np.add.at(conditional, (g, slice(None), 0), passed)
+    np.add.at(conditional, (g, slice(None), 1), reached)
+    return {
+        "tau": np.stack([tau_sum, count], axis=1),
+        "tau_per_request": np.stack([mean_tau, has.astype(np.float64)], axis=1),
+        "acceptance": np.stack([per_request(m.astype(np.float64)), per_request(ell.astype(np.float64))], axis=1),
+        "verify": np.stack([per_request(ell / gamma), count], axis=1),
+        "conditional": conditional,
+    }
+
+
+def _ece_aggregates(
+    rounds: Sequence[Mapping[str, Any]], index: Mapping[Any, int], n: int, temperatures: Any, n_bins: int
+) -> dict[str, np.ndarray]:
+    """``ece_sums`` per request of the rounds with confidences (raw, and after STS if given)."""
+    with_conf = [r for r in rounds if r.get("confidences") is not None]
+    if not with_conf:
+        return {}
+    conf = np.asarray([r["confidences"] for r in with_conf], dtype=np.float64)  # [N, γ]
+    m = [int(r["accepted"]) for r in with_conf]
+    ell = [int(r["proposed"]) for r in with_conf]
+    group = [index[r["request"]] for r in with_conf]
+    out = {"ece": ece_sums(conf, m, ell, group, n, n_bins)}
+    if temperatures is not None:
+        out["ece_calibrated"] = ece_sums(apply_temperatures(conf, temperatures), m, ell, group, n, n_bins)
+    return out
+
+
+def _speed_aggregates(records: Sequence[Mapping[str, Any]], index: Mapping[Any, int], n: int) -> dict[str, np.ndarray]:
+    """speed and decode_speed per request (see ``request_aggregates``), when the records allow."""
+    if not records or not all("baseline_wall_s" in r for r in records):
+        return {}
+    speed = np.zeros((n, 4))
+    for r in records:
+        speed[index[r["request"]]] += [int(r["tokens"]), float(r["wall_s"]), int(r["baseline_tokens"]),
+                                       float(r["baseline_wall_s"])]
+    out = {"speed": speed}
+    if all("prefill" in r.get("timings", {}) and "prefill" in r.get("baseline_timings", {}) for r in records):
+        decode = np.zeros((n, 4))
+        for r in records:
+            decode[index[r["request"]]] += [max(0, int(r["tokens"]) - 1),
+                                            float(r["wall_s"]) - float(r["timings"]["prefill"]),
+                                            max(0, int(r["baseline_tokens"]) - 1),
+                                            float(r["baseline_wall_s"]) - float(r["baseline_timings"]["prefill"])]
+        out["decode_speed"] = decode
+    return out
+
+
+def _pair(lo: Any, hi: Any) -> Any:
+    if np.ndim(lo) == 0:
+        return [float(lo), float(hi)]
+    return [[float(a), float(b)] for a, b in zip(lo, hi)]
+
+
+class _Intervals:
+    """Intervals of the metrics of a set of benchmarks, on one shared set of draw counts."""
+
+    def __init__(self, aggregates: Mapping[str, BenchmarkAggregates], resamples: int, seed: int) -> None:
+        self.aggregates = aggregates
+        rng = np.random.default_rng(seed)
+        # float64 once: every statistic multiplies these counts with its aggregates.
+        self.counts = {name: resample_counts(a.num_requests, resamples, rng).astype(np.float64)
+                       for name, a in aggregates.items()}
+
+    def ci(self, names: Sequence[str], aggregate: str, statistic: Callable[[np.ndarray], np.ndarray]) -> Any:
+        """[lo, hi] (or one per element) of ``statistic`` over ``names``; None where a benchmark lacks the aggregate."""
+        present = [n for n in names if n in self.aggregates]
+        if not present or any(aggregate not in self.aggregates[n].arrays for n in present):
+            return None
+        _, lo, hi = stratified_ci([self.aggregates[n].arrays[aggregate] for n in present], statistic,
+                                  counts=[self.counts[n] for n in present])
+        return _pair(lo, hi)
+
+    def annotate(self, entry: dict[str, Any], names: Sequence[str]) -> None:
+        """Add x_ci next to every covered metric x of ``entry`` (pooled over ``names``)."""
+        for key, (aggregate, statistic) in _STATISTICS.items():
+            if key in entry:
+                ci = self.ci(names, aggregate, statistic)
+                if ci is not None:
+                    entry[f"{key}_ci"] = ci
+        for key, aggregate in (("confidence", "ece"), ("confidence_calibrated", "ece_calibrated")):
+            if entry.get(key):
+                ci = self.ci(names, aggregate, _ece)
+                for position, pair in zip(entry[key], ci or []):
+                    position["ece_ci"] = pair
+
+    def macro(self, names: Sequence[str], aggregate: str, statistic: Callable[[np.ndarray], np.ndarray]) -> Any:
+        """{math, code, chat, avg: [lo, hi]} of the macro average of the per-benchmark statistic."""
+        present = [n for n in names if aggregate in self.aggregates[n].arrays]
+        if not present:
+            return None
+
+        def macro_stat(s: np.ndarray) -> np.ndarray:
+            per_benchmark = statistic(s[..., None, :])  # [..., G]: each benchmark alone
+            return macro_average_array(per_benchmark, present)
+
+        _, lo, hi = stratified_ci([self.aggregates[n].arrays[aggregate] for n in present], macro_stat,
+                                  counts=[self.counts[n] for n in present])
+        return {key: [float(a), float(b)] for key, a, b in zip(MACRO_KEYS, lo, hi)}
+
+
+def add_intervals(
+    report: dict[str, Any],
+    records: Sequence[Mapping[str, Any]],
+    rounds: Sequence[Mapping[str, Any]],
+    *,
+    resamples: int,
+    seed: int,
+    temperatures: Any = None,
+    n_bins: int = ECE_BINS,
+) -> dict[str, Any]:
+    """Add the x_ci keys (module docstring) to a ``build_report`` dict in place, and
+    ``report["bootstrap"] = {resamples, seed, level}``; returns the report."""
+    check_settings(resamples, DEFAULT_LEVEL)
+    aggregates = request_aggregates(records, rounds, int(report["gamma"]), temperatures, n_bins)
+    intervals = _Intervals(aggregates, resamples, seed)
+    for name, entry in report["benchmarks"].items():
+        intervals.annotate(entry, [name])
+    for entry in report["domains"].values():
+        intervals.annotate(entry, entry["benchmarks"])
+        ci = intervals.macro(entry["benchmarks"], "tau", _ratio)
+        if ci is not None:
+            entry["tau_macro_ci"] = ci["avg"]
+    intervals.annotate(report["all"], list(aggregates))
+    names = list(report["benchmarks"])
+    for key in [k for k in report["macro"] if k in _STATISTICS]:
+        aggregate, statistic = _STATISTICS[key]
+        ci = intervals.macro(names, aggregate, statistic)
+        if ci is not None:
+            report["macro"][f"{key}_ci"] = ci
+    report["bootstrap"] = {"resamples": int(resamples), "seed": int(seed), "level": DEFAULT_LEVEL}
+    return report

@@ -1,0 +1,212 @@
+"""Paired comparison of two evaluations of the same requests: the ratio of their speedups and
+of their τ, with a 95 % bootstrap interval that resamples the common requests jointly.
+
+Two policies (or two drafters) evaluated on the same prompts share the request-to-request
+variation: a long, hard prompt is slow under both. The intervals of the two speedups
+(``dspark.evaluation.intervals``) each carry that shared variation, so they can overlap while every
+request is faster under one of them. Resampling the common requests jointly (one draw count per
+request, used for both reports) cancels the shared part, and the interval of the ratio measures
+only the difference (Efron & Tibshirani 1993, ch. 6 and 13: the bootstrap of a statistic of
+paired samples resamples the pairs).
+
+- ``paired_ratio``              the ratios of two evaluation folders (report.json, requests.jsonl,
+                                rounds.jsonl as ``dspark eval`` writes them)
+- ``paired_ratio_from_records`` the same from their request and round rows (tests, hand checks)
+- ``PairedRatio``               the result: speedup and τ ratios (``Interval``), request counts
+- ``verdict``                   "above 1" / "below 1" / "includes 1" of an interval
+
+The ratio of A to B:
+
+    speedup ratio = S_A / S_B,  S = (Σ tokens / Σ seconds) / (Σ baseline tokens / Σ baseline seconds)
+    τ ratio       = τ_A / τ_B,  τ = Σ_rounds τ / rounds   (τ pooled over rounds, ``dspark.evaluation.metrics``)
+
+each sum over the common requests, i.e. the pooled numbers of ``report["all"]`` restricted to the
+requests both reports decoded (each speedup against its own target-only baseline). Requests are
+matched on (benchmark, request) and resampled within each benchmark, as ``dspark.evaluation.intervals`` does
+(each benchmark keeps its number of common requests), with the report's recorded bootstrap setting
+(``eval.bootstrap_resamples`` and the seed, ``report["bootstrap"]``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Union
+
+import numpy as np
+
+from dspark.bootstrap import DEFAULT_LEVEL, DEFAULT_RESAMPLES, Interval, check_settings, resample_counts, stratified_ci
+from dspark.evaluation.intervals import request_aggregates
+
+PathLike = Union[str, os.PathLike]
+
+__all__ = ["PairedRatio", "load_evaluation", "paired_ratio", "paired_ratio_from_records", "verdict"]
+
+
+@dataclass(frozen=True)
+class PairedRatio:
+    """Ratios of report A to report B over their common requests (module docstring).
+
+    speedup: None when a report has no target-only baseline; tau: None without rounds."""
+
+    speedup: Interval | None
+    tau: Interval | None
+    common: int  # requests in both reports
+    only_a: int  # requests of A that B lacks (left out)
+    only_b: int
+    resamples: int
+    seed: int
+    level: float
+
+
+def verdict(interval: Interval | None) -> str:
+    """"above 1" / "below 1" when the interval excludes 1 (A faster / slower than B beyond the
+    request-to-request noise), "includes 1" when it does not, "–" when there is no interval."""
+    if interval is None or not (np.isfinite(interval.lo) and np.isfinite(interval.hi)):
+        return "–"
+    if interval.lo > 1.0:
+        return "above 1"
+    if interval.hi < 1.0:
+        return "below 1"
+    return "includes 1"
+
+
+# ------------------------------------------------------------------ reading
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    with path.open(encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def load_evaluation(folder: PathLike) -> tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, Any]]]:
+    """(report, request rows, round rows) of a ``dspark eval`` output folder (or its report.json)."""
+    folder = Path(folder)
+    if folder.name == "report.json":
+        folder = folder.parent
+    missing = [n for n in ("report.json", "requests.jsonl", "rounds.jsonl") if not (folder / n).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{folder}: no {', '.join(missing)}; a paired comparison needs the folder "
+                                "`dspark eval` wrote (report.json with requests.jsonl and rounds.jsonl)")
+    with (folder / "report.json").open(encoding="utf-8") as f:
+        report = json.load(f)
+    return report, _read_jsonl(folder / "requests.jsonl"), _read_jsonl(folder / "rounds.jsonl")
+
+
+def _settings(report: Mapping[str, Any], resamples: int | None, seed: int | None) -> tuple[int, int]:
+    """The arguments, else the bootstrap setting the report recorded, else 1000 resamples and seed 0."""
+    recorded = report.get("bootstrap") or {}
+    resamples = int(recorded.get("resamples", DEFAULT_RESAMPLES)) if resamples is None else resamples
+    seed = int(recorded.get("seed", 0)) if seed is None else seed
+    return resamples, seed
+
+
+# ------------------------------------------------------------------ pairing
+def _keyed(records: Sequence[Mapping[str, Any]], label: str) -> dict[tuple[str, Any], Mapping[str, Any]]:
+    out: dict[tuple[str, Any], Mapping[str, Any]] = {}
+    for r in records:
+        key = (str(r["benchmark"]), r["request"])
+        if key in out:
+            raise ValueError(f"report {label} has two request rows for {key}: give one evaluation's requests.jsonl")
+        out[key] = r
+    return out
+
+
+def _common_keys(a: Mapping[tuple[str, Any], Mapping[str, Any]], b: Mapping[tuple[str, Any], Mapping[str, Any]]
+                 ) -> list[tuple[str, Any]]:
+    """Keys in both, in A's order; ValueError when a matched request has two prompt lengths
+    (the two evaluations did not decode the same prompts: different data, seed or sample count)."""
+    common = [k for k in a if k in b]
+    for k in common:
+        pa, pb = a[k].get("prompt_tokens"), b[k].get("prompt_tokens")
+        if pa is not None and pb is not None and int(pa) != int(pb):
+            raise ValueError(f"request {k} has {pa} prompt tokens in report A and {pb} in B: the two evaluations "
+                             "did not decode the same prompts (use the same eval data, num_samples and seed)")
+    return common
+
+
+def _aggregates(records: list[Mapping[str, Any]], rounds: Sequence[Mapping[str, Any]], keys: list[tuple[str, Any]],
+                gamma: int) -> dict[str, Any]:
+    """``request_aggregates`` of the requests ``keys`` (records already in that order), by benchmark."""
+    wanted = set(keys)
+    mine = [r for r in rounds if (str(r["benchmark"]), r["request"]) in wanted]
+    return request_aggregates(records, mine, gamma)
+
+
+def _stacked(agg_a: Mapping[str, Any], agg_b: Mapping[str, Any], name: str, names: list[str]) -> list[np.ndarray] | None:
+    """Per benchmark [n, 2d]: A's aggregate ``name`` next to B's, one row per common request."""
+    if any(name not in agg_a[n].arrays or name not in agg_b[n].arrays for n in names):
+        return None
+    return [np.concatenate([agg_a[n].arrays[name], agg_b[n].arrays[name]], axis=1) for n in names]
+
+
+def _speedup_ratio(s: np.ndarray) -> np.ndarray:
+    s = s.sum(axis=-2)  # [..., 8]: A's (tokens, s, baseline tokens, baseline s), then B's
+    return ((s[..., 0] / s[..., 1]) / (s[..., 2] / s[..., 3])) / ((s[..., 4] / s[..., 5]) / (s[..., 6] / s[..., 7]))
+
+
+def _tau_ratio(s: np.ndarray) -> np.ndarray:
+    s = s.sum(axis=-2)  # [..., 4]: A's (Σ τ, rounds), then B's
+    return (s[..., 0] / s[..., 1]) / (s[..., 2] / s[..., 3])
+
+
+def paired_ratio_from_records(
+    records_a: Sequence[Mapping[str, Any]],
+    rounds_a: Sequence[Mapping[str, Any]],
+    records_b: Sequence[Mapping[str, Any]],
+    rounds_b: Sequence[Mapping[str, Any]],
+    *,
+    gamma_a: int,
+    gamma_b: int,
+    resamples: int = DEFAULT_RESAMPLES,
+    seed: int = 0,
+    level: float = DEFAULT_LEVEL,
+    counts: Mapping[str, np.ndarray] | None = None,
+) -> PairedRatio:
+    """``PairedRatio`` of A over B from their requests.jsonl and rounds.jsonl rows.
+
+    ``counts`` ({benchmark: [R, n_b] draw counts of its common requests, in A's request order})
+    replaces the seeded draw (benchmark after benchmark, in A's order, from
+    ``np.random.default_rng(seed)``); the same counts weigh A's and B's row of each request."""
+    check_settings(resamples, level)
+    keyed_a, keyed_b = _keyed(records_a, "A"), _keyed(records_b, "B")
+    keys = _common_keys(keyed_a, keyed_b)
+    if not keys:
+        raise ValueError("the two reports share no (benchmark, request): a paired comparison needs evaluations "
+                         "of the same prompts")
+    agg_a = _aggregates([keyed_a[k] for k in keys], rounds_a, keys, gamma_a)
+    agg_b = _aggregates([keyed_b[k] for k in keys], rounds_b, keys, gamma_b)
+    names = list(agg_a)
+    if counts is None:
+        rng = np.random.default_rng(seed)
+        counts = {n: resample_counts(agg_a[n].num_requests, resamples, rng) for n in names}
+    shared = [np.asarray(counts[n], dtype=np.float64) for n in names]
+
+    def interval(name: str, statistic: Any) -> Interval | None:
+        groups = _stacked(agg_a, agg_b, name, names)
+        return None if groups is None else Interval(*stratified_ci(groups, statistic, counts=shared, level=level))
+
+    return PairedRatio(
+        speedup=interval("speed", _speedup_ratio), tau=interval("tau", _tau_ratio), common=len(keys),
+        only_a=len(keyed_a) - len(keys), only_b=len(keyed_b) - len(keys),
+        resamples=int(shared[0].shape[0]), seed=int(seed), level=float(level))
+
+
+def paired_ratio(
+    report_a_dir: PathLike,
+    report_b_dir: PathLike,
+    *,
+    resamples: int | None = None,
+    seed: int | None = None,
+    level: float = DEFAULT_LEVEL,
+) -> PairedRatio:
+    """``PairedRatio`` of evaluation A over evaluation B (two ``dspark eval`` output folders).
+
+    resamples / seed default to the bootstrap setting A's report recorded
+    (``eval.bootstrap_resamples``, eval.seed), else 1000 and 0."""
+    report_a, records_a, rounds_a = load_evaluation(report_a_dir)
+    report_b, records_b, rounds_b = load_evaluation(report_b_dir)
+    resamples, seed = _settings(report_a, resamples, seed)
+    return paired_ratio_from_records(records_a, rounds_a, records_b, rounds_b, gamma_a=int(report_a["gamma"]),
+                                     gamma_b=int(report_b["gamma"]), resamples=resamples, seed=seed, level=level)

@@ -1,0 +1,157 @@
+"""The recipes of the scheduling commands: a `dspark.config.Config` in, files out.
+
+- `profile_sps`   `dspark profile-sps`: the target's verification steps/s at B batch
+                  tokens (SPEC 7.4), written as SGLang's SPS table (`config.profile`).
+- `simulate`      `dspark simulate`: the serving simulator over policies × concurrencies
+                  on the benchmark prompts (paper Fig. 8; `config.serve`, `config.eval`).
+- `calibrate`     `dspark calibrate`: STS fitted on round logs, split by request
+                  (SPEC 7.1; `config.calibrate`).
+
+Each writes the config it ran next to its outputs where they are a folder
+(config.json) or inside them, so a run can be repeated from its files. Printing
+is the caller's: the functions take `announce` (a line of text) and `progress`
+callbacks. The training and evaluation recipes are `dspark.training.trainer` and
+`dspark.evaluation.evaluate`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dspark.config import Config
+from dspark.io.atomic import atomic_write_text
+
+Announce = Callable[[str], None]
+
+
+def _silent(_: str) -> None:
+    return None
+
+
+def profile_sps(config: Config, *, progress: Callable[[int, float], None] | None = None,
+                announce: Announce = _silent) -> dict[str, Path]:
+    """Profile the target of `config` (capturing the layers of `eval.draft` when given, as
+    verification does) at `profile.batch_tokens`; write the table at `profile.out` (default
+    <run_dir>/sps.json) with its timings and plot next to it; returns the three paths."""
+    from dspark.modeling.checkpoint import read_config
+    from dspark.evaluation.report import write_profile
+    from dspark.build import dtype_name, load_target
+    from dspark.scheduling.sps_profile import DEFAULT_BATCH_TOKENS, profile_sps_runs
+
+    p = config.profile
+    layer_ids = list(read_config(config.eval.draft).target_layer_ids) if config.eval.draft else [-1]
+    target = load_target(config, layer_ids)
+    sizes = list(p.batch_tokens) or list(DEFAULT_BATCH_TOKENS)
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    announce(f"profiling {config.target.name_or_path} on {target.device} ({dtype_name(target.dtype)}, "
+             f"{torch.get_num_threads()} threads, load average {'/'.join(f'{x:.2f}' for x in load) if load else 'n/a'}), "
+             f"context {p.context_len}, B = {sizes}")
+    profile = profile_sps_runs(target, sizes, context_len=p.context_len, warmup=p.warmup, repeats=p.repeats,
+                               tokens_per_request=p.tokens_per_request or None, progress=progress)
+    meta = {"target": config.target.name_or_path, "torch": torch.__version__,
+            "load_average_before": list(load) if load else None, "config": config.to_dict()}
+    return write_profile(profile, config.path(p.out, "sps.json"), meta)
+
+
+def interleave(sets: Sequence[Sequence[Any]]) -> list[Any]:
+    """Round-robin over the benchmarks' prompt lists, so that any R requests mix domains."""
+    queues = [list(v) for v in sets]
+    pooled = []
+    while any(queues):
+        for q in queues:
+            if q:
+                pooled.append(q.pop(0))
+    return pooled
+
+
+def simulate(config: Config, *, progress: Callable[[Any], None] | None = None,
+             announce: Announce = _silent) -> tuple[list[Any], Path]:
+    """Serve `serve.num_prompts` prompts per benchmark under every policy of `serve.policies`
+    at every R of `serve.concurrencies` (the drafter of `eval.draft`, or a fresh one); write
+    results.json/.md, rounds.jsonl, the plots and config.json to `serve.out` (default
+    <run_dir>/simulate). Returns the results and the folder."""
+    from dspark.scheduling.calibration import load_sts_json
+    from dspark.data.render import render_prompt
+    from dspark.data.benchmarks import load_benchmark_prompts
+    from dspark.evaluation.evaluate import default_eos_ids
+    from dspark.evaluation.report import write_results
+    from dspark.build import load_models
+    from dspark.scheduling.algorithm1 import SPSTable
+    from dspark.scheduling.simulator import make_policy, simulate_grid
+
+    s, e = config.serve, config.eval
+    if not s.sps:
+        raise ValueError("serve.sps is empty: give the SPS table of `dspark profile-sps` (--sps FILE)")
+    sps = SPSTable.from_json(s.sps)
+    for spec in s.policies:  # fail on a bad spec before loading any model
+        make_policy(spec, sps)
+    target, drafter, origin = load_models(config)
+    gamma = drafter.config.block_size
+    temps = load_sts_json(s.sts, gamma) if s.sts else None
+    if e.builtin_prompts:
+        from dspark.data.prompts import builtin_eval_sets
+
+        sets = load_benchmark_prompts(builtin_eval_sets(), None, s.num_prompts or None, e.seed)
+    else:
+        sets = load_benchmark_prompts(e.data_dir, list(e.benchmarks), s.num_prompts or None, e.seed)
+    prompts = [render_prompt(target.tokenizer, conv, enable_thinking=False) for conv in interleave(list(sets.values()))]
+    eos = default_eos_ids(target, target.tokenizer)
+    announce(f"target {config.target.name_or_path} on {target.device}; drafter {origin}; γ = {gamma}; "
+             f"{len(prompts)} prompts from {', '.join(f'{n} ({len(v)})' for n, v in sets.items())}; "
+             f"STS {'from ' + s.sts if temps is not None else 'off (raw confidences)'}")
+    results = simulate_grid(
+        target, drafter, prompts, concurrencies=s.concurrencies, policies=s.policies, progress=progress, sps=sps,
+        sts_temperatures=temps, max_new_tokens=s.max_new_tokens, temperature=e.temperature, seed=e.seed,
+        eos_token_ids=eos, cycle=s.cycle, num_requests=s.num_requests or None, draft_overhead=s.draft_overhead,
+    )
+    summary = {
+        "target": config.target.name_or_path, "drafter": origin, "gamma": gamma, "sps": sps.to_dict(),
+        "sts_temperatures": None if temps is None else [float(t) for t in temps], "policies": list(s.policies),
+        "concurrencies": list(s.concurrencies), "benchmarks": {n: len(v) for n, v in sets.items()},
+        "num_prompts": len(prompts), "max_new_tokens": s.max_new_tokens, "temperature": e.temperature,
+        "seed": e.seed, "cycle": s.cycle, "num_requests": s.num_requests or None,
+        "draft_overhead": s.draft_overhead, "eos_token_ids": eos,
+    }
+    out = write_results(config.path(s.out, "simulate"), results, summary)
+    atomic_write_text(out / "config.json", json.dumps(config.to_dict(), indent=2) + "\n")
+    return results, out
+
+
+def read_round_logs(paths: Sequence[str | os.PathLike]) -> list[dict[str, Any]]:
+    """The rows of rounds.jsonl files; with several files each row records its file's index
+    as "source" (so that request ids of different runs stay apart)."""
+    rows = []
+    for source, path in enumerate(paths):
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{lineno}: not a JSON line ({e})") from None
+                rows.append({**row, "source": source} if len(paths) > 1 else row)
+    return rows
+
+
+def calibrate(config: Config) -> tuple[dict[str, Any], dict[str, str]]:
+    """Fit STS on the round logs `calibrate.rounds` (fit / test split by request) and write
+    the STS JSON at `calibrate.out` (default <run_dir>/sts.json) with its reliability
+    diagrams; returns the calibration report and the written paths."""
+    from dspark.scheduling.calibration import calibrate_rounds
+    from dspark.evaluation.report import write_sts_report
+
+    c = config.calibrate
+    if not c.rounds:
+        raise ValueError("calibrate.rounds is empty: give the rounds.jsonl of `dspark eval` (--rounds FILE ...)")
+    report, evaluated = calibrate_rounds(read_round_logs(c.rounds), fit_fraction=c.fit_fraction, seed=c.seed,
+                                         n_bins=c.bins, min_events=c.min_events, folds=c.folds)
+    out = config.path(c.out, "sts.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return report, write_sts_report(out, report, evaluated, n_bins=c.bins)

@@ -1,0 +1,1 @@
+"""Interop with other stacks: drafter folder formats read, exports written, `dspark inspect`."""

@@ -1,0 +1,422 @@
+"""Export a drafter to the folder layout a serving or training stack loads (`dspark export`).
+
+Every destination's layout lives here, in one function each, with the facts it relies on
+(../shared/INTEROP.md; z-lab's from its `dflash/model.py`). The layer-id convention needs no
+conversion anywhere: DeepSpec and z-lab use ours (id i = output of decoder layer i), and SGLang
+and vLLM add 1 to `target_layer_ids` themselves for DFlash/DSpark, so every file carries our ids.
+
+- **deepspec**: `Qwen3DSparkModel` / `Gemma4DSparkModel` for DSpark and DFlash alike (DFlash:
+  `markov_rank` 0, no head fields); the target config plus flat fields; DeepSpec weight names; the
+  embedding and LM head included (its evaluator loads with plain `from_pretrained`, which would
+  leave missing tensors random). Anchor-first layout only.
+- **sglang**: DSpark (`--speculative-algorithm DSPARK`): `Qwen3DSparkModel`, vanilla, gated and
+  RNN heads, `markov_rank` > 0 required, embedding / LM head ignored (not written). Optional STS
+  and SPS files. DFlash (`DFLASH`): the z-lab layout.
+- **vllm**: `"method": "dspark"`: `Qwen3DSparkModel` / `Gemma4DSparkModel`, DeepSpec names, the
+  vanilla Markov head only; embedding / LM head optional (left out: shared from the target).
+  `"method": "dflash"`: the z-lab layout, `num_speculative_tokens` = block_size − 1.
+- **zlab**: `DFlashDraftModel` (built from Qwen3 layers with q/k norms; a layer whose
+  `layer_types` entry is "sliding_attention" turns causal there, so every entry is
+  "full_attention"), top-level `block_size` = γ + 1 and `num_target_layers`,
+  `dflash_config {target_layer_ids, mask_token_id}`, weights `layers.*`, `fc`, `hidden_norm`,
+  `norm` only. Only an anchor + γ masks DFlash drafter is a z-lab DFlash.
+
+A drafter with a draft vocabulary (dspark.modeling.vocab) goes to vLLM only: its `dspark` and
+`dflash` methods read `draft_vocab_size` from config.json and need both `lm_head.weight` (the k
+rows) and `d2t` (draft→target offsets; `t2d` is written too and ignored there). DeepSpec's DSpark
+has no d2t, SGLang's DSPARK and DFLASH and z-lab's DFlash take the target's full LM head: refused.
+
+An Eagle3 drafter goes to vLLM and SGLang as the standard EAGLE-3 layout both load
+(`LlamaForCausalLMEagle3`, :func:`eagle3_serving_config`): a Llama config with `num_hidden_layers` 1,
+weights `fc` [H, 3H] (fixed at 3·H: exactly 3 fused layers), `midlayer.*` (our `layers.0.*`), `norm`,
+`lm_head` [k, H] (the draft vocabulary's rows, or all V), `d2t` / `t2d` with a draft vocabulary,
+`draft_vocab_size`, no embedding (both share the target's). The fused layers in both engines'
+conventions, so one folder serves both: top-level `eagle_aux_hidden_state_layer_ids` = our ids + 1
+(vLLM reads it as written, input-of-layer) and `eagle_config.eagle_aux_hidden_state_layer_ids` = our
+ids (SGLang adds 1). Its layer is Llama's: no q/k norms (so the eagle3_deepspec preset is refused),
+SiLU, no biases, unscaled embeddings, no logit soft-capping. DeepSpec and z-lab have no EAGLE-3
+serving layout: refused.
+
+The RNN head without a bias (the paper's Eq. 6) is written with a zero `joint_proj.bias`, since
+DeepSpec and SGLang build the biased head: the outputs are the same.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from dspark.io.atomic import replace_dir
+from dspark.modeling.config import OWN_FIELDS, DrafterConfig
+from dspark.modeling.drafter import SHARED_PARAMS, Drafter
+from dspark.modeling.eagle3 import Eagle3Drafter
+
+DESTINATIONS = ("vllm", "sglang", "deepspec", "zlab")
+SERVE_NAME = "SERVE.md"
+DEEPSPEC_ARCH = {"qwen3": "Qwen3DSparkModel", "gemma4": "Gemma4DSparkModel"}
+DSPARK_HEAD_FIELDS = ("markov_head_type", "confidence_head_with_markov")
+EAGLE3_SERVING_ARCH = "LlamaForCausalLMEagle3"
+EAGLE3_FUSED_LAYERS = 3  # vLLM and SGLang build fc with 3·H inputs
+# Our Eagle3 config.json fields that the serving layout does not carry (DeepSpec's and our own).
+EAGLE3_OWN_FIELDS = ("target_layer_ids", "ttt_length", "step_loss_decay", "draft_num_hidden_layers", "block_size",
+                     "dspark_variant", "eagle3_preset", "target_num_hidden_layers", "mask_token_id", "num_anchors",
+                     "layer_types", "auto_map")
+
+
+@dataclass
+class Layout:
+    """What one destination loads: config.json, tensors, and how to launch it (SERVE.md)."""
+
+    config: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+    serve: str
+    files: dict[str, Path] = field(default_factory=dict)  # extra files copied next to the weights
+
+
+class ExportRefused(ValueError):
+    """A destination cannot serve this drafter; the message says why."""
+
+
+def _refuse(destination: str, reason: str) -> None:
+    raise ExportRefused(f"cannot export to {destination}: {reason}")
+
+
+# ------------------------------------------------------------------ config.json of each family
+def deepspec_config(config: DrafterConfig) -> dict[str, Any]:
+    """DeepSpec's config.json: the target config + flat DSpark fields, written as its
+    `build_draft_config` writes them (DFlash: `markov_rank` 0 and no head fields)."""
+    out = config.to_hf_dict()
+    for key in OWN_FIELDS:
+        out.pop(key, None)
+    out["architectures"] = [DEEPSPEC_ARCH[config.family]]
+    out["tie_word_embeddings"] = False  # DeepSpec keeps its own frozen copies of both tables
+    if not config.has_sequential_head:
+        out.pop("markov_head_type", None)
+    if not config.has_confidence_head:
+        out.pop("confidence_head_with_markov", None)
+    return out
+
+
+def zlab_config(config: DrafterConfig) -> dict[str, Any]:
+    """z-lab's DFlashDraftModel config.json (anchor + γ masks, block_size = γ + 1)."""
+    out = config.to_hf_dict()
+    for key in (*OWN_FIELDS, "mask_token_id", "target_layer_ids", "num_anchors", "markov_rank",
+                *DSPARK_HEAD_FIELDS, "enable_confidence_head"):
+        out.pop(key, None)
+    out["architectures"] = ["DFlashDraftModel"]
+    out["layer_types"] = ["full_attention"] * config.num_draft_layers
+    out["block_size"] = config.block_size + 1
+    out["num_target_layers"] = config.num_target_layers
+    out["dflash_config"] = {"mask_token_id": config.mask_token_id, "target_layer_ids": list(config.target_layer_ids)}
+    return out
+
+
+def _tensors(drafter: Drafter, *, include_shared: bool) -> dict[str, torch.Tensor]:
+    """The drafter's tensors under DeepSpec's names (ours are the same), copied to CPU."""
+    state = {name: t.detach().cpu().contiguous().clone() for name, t in drafter.state_dict().items()}
+    head = drafter.markov_head
+    if head is not None and drafter.config.markov_head_type == "rnn" and head.joint_proj.bias is None:
+        state["markov_head.joint_proj.bias"] = torch.zeros(head.joint_proj.out_features, dtype=head.joint_proj.weight.dtype)
+    if include_shared:
+        try:
+            shared = drafter.shared_weights()
+        except RuntimeError:
+            raise ValueError(
+                "this destination needs the embedding and LM head in the folder, and the drafter has none: "
+                "load it with its target (dspark export --target T)"
+            ) from None
+        state.update({name: shared[name].detach().cpu().clone() for name in SHARED_PARAMS})
+    return state
+
+
+def _zlab_tensors(drafter: Drafter) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in _tensors(drafter, include_shared=False).items() if not k.startswith(("markov_head", "confidence_head"))}
+
+
+def _with_draft_head(drafter: Drafter, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """vLLM with a draft vocabulary: the LM head's k rows next to `d2t` (from the state)."""
+    if drafter.vocab is None:
+        return tensors
+    try:
+        head = drafter.shared_weights()["lm_head.weight"]
+    except RuntimeError:
+        raise ValueError("a draft vocabulary's LM head rows go into the folder, and the drafter has no LM head: "
+                         "load it with its target (dspark export --target T)") from None
+    return {**tensors, "lm_head.weight": head.detach().cpu().contiguous().clone()}
+
+
+def _refuse_draft_vocab(config: DrafterConfig, destination: str, why: str) -> None:
+    if config.draft_vocab_size:
+        _refuse(destination, f"this drafter has a draft vocabulary of {config.draft_vocab_size} ids and {why}; "
+                             "vLLM serves it (--to vllm); for this destination train with drafter.draft_vocab_size=0 "
+                             "(the full vocabulary)")
+
+
+# ------------------------------------------------------------------ what each destination can serve
+def _check_zlab(config: DrafterConfig, destination: str) -> None:
+    if config.variant != "dflash":
+        _refuse(destination, f"a z-lab DFlash is a DFlash drafter (no sequential or confidence head); this is a {config.variant} drafter")
+    if config.block_layout != "anchor_plus_masks":
+        _refuse(destination, "an anchor-first DFlash is not a z-lab DFlash: z-lab's slot 0 is the anchor and "
+                             "slot k predicts anchor + k (block_layout 'anchor_plus_masks'); renaming would give τ ≈ 1")
+    if config.family != "qwen3":
+        _refuse(destination, f"z-lab's DFlashDraftModel is built from Qwen3 layers (with q/k norms); this drafter is "
+                             f"{config.family} (a Llama-family drafter has no q/k norms to write: train it with drafter.layer_family=qwen3)")
+
+
+def _check_anchor_first(config: DrafterConfig, destination: str) -> None:
+    if config.block_layout != "anchor_first":
+        _refuse(destination, "its DSpark/DFlash model is anchor-first (slot k predicts anchor + k + 1); this "
+                             "drafter is 'anchor_plus_masks' (export a DFlash of that layout to zlab)")
+    if config.family not in DEEPSPEC_ARCH:
+        _refuse(destination, f"it has DSpark models for Qwen3 and Gemma4 only ({sorted(DEEPSPEC_ARCH)}), whose layers have "
+                             f"q/k norms; this drafter is {config.family} (a Llama-family drafter has no q/k norms: train it with drafter.layer_family=qwen3)")
+
+
+def _deepspec(drafter: Drafter, folder: Path, options: dict) -> Layout:
+    config = drafter.config
+    _check_anchor_first(config, "deepspec")
+    _refuse_draft_vocab(config, "deepspec", "DeepSpec's DSpark model has a full-vocabulary LM head and no d2t")
+    serve = (f"DeepSpec loads this folder with `{DEEPSPEC_ARCH[config.family]}.from_pretrained(\"{folder}\")` "
+             "(embedding and LM head included). Evaluate it with DeepSpec's evaluator, e.g. its eval "
+             f"script with the draft model path set to `{folder}`.\n")
+    return Layout(deepspec_config(config), _tensors(drafter, include_shared=True), serve)
+
+
+def _zlab(drafter: Drafter, folder: Path, options: dict) -> Layout:
+    config = drafter.config
+    _check_zlab(config, "zlab")
+    _refuse_draft_vocab(config, "zlab", "z-lab's DFlashDraftModel uses the target's full LM head")
+    serve = (
+        "z-lab DFlash (github.com/z-lab/dflash):\n\n```python\nfrom dflash.model import DFlashDraftModel\n"
+        f"draft = DFlashDraftModel.from_pretrained(\"{folder}\")\n```\n\n"
+        + _vllm_dflash_command(folder, config, options) + "\n" + _sglang_dflash_command(folder, config, options)
+    )
+    return Layout(zlab_config(config), _zlab_tensors(drafter), serve)
+
+
+def _vllm_dflash_command(folder: Path, config: DrafterConfig, options: dict) -> str:
+    """vLLM's `dflash` method: num_speculative_tokens = z-lab block_size − 1 = γ."""
+    spec = json.dumps({"method": "dflash", "model": str(folder), "num_speculative_tokens": config.block_size}, separators=(",", ":"))
+    return f"vLLM:\n\n```bash\nvllm serve {options.get('target') or 'TARGET'} --speculative-config '{spec}'\n```\n"
+
+
+def _sglang_dflash_command(folder: Path, config: DrafterConfig, options: dict) -> str:
+    """SGLang's DFLASH: --speculative-num-draft-tokens is z-lab's block_size (γ + 1)."""
+    return (
+        f"SGLang:\n\n```bash\npython -m sglang.launch_server --model-path {options.get('target') or 'TARGET'} "
+        f"--speculative-algorithm DFLASH --speculative-draft-model-path {folder} "
+        f"--speculative-num-draft-tokens {config.block_size + 1}\n```\n"
+    )
+
+
+def _vllm(drafter: Drafter, folder: Path, options: dict) -> Layout:
+    config = drafter.config
+    target = options.get("target") or "TARGET"
+    if config.variant == "dflash" and config.block_layout == "anchor_plus_masks":
+        _check_zlab(config, "vllm (method dflash)")
+        cfg = zlab_config(config)
+        if config.draft_vocab_size:
+            cfg["draft_vocab_size"] = config.draft_vocab_size
+        return Layout(cfg, _with_draft_head(drafter, _zlab_tensors(drafter)), _vllm_dflash_command(folder, config, options))
+    _check_anchor_first(config, "vllm (method dspark)")
+    if config.has_sequential_head and config.markov_head_type != "vanilla":
+        _refuse("vllm (method dspark)", f"vLLM's DSpark serves only the vanilla Markov head; this drafter has the "
+                                        f"{config.markov_head_type!r} head (SGLang serves it: --to sglang)")
+    spec = json.dumps({"method": "dspark", "model": str(folder), "num_speculative_tokens": config.block_size}, separators=(",", ":"))
+    serve = (f"vLLM:\n\n```bash\nvllm serve {target} --speculative-config '{spec}'\n```\n\n"
+             "Calibration is online in vLLM (no STS/SPS files).\n")
+    if not config.has_sequential_head:
+        serve += "\nThis is an anchor-first (DeepSpec-style) DFlash: it is served as `dspark` with markov_rank 0.\n"
+    return Layout(deepspec_config(config), _with_draft_head(drafter, _tensors(drafter, include_shared=False)), serve)
+
+
+def _sglang(drafter: Drafter, folder: Path, options: dict) -> Layout:
+    config = drafter.config
+    target = options.get("target") or "TARGET"
+    sts, sps = options.get("sts"), options.get("sps")
+    _refuse_draft_vocab(config, "sglang", "SGLang's DSPARK and DFLASH take the target's full LM head")
+    if config.variant == "dflash" and config.block_layout == "anchor_plus_masks":
+        _check_zlab(config, "sglang (DFLASH)")
+        if sts or sps:
+            _refuse("sglang (DFLASH)", "--sts/--sps are files of SGLang's DSPARK confidence scheduling; a DFlash has no confidence head")
+        return Layout(zlab_config(config), _zlab_tensors(drafter), _sglang_dflash_command(folder, config, options))
+    _check_anchor_first(config, "sglang (DSPARK)")
+    if config.family != "qwen3":
+        _refuse("sglang (DSPARK)", f"SGLang's DSPARK loads Qwen3DSparkModel only; this drafter is {config.family}")
+    if not config.has_sequential_head:
+        _refuse("sglang (DSPARK)", "SGLang DSpark needs markov_rank > 0, and an anchor-first DFlash (markov_rank 0) "
+                                   "is not a z-lab DFlash either, so SGLang cannot serve this drafter")
+    layout = Layout(deepspec_config(config), _tensors(drafter, include_shared=False), "")
+    env, flags = "", ""
+    if sts or sps:
+        if sts and not config.has_confidence_head:
+            _refuse("sglang (DSPARK)", "--sts calibrates the confidence head, and this drafter has none")
+        env = "SGLANG_RAGGED_VERIFY_MODE=cap-accept SGLANG_PREP_IN_CUDA_GRAPH=1 "
+    if sts:
+        _check_sts(Path(sts), config.block_size)
+        layout.files["sts.json"] = Path(sts)
+        flags += f" \\\n    --speculative-dspark-confidence-sts-path {folder / 'sts.json'}"
+    if sps:
+        _check_sps(Path(sps))
+        layout.files["sps.json"] = Path(sps)
+        flags += f" \\\n    --speculative-dspark-sps-table-path {folder / 'sps.json'}"
+    layout.serve = (
+        f"SGLang:\n\n```bash\n{env}python -m sglang.launch_server --model-path {target} \\\n"
+        f"    --speculative-algorithm DSPARK --speculative-draft-model-path {folder}{flags}\n```\n"
+    )
+    if env:
+        layout.serve += ("\n`SGLANG_RAGGED_VERIFY_MODE` is static | cap-accept | compact; the non-static modes "
+                         "need `SGLANG_PREP_IN_CUDA_GRAPH=1`.\n")
+    return layout
+
+
+def _check_sts(path: Path, gamma: int) -> None:
+    from dspark.scheduling.calibration import load_sts_json
+
+    if not path.is_file():
+        raise FileNotFoundError(f"--sts {path} not found")
+    load_sts_json(path, gamma)  # γ finite temperatures > 0, as SGLang requires
+
+
+def _check_sps(path: Path) -> None:
+    from dspark.scheduling.algorithm1 import SPSTable
+
+    if not path.is_file():
+        raise FileNotFoundError(f"--sps {path} not found")
+    SPSTable.from_json(path)  # strictly increasing batch tokens, positive steps/s
+
+
+BUILDERS = {"deepspec": _deepspec, "zlab": _zlab, "vllm": _vllm, "sglang": _sglang}
+
+
+# ------------------------------------------------------------------ Eagle3: the standard EAGLE-3 layout
+def _check_eagle3_servable(drafter: Eagle3Drafter, destination: str) -> None:
+    """What LlamaForCausalLMEagle3 can express: one Llama layer over exactly 3 fused layers."""
+    config = drafter.config
+    ids = list(config.target_layer_ids)
+    if len(ids) != EAGLE3_FUSED_LAYERS:
+        _refuse(destination, f"its EAGLE-3 model (LlamaForCausalLMEagle3) fuses exactly {EAGLE3_FUSED_LAYERS} target "
+                             f"layers (fc input fixed at 3·H); this drafter fuses {len(ids)} ({ids}; the eagle3_deepspec "
+                             "preset's 5 are DeepSpec's: train the 'eagle3' preset to serve it)")
+    if drafter.layers[0].self_attn.q_norm is not None:
+        _refuse(destination, "its EAGLE-3 layer is Llama's, without q/k norms; this drafter has q/k norms (the "
+                             "eagle3_deepspec preset: train the 'eagle3' preset to serve it)")
+    base = config.base_config
+    act = base.get("hidden_activation") or base.get("hidden_act") or "silu"
+    reasons = [
+        (act != "silu", f"its activation is {act!r}, Llama's is 'silu'"),
+        (config.embed_scale != 1.0, f"its embeddings are scaled by {config.embed_scale:g} ({config.family})"),
+        (bool(config.final_logit_softcapping), "its logits are soft-capped"),
+        (bool(base.get("attention_bias") or base.get("mlp_bias")), "its layer has biases"),
+    ]
+    for bad, why in reasons:
+        if bad:
+            _refuse(destination, f"its EAGLE-3 layer is a plain Llama layer and {why}")
+
+
+def eagle3_serving_config(config: DrafterConfig) -> dict[str, Any]:
+    """The config.json vLLM and SGLang load as LlamaForCausalLMEagle3 (see the module docstring)."""
+    out = config.to_hf_dict()
+    for key in EAGLE3_OWN_FIELDS:
+        out.pop(key, None)
+    ids = list(config.target_layer_ids)
+    out.update(
+        architectures=[EAGLE3_SERVING_ARCH],
+        model_type="llama",
+        num_hidden_layers=1,
+        tie_word_embeddings=False,
+        target_hidden_size=config.hidden_size,
+        draft_vocab_size=config.output_vocab_size,
+        num_target_layers=config.num_target_layers,  # ours, for the way back (formats.py)
+        eagle_aux_hidden_state_layer_ids=[i + 1 for i in ids],  # vLLM: input-of-layer, read as written
+        eagle_config={"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},  # SGLang adds 1
+    )
+    out.setdefault("head_dim", config.base_config.get("head_dim") or config.hidden_size // int(out["num_attention_heads"]))
+    return out
+
+
+def eagle3_serving_tensors(drafter: Eagle3Drafter) -> dict[str, torch.Tensor]:
+    """fc, midlayer.* (= layers.0.*), norm, lm_head (the k or V rows it drafts over), d2t / t2d."""
+    try:
+        head = drafter.shared_weights()["lm_head.weight"]
+    except RuntimeError:
+        raise ValueError("the EAGLE-3 layout holds the drafter's LM head rows, and the drafter has no LM head: load it "
+                         "with its target (dspark export --target T)") from None
+    state = {name: t.detach().cpu().contiguous().clone() for name, t in drafter.state_dict().items()}
+    out = {("midlayer." + name[len("layers.0."):] if name.startswith("layers.0.") else name): t for name, t in state.items()}
+    out["lm_head.weight"] = head.detach().cpu().contiguous().clone()
+    return out
+
+
+def _eagle3(drafter: Eagle3Drafter, folder: Path, to: str, options: dict) -> Layout:
+    if to not in ("vllm", "sglang"):
+        _refuse(to, f"{to} has no EAGLE-3 serving layout; an Eagle3 drafter goes to vLLM or SGLang (--to vllm|sglang), "
+                    "and its own folder (dspark train output) is DeepSpec's Qwen3Eagle3Model layout for the "
+                    "eagle3_deepspec preset on a Qwen3 target")
+    if options.get("sts") or options.get("sps"):
+        _refuse(to, "--sts/--sps are the files of SGLang's DSPARK confidence scheduling; an Eagle3 drafter has no confidence head")
+    _check_eagle3_servable(drafter, f"{to} (EAGLE-3)")
+    target, gamma = options.get("target") or "TARGET", drafter.config.block_size
+    if to == "vllm":
+        spec = json.dumps({"method": "eagle3", "model": str(folder), "num_speculative_tokens": gamma}, separators=(",", ":"))
+        serve = f"vLLM:\n\n```bash\nvllm serve {target} --speculative-config '{spec}'\n```\n"
+    else:
+        serve = (f"SGLang:\n\n```bash\npython -m sglang.launch_server --model-path {target} \\\n"
+                 f"    --speculative-algorithm EAGLE3 --speculative-draft-model-path {folder} \\\n"
+                 f"    --speculative-num-steps {gamma} --speculative-eagle-topk 1 --speculative-num-draft-tokens {gamma + 1}\n```\n")
+    serve += ("\nThe same folder loads in vLLM and SGLang (both fused-layer fields are written, each in its "
+              "engine's convention); the embedding is the target's.\n")
+    return Layout(eagle3_serving_config(drafter.config), eagle3_serving_tensors(drafter), serve)
+
+
+# ------------------------------------------------------------------ writing
+def export_drafter(
+    drafter: Drafter,
+    out: str | os.PathLike,
+    to: str,
+    *,
+    target: str | None = None,
+    sts: str | os.PathLike | None = None,
+    sps: str | os.PathLike | None = None,
+) -> Path:
+    """Write `drafter` in the layout destination `to` loads, plus SERVE.md with its launch command.
+
+    `target` (a name or path) fills the target in the commands; `sts`/`sps` (SGLang DSpark only)
+    are checked and copied next to the weights. Raises ExportRefused (a ValueError) naming the
+    reason when the destination cannot serve this drafter. The folder is written atomically.
+    """
+    if to not in BUILDERS:
+        raise ValueError(f"--to {to!r}: choose one of {list(DESTINATIONS)}")
+    if (sts or sps) and to != "sglang":
+        _refuse(to, "--sts/--sps are the files of SGLang's DSPARK confidence scheduling (use --to sglang)")
+    folder = Path(out).resolve()
+    options = {"target": target, "sts": sts, "sps": sps}
+    if drafter.config.variant == "eagle3":  # never written as a DSpark/DFlash layout by mistake
+        layout = _eagle3(drafter, folder, to, options)
+    else:
+        layout = BUILDERS[to](drafter, folder, options)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
+    try:
+        (tmp / "config.json").write_text(json.dumps(layout.config, indent=2, sort_keys=True) + "\n")
+        save_file(layout.tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        for name, src in layout.files.items():
+            shutil.copyfile(src, tmp / name)
+        header = f"# Serving this drafter ({to})\n\nWritten by `dspark export --to {to}`.\n\n"
+        if not target:
+            header += "Replace TARGET by the target model the drafter was trained for (name or path).\n\n"
+        (tmp / SERVE_NAME).write_text(header + layout.serve)
+        replace_dir(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder

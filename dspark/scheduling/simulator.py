@@ -1,0 +1,604 @@
+"""Serving simulator: R concurrent requests, a verification-length policy and a profiled clock.
+
+What it computes (SPEC 7, paper Section 3.2.2, Section 5.2 and Figure 8):
+R requests decode in lockstep. At every step each live request drafts a
+block (real drafter, ``SpeculativeRequest.draft``), a *policy* picks the
+verification lengths ℓ_r of all live requests at once from their
+(STS-calibrated) confidences, and every request verifies its ℓ_r drafts
+(real target forward, real rejection sampling, ``SpeculativeRequest.verify``).
+The target's batch at that step holds B = Σ_r (1 + ℓ_r) tokens, and the step
+is charged 1 / SPS(B) simulated seconds from a profiled ``SPSTable``
+(``dspark.scheduling.sps_profile.profile_sps``). Token throughput Θ = tokens emitted /
+simulated seconds.
+
+What is real and what is modelled:
+
+- real: every draft token, every confidence, every acceptance decision, so τ
+  and the lengths the policy picks are those of the actual models; every
+  draft is timed (``SimResult.draft_s``), so the drafting cost per round in
+  target steps, t_d · SPS(1), is reported whatever the clock charges;
+- modelled: time. Verification costs 1 / SPS(B). Drafting costs, by
+  ``draft_overhead``: a number f ≥ 0 charges a step in which some request
+  drafted (1 + f) / SPS(B), i.e. drafting as a fraction of the step (0, the
+  default, ignores it); ``"measured"`` charges 1 / SPS(B) plus the drafting
+  seconds measured at that step, summed over the requests that drafted (this
+  process drafts them one at a time at batch 1, so at R > 1 this is the cost
+  of unbatched drafting, an upper bound for a batched drafter; at R = 1 it is
+  exactly what a round costs). A step in which no request drafted (every one
+  skipped, ``algorithm1+skip``) is a plain target step: 1 / SPS(B). Prefills
+  are not charged (as in decode-throughput measurements), and the tokens they
+  emit (x_0) are not counted in Θ. Verification runs per request here (batch
+  1), so the wall clock of the simulation says nothing about serving speed;
+  only the SPS clock does.
+
+Concurrency: R slots. A request that finishes frees its slot and the next
+request takes it at the next step. ``simulate`` either cycles the prompt
+list (``cycle=True``, the default: request i uses prompt i mod N, so exactly
+R requests are live at every step, and the run stops once ``num_requests``
+requests have finished; requests still running then count with the tokens
+they produced) or runs every prompt once (``cycle=False``: the slots drain at
+the end, so the last steps have fewer than R live requests). Every request
+draws from its own generator, seeded by its index, so its tokens do not
+depend on the order in which requests are stepped.
+
+Policies: ``dspark.scheduling.policies.make_policy`` (re-exported here) makes one from a
+spec string (algorithm1, algorithm1+skip, async, static1, static, threshold,
+first-below) or a callable ``(request_ids, confidences [R, γ]) -> lengths [R]``.
+A policy with a ``plan`` (``algorithm1+skip``) first says which requests draft
+at this step; the others take a plain target step (``dspark.scheduling.skipping.target_step``:
+ℓ = 0, one token, no draft time) and add 1 token to B.
+
+The budget reported per request-step is mean ℓ_r (draft tokens sent to the
+target) and mean (1 + ℓ_r) (target tokens per request, the quantity of the
+paper's Fig. 8 c-d, where MTP-1 sits at a static 2).
+
+The table and files of a run are written by ``dspark.evaluation.report`` (``results_markdown``,
+``write_results``), its figures drawn by ``dspark.evaluation.plots`` (``plot_figure8``, ``plot_frontier``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from dspark.scheduling.calibration import apply_temperatures
+from dspark.decoding.loop import PhaseClock, SpeculativeRequest
+from dspark.scheduling.policies import POLICY_HELP, LengthFn, Policy, make_policy
+from dspark.scheduling.algorithm1 import SPSTable
+from dspark.scheduling.skipping import target_step
+
+__all__ = ["Job", "Policy", "POLICY_HELP", "SimResult", "make_policy", "run_requests", "simulate", "simulate_grid"]
+
+MEASURED = "measured"  # draft_overhead: charge each step the drafting time measured in it
+
+# ---------------------------------------------------------------------------
+# Results
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class Job:
+    """One request to serve: its prompt ids, the seed of its generator, and a tag
+    (any JSON-able value, e.g. (benchmark, index)) copied into its log lines."""
+
+    prompt_ids: Sequence[int]
+    seed: int
+    tag: Any = None
+
+
+@dataclass
+class SimResult:
+    """What one serving run returns.
+
+    Counts over the steps of the run (a step = every live request drafts and verifies once):
+      steps; sim_time_s = Σ_steps (1 + draft_overhead) / SPS(B) (NaN without a table);
+      tokens = tokens emitted by verification (x_0 of each prefill excluded);
+      request_steps = Σ_steps live requests (= rounds); accepted = Σ m; proposed = Σ ℓ;
+      eos_rounds = rounds that accepted an EOS draft (no token after it: τ = m);
+      batch_tokens = Σ_steps B; live_time_s = Σ_steps live · step time (for per-user speed);
+      drafted / skipped = request-steps that drafted / took a plain target step (``plan``);
+      draft_s = Σ measured seconds of the drafts; draft_clock = how the clock charged them
+      ("none", "fraction <f>" or "measured"); target_step_s = 1 / SPS(1) and target_only_throughput
+      = R · SPS(R), what R requests decoding with the target alone reach (NaN without a table).
+    requests: one dict per request admitted, in admission order: index, tag, prompt_tokens,
+      tokens (count), rounds (count), finished; once finished also finished_by_eos,
+      timings (its own phases) and result (its DecodeResult).
+    rounds: one dict per round (step, request, tag, round, proposed, accepted, eos_accepted, emitted,
+      confidences (raw c_1..c_γ or None), expected_accepted (Σ_{j≤ℓ} a_j of the
+      confidences the policy saw, None without), batch_tokens).
+    step_log: one dict per step (step, live, drafted, batch_tokens, draft_s, step_time_s, tokens).
+    """
+
+    policy: str
+    concurrency: int
+    steps: int = 0
+    sim_time_s: float = 0.0
+    tokens: int = 0
+    request_steps: int = 0
+    accepted: int = 0
+    proposed: int = 0
+    eos_rounds: int = 0
+    batch_tokens: int = 0
+    live_time_s: float = 0.0
+    drafted: int = 0
+    skipped: int = 0
+    draft_s: float = 0.0
+    draft_clock: str = "none"
+    target_step_s: float = math.nan
+    target_only_throughput: float = math.nan
+    wall_s: float = 0.0
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    rounds: list[dict[str, Any]] = field(default_factory=list)
+    step_log: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def throughput(self) -> float:
+        """Θ: tokens per simulated second."""
+        return self.tokens / self.sim_time_s if self.sim_time_s > 0 else math.nan
+
+    @property
+    def tau(self) -> float:
+        """Mean τ per request-step (pooled over rounds): m + 1, or m after an accepted EOS."""
+        return 1 + (self.accepted - self.eos_rounds) / self.request_steps if self.request_steps else math.nan
+
+    @property
+    def mean_ell(self) -> float:
+        """Mean verification length ℓ_r per request-step (draft tokens verified)."""
+        return self.proposed / self.request_steps if self.request_steps else math.nan
+
+    @property
+    def budget_tokens(self) -> float:
+        """Mean 1 + ℓ_r: target tokens per request per step (paper Fig. 8 c-d)."""
+        return 1 + self.mean_ell
+
+    @property
+    def mean_batch_tokens(self) -> float:
+        """Mean B per step."""
+        return self.batch_tokens / self.steps if self.steps else math.nan
+
+    @property
+    def tokens_per_s_per_user(self) -> float:
+        """Tokens per simulated second of a live request (Θ / R when R requests are always live)."""
+        return self.tokens / self.live_time_s if self.live_time_s > 0 else math.nan
+
+    @property
+    def draft_s_per_round(self) -> float:
+        """Measured seconds of one draft (mean over the rounds that drafted)."""
+        return self.draft_s / self.drafted if self.drafted else math.nan
+
+    @property
+    def draft_cost_steps(self) -> float:
+        """The drafting cost of a round in target steps: measured draft seconds · SPS(1)."""
+        return self.draft_s_per_round / self.target_step_s
+
+    @property
+    def skip_rate(self) -> float:
+        """Share of request-steps that did not draft (a plain target step)."""
+        return self.skipped / self.request_steps if self.request_steps else math.nan
+
+    @property
+    def requests_finished(self) -> int:
+        return sum(1 for r in self.requests if r["finished"])
+
+    def summary(self) -> dict[str, Any]:
+        """The scalar results as a dict (what results.json and the tables hold)."""
+        return {
+            "policy": self.policy,
+            "concurrency": self.concurrency,
+            "throughput": self.throughput,
+            "tau": self.tau,
+            "mean_ell": self.mean_ell,
+            "budget_tokens": self.budget_tokens,
+            "tokens_per_s_per_user": self.tokens_per_s_per_user,
+            "mean_batch_tokens": self.mean_batch_tokens,
+            "steps": self.steps,
+            "sim_time_s": self.sim_time_s,
+            "tokens": self.tokens,
+            "request_steps": self.request_steps,
+            "accepted": self.accepted,
+            "proposed": self.proposed,
+            "drafted_rounds": self.drafted,
+            "skipped_rounds": self.skipped,
+            "skip_rate": self.skip_rate,
+            "draft_s": self.draft_s,
+            "draft_s_per_round": self.draft_s_per_round,
+            "target_step_s": self.target_step_s,
+            "draft_cost_steps": self.draft_cost_steps,
+            "draft_clock": self.draft_clock,
+            "target_only_throughput": self.target_only_throughput,
+            "vs_target_only": self.throughput / self.target_only_throughput,
+            "requests_admitted": len(self.requests),
+            "requests_finished": self.requests_finished,
+            "wall_s": self.wall_s,
+        }
+
+
+# ---------------------------------------------------------------------------
+# The stepping loop
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class _Live:
+    index: int
+    job: Job
+    request: SpeculativeRequest
+
+
+@torch.no_grad()
+def run_requests(
+    target: Any,
+    drafter: Any,
+    jobs: Iterable[Job],
+    *,
+    concurrency: int,
+    policy: str | Policy | LengthFn,
+    sps: SPSTable | None,
+    sts_temperatures: Sequence[float] | None = None,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    eos_token_ids: Iterable[int] = (),
+    stop_after_finished: int | None = None,
+    draft_overhead: float | str = 0.0,
+    on_step: Callable[[SimResult], None] | None = None,
+) -> SimResult:
+    """Serve ``jobs`` with ``concurrency`` slots under ``policy``; the stepping loop of the simulator.
+
+    Requests are admitted in the order of ``jobs`` whenever a slot is free
+    (prefill on admission). Each step: the requests the policy's ``plan``
+    picks (all, without one) draft, the policy picks ℓ_r for all of them from
+    the confidences (calibrated with ``sts_temperatures`` when given), every
+    request verifies ℓ_r drafts (the others take a plain target step), the
+    step is charged by the SPS clock with B = Σ_r (1 + ℓ_r) and
+    ``draft_overhead`` (a fraction, or "measured": module docstring; no charge
+    and a NaN clock without ``sps``), finished requests leave.
+    Stops when ``jobs`` is exhausted and every request has finished, or as
+    soon as ``stop_after_finished`` requests have finished (for an endless
+    ``jobs`` iterator). ``on_step`` is called with the result after each step.
+    """
+    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+        raise ValueError(f"concurrency must be an int >= 1, got {concurrency!r}")
+    clock, overhead = _draft_clock(draft_overhead)
+    policy = make_policy(policy, sps)
+    temps = None if sts_temperatures is None else np.asarray(sts_temperatures, dtype=np.float64).ravel()
+    eos = [int(t) for t in eos_token_ids]
+    device = torch.device(getattr(target, "device", "cpu"))
+
+    def start(job: Job) -> SpeculativeRequest:  # the prefill; every request has its own generator and clock
+        generator = torch.Generator(device=device).manual_seed(int(job.seed))
+        return SpeculativeRequest(target, drafter, job.prompt_ids, max_new_tokens=max_new_tokens,
+                                  temperature=temperature, eos_token_ids=eos, generator=generator,
+                                  clock=PhaseClock(device))
+
+    result = SimResult(policy=policy.name, concurrency=concurrency, draft_clock=clock,
+                       target_step_s=math.nan if sps is None else 1.0 / _speed(sps, 1),
+                       target_only_throughput=math.nan if sps is None else concurrency * _speed(sps, concurrency))
+    started = time.perf_counter()
+    slots = _Slots(concurrency, iter(jobs), start, stop_after_finished, result)
+    while True:
+        slots.admit()
+        if not slots.live or slots.stopped():
+            break
+        _step(slots.live, policy, temps, sps, overhead, result)
+        slots.retire()
+        if on_step is not None:
+            on_step(result)
+    result.wall_s = time.perf_counter() - started
+    return result
+
+
+@dataclass
+class _Slots:
+    """The R slots of a run: admits jobs in order into free slots, retires finished requests.
+
+    Keeps ``result.requests`` (one dict per admitted request) up to date on admission and at the end."""
+
+    concurrency: int
+    jobs: Iterator[Job]
+    start: Callable[[Job], SpeculativeRequest]  # the prefill of a job
+    stop_after_finished: int | None
+    result: SimResult
+    live: list[_Live] = field(default_factory=list)
+    exhausted: bool = False
+    finished: int = 0
+
+    def stopped(self) -> bool:
+        """True once stop_after_finished requests have finished."""
+        return self.stop_after_finished is not None and self.finished >= self.stop_after_finished
+
+    def admit(self) -> None:
+        """Start the next jobs (prefill) until every slot is live, the jobs run out or the run stops."""
+        while len(self.live) < self.concurrency and not self.exhausted and not self.stopped():
+            job = next(self.jobs, None)
+            if job is None:
+                self.exhausted = True
+                break
+            request = self.start(job)
+            entry = _Live(len(self.result.requests), job, request)
+            self.result.requests.append({"index": entry.index, "tag": job.tag, "prompt_tokens": len(job.prompt_ids),
+                                         "tokens": len(request.tokens), "rounds": 0, "finished": False})
+            if request.done:  # max_new_tokens <= 1, or x_0 is an EOS: no round at all
+                self._finish(entry)
+            else:
+                self.live.append(entry)
+
+    def retire(self) -> None:
+        """Finished requests leave their slots."""
+        for entry in self.live:
+            if entry.request.done:
+                self._finish(entry)
+        self.live = [entry for entry in self.live if not entry.request.done]
+
+    def _finish(self, entry: _Live) -> None:
+        self.finished += 1
+        out = entry.request.result()
+        self.result.requests[entry.index].update(
+            tokens=len(out.tokens), rounds=len(out.rounds), finished=True,
+            finished_by_eos=out.finished_by_eos, timings=_phases(out.timings), result=out,
+        )
+
+
+def _step(
+    live: list[_Live],
+    policy: Policy,
+    temps: np.ndarray | None,
+    sps: SPSTable | None,
+    draft_overhead: float | str,
+    result: SimResult,
+) -> None:
+    """One lockstep step: the requests ``policy.plan`` picks (every one without a plan) draft,
+    ``policy`` picks the lengths ℓ_r of all of them at once, every request verifies its ℓ_r
+    drafts (the others take a plain target step); the step goes into ``result``."""
+    ids = [entry.index for entry in live]
+    drafting = np.ones(len(live), dtype=bool) if policy.plan is None else np.asarray(policy.plan(ids), dtype=bool)
+    if drafting.shape != (len(live),):
+        raise ValueError(f"policy {policy.name!r}: plan must return {len(live)} booleans, got {drafting!r}")
+    draft_times = [_timed_draft(entry.request, policy) for entry, d in zip(live, drafting) if d]
+    lengths, a, raw = _lengths(live, drafting, policy, temps)
+    batch = int(len(live) + lengths.sum())
+    step_time = _step_time(sps, batch, draft_overhead, draft_times)
+
+    step_tokens = 0
+    for row, (entry, ell) in enumerate(zip(live, lengths.tolist())):
+        if not drafting[row]:
+            step_tokens += _verify(entry, None, None, batch, result)
+            continue
+        expected = float(a[row, :ell].sum()) if raw[row] is not None else None
+        step_tokens += _verify(entry, ell, expected, batch, result)
+    _account_step(result, live=len(live), drafted=len(draft_times), proposed=int(lengths.sum()), batch=batch,
+                  draft_s=sum(draft_times), step_time=step_time, tokens=step_tokens)
+
+
+def _timed_draft(request: SpeculativeRequest, policy: Policy) -> float:
+    """Draft one request; returns the seconds its clock measured (handed to ``policy.on_draft_time``)."""
+    totals = request.clock.totals
+    before = totals.get("draft", 0.0)
+    request.draft()
+    seconds = totals.get("draft", 0.0) - before
+    if policy.on_draft_time is not None:
+        policy.on_draft_time(seconds)
+    return seconds
+
+
+def _lengths(
+    live: list[_Live], drafting: np.ndarray, policy: Policy, temps: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray, list[list[float] | None]]:
+    """(ℓ int64 [R], a = cumprod of the confidences the policy saw [R, γ], raw c rows or None).
+
+    Requests that did not draft show the policy a row of zeros and must get ℓ = 0."""
+    rows = len(live)
+    raw: list[list[float] | None] = [None] * rows
+    if not drafting.any():  # a plain target step for everyone: nothing to schedule
+        return np.zeros(rows, dtype=np.int64), np.zeros((rows, 1)), raw
+    drafted = np.flatnonzero(drafting)
+    for row in drafted:
+        raw[row] = live[row].request.confidences
+    gamma = live[drafted[0]].request.gamma
+    conf = np.zeros((rows, gamma))  # [R, γ]
+    conf[drafted] = _confidence_matrix([raw[row] for row in drafted], gamma, temps, policy)
+    lengths = _checked_lengths(policy([e.index for e in live], conf), rows, gamma, policy.name)
+    if lengths[~drafting].any():
+        raise ValueError(f"policy {policy.name!r} gave ℓ > 0 to a request that did not draft at this step")
+    return lengths, np.cumprod(conf, axis=1), raw
+
+
+def _verify(entry: _Live, ell: int | None, expected: float | None, batch: int, result: SimResult) -> int:
+    """Verify ℓ drafts of one live request (ℓ None: a plain target step, no draft) and log the round;
+    returns the number of tokens emitted.
+
+    ``expected``: Σ_{j≤ℓ} a_j of the confidences the policy saw (None without them)."""
+    request = entry.request
+    before = len(request.tokens)
+    record = target_step(request) if ell is None else request.verify(ell)
+    emitted = len(request.tokens) - before
+    result.accepted += record.accepted
+    result.eos_rounds += record.eos_accepted
+    result.rounds.append({
+        "step": result.steps, "request": entry.index, "tag": entry.job.tag,
+        "round": len(request.rounds) - 1, "drafted": ell is not None, "proposed": record.proposed,
+        "accepted": record.accepted, "eos_accepted": record.eos_accepted, "emitted": emitted,
+        "confidences": record.confidences, "expected_accepted": expected, "batch_tokens": batch,
+    })
+    result.requests[entry.index].update(tokens=len(request.tokens), rounds=len(request.rounds))
+    return emitted
+
+
+def _account_step(result: SimResult, *, live: int, drafted: int, proposed: int, batch: int, draft_s: float,
+                  step_time: float, tokens: int) -> None:
+    """Add one step to the run's counters, its SPS clock and its step log."""
+    result.step_log.append({"step": result.steps, "live": live, "drafted": drafted, "batch_tokens": batch,
+                            "draft_s": draft_s, "step_time_s": step_time, "tokens": tokens})
+    result.steps += 1
+    result.sim_time_s += step_time
+    result.live_time_s += step_time * live
+    result.tokens += tokens
+    result.request_steps += live
+    result.drafted += drafted
+    result.skipped += live - drafted
+    result.draft_s += draft_s
+    result.proposed += proposed
+    result.batch_tokens += batch
+
+
+def _phases(timings: Mapping[str, float]) -> dict[str, float]:
+    """Per-phase seconds of one request; "total" becomes the sum of its own phases
+    (its wall clock since admission would include the other requests' turns)."""
+    phases = {k: float(v) for k, v in timings.items() if k != "total"}
+    return {**phases, "total": sum(phases.values())}
+
+
+def _confidence_matrix(
+    raw: Sequence[list[float] | None], gamma: int, temps: np.ndarray | None, policy: Policy
+) -> np.ndarray:
+    """[R, γ] float64: the confidences the policy sees (STS-calibrated), NaN rows without a head."""
+    if any(c is None for c in raw):
+        if policy.needs_confidences:
+            raise ValueError(
+                f"policy {policy.name!r} schedules by confidence but the drafter returns none "
+                "(no confidence head); use a static policy (static1, static, static:<ℓ>)"
+            )
+        return np.full((len(raw), gamma), np.nan)
+    conf = np.asarray(raw, dtype=np.float64)  # [R, γ]
+    if temps is not None:
+        if temps.size != gamma:
+            raise ValueError(f"sts_temperatures has {temps.size} values but the drafter's block size γ is {gamma}")
+        conf = apply_temperatures(conf, temps)
+    return conf
+
+
+def _checked_lengths(lengths: Any, rows: int, gamma: int, name: str) -> np.ndarray:
+    out = np.asarray(lengths)
+    if out.shape != (rows,) or (out.size and not np.all(out == np.round(out))):
+        raise ValueError(f"policy {name!r} must return {rows} integer lengths, got {lengths!r}")
+    out = out.astype(np.int64)
+    if out.size and (out.min() < 0 or out.max() > gamma):
+        raise ValueError(f"policy {name!r} returned lengths {out.tolist()}; each must be in 0..γ = 0..{gamma}")
+    return out
+
+
+def _draft_clock(draft_overhead: float | str) -> tuple[str, float | str]:
+    """(label, value) of a ``draft_overhead``: a fraction f >= 0 or "measured" (module docstring)."""
+    if isinstance(draft_overhead, str):
+        if draft_overhead.strip().lower() != MEASURED:
+            raise ValueError(f"draft_overhead must be a number >= 0 (a fraction of the step time) or "
+                             f"{MEASURED!r} (the measured drafting time), got {draft_overhead!r}")
+        return MEASURED, MEASURED
+    if isinstance(draft_overhead, bool) or not isinstance(draft_overhead, (int, float)) \
+            or not math.isfinite(draft_overhead) or draft_overhead < 0:
+        raise ValueError(f"draft_overhead must be a finite number >= 0 (a fraction of the step time) or "
+                         f"{MEASURED!r}, got {draft_overhead!r}")
+    return ("none" if draft_overhead == 0 else f"fraction {float(draft_overhead):g}"), float(draft_overhead)
+
+
+def _speed(sps: SPSTable, batch: int) -> float:
+    speed = float(sps(batch))
+    if not speed > 0:
+        raise ValueError(
+            f"a step needs B = {batch} batch tokens but the SPS table stops at max_batch_tokens = "
+            f"{sps.max_batch_tokens}; profile larger batches (dspark profile-sps --batch-tokens ...) "
+            "or lower the concurrency"
+        )
+    return speed
+
+
+def _step_time(sps: SPSTable | None, batch: int, draft_overhead: float | str, draft_times: Sequence[float]) -> float:
+    """Simulated seconds of one step: 1 / SPS(B), plus the drafting ``draft_overhead`` says when
+    some request drafted (module docstring)."""
+    if sps is None:
+        return math.nan
+    verify = 1.0 / _speed(sps, batch)
+    if not draft_times:
+        return verify
+    if draft_overhead == MEASURED:
+        return verify + float(sum(draft_times))
+    return (1.0 + float(draft_overhead)) * verify
+
+
+def job_seed(seed: int, index: int) -> int:
+    """The generator seed of request ``index`` of a run seeded with ``seed``."""
+    return (int(seed) * 1_000_003 + 7_919 * int(index) + 1) % (2**63)
+
+
+def simulate(
+    target: Any,
+    drafter: Any,
+    prompts: Sequence[Sequence[int]],
+    *,
+    concurrency: int,
+    policy: str | Policy | LengthFn,
+    sps: SPSTable,
+    sts_temperatures: Sequence[float] | None = None,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    seed: int = 0,
+    eos_token_ids: Iterable[int] = (),
+    cycle: bool = True,
+    num_requests: int | None = None,
+    draft_overhead: float | str = 0.0,
+    on_step: Callable[[SimResult], None] | None = None,
+) -> SimResult:
+    """Simulate serving ``prompts`` (token-id lists) at concurrency R under ``policy``.
+
+    ``cycle=True``: request i uses prompt i mod N and exactly R requests are
+    live at every step; the run stops once ``num_requests`` requests have
+    finished (default max(N, R)). ``cycle=False``: every prompt is served once
+    (``num_requests`` must be None) and the last steps run with fewer live
+    requests. Request i draws from a generator seeded with ``job_seed(seed, i)``.
+    See ``run_requests`` for one step and the module docstring for the model.
+    """
+    if not prompts:
+        raise ValueError("prompts is empty; give at least one prompt (a list of token ids)")
+    if not isinstance(sps, SPSTable):
+        raise ValueError(f"sps must be an SPSTable (SPSTable.from_json('sps.json')), got {type(sps).__name__}")
+    prompts = [list(p) for p in prompts]
+    if cycle:
+        stop = max(len(prompts), concurrency) if num_requests is None else num_requests
+        if isinstance(stop, bool) or not isinstance(stop, int) or stop < 1:
+            raise ValueError(f"num_requests must be an int >= 1, got {num_requests!r}")
+
+        def endless() -> Iterator[Job]:
+            i = 0
+            while True:
+                yield Job(prompts[i % len(prompts)], job_seed(seed, i), i % len(prompts))
+                i += 1
+
+        jobs: Iterable[Job] = endless()
+    else:
+        if num_requests is not None:
+            raise ValueError("num_requests applies to cycle=True only; without cycling every prompt runs once")
+        stop = None
+        jobs = [Job(p, job_seed(seed, i), i) for i, p in enumerate(prompts)]
+    return run_requests(
+        target, drafter, jobs, concurrency=concurrency, policy=policy, sps=sps, sts_temperatures=sts_temperatures,
+        max_new_tokens=max_new_tokens, temperature=temperature, eos_token_ids=eos_token_ids,
+        stop_after_finished=stop, draft_overhead=draft_overhead, on_step=on_step,
+    )
+
+
+def simulate_grid(
+    target: Any,
+    drafter: Any,
+    prompts: Sequence[Sequence[int]],
+    *,
+    concurrencies: Sequence[int],
+    policies: Sequence[str],
+    progress: Callable[[SimResult], None] | None = None,
+    **kwargs: Any,
+) -> list[SimResult]:
+    """``simulate`` for every (policy, concurrency) pair, each with a fresh policy and the same
+    seed (so every cell serves the same requests with the same random streams).
+    ``progress`` is called with each finished result."""
+    results = []
+    for spec in policies:
+        for concurrency in concurrencies:
+            result = simulate(target, drafter, prompts, concurrency=concurrency, policy=spec, **kwargs)
+            results.append(result)
+            if progress is not None:
+                progress(result)
+    return results

@@ -1,0 +1,539 @@
+"""The DSpark loss (Eq. 8-12) fused with the LM head: gradients computed in the forward pass.
+
+When the draft logits are softcap(h W_lmᵀ) + latent W2ᵀ (the drafter's frozen LM
+head plus the sequential head's rank-r bias) and the target logits
+softcap(h_t W_lmᵀ), :func:`fused_dspark_loss` takes those small inputs instead
+of the logits callables of :func:`dspark.training.loss.dspark_loss`. The gradient of the
+per-position terms w.r.t. the draft logits z has a closed form (p = softmax(z),
+p^t = softmax(t), s = sign(p − p^t) with sign(0) = 0, torch.abs's subgradient):
+
+    ∂CE/∂z                  = p − onehot(y)                              (Eq. 9)
+    ∂Σ_v|p_v − p^t_v|/∂z_u  = Σ_v s_v p_v (δ_vu − p_u) = p_u (s_u − ⟨p, s⟩)  (Eq. 10)
+
+so one forward pass per chunk yields the terms AND the gradients w.r.t. the
+chunk's small inputs (hidden, latent, W2); no logits are recomputed and no
+[m, V] tensor outlives the call. Per supervised position that is 4
+vocabulary-sized matmuls (draft logits, target logits, grad → h, grad →
+W2/latent; the target logits once per distinct target position with ``target_rows``) and one pass of softmax/TV work, done in place in two [m, V] buffers
+(three with softcap) that every chunk of the call reuses: on a CPU a fresh
+buffer costs page faults of the order of an exp pass over it. :func:`dspark.training.loss.dspark_loss`
+stays the general path (any logits) and the reference this one is tested
+against.
+
+With a draft vocabulary of k ids (``vocab``) the draft side is k-sized (the LM head's k rows,
+W2 [k, r]) and the target side reads the full LM head once per position, without grad, for
+EAGLE-3's restriction (p^t over the k ids renormalised, positions whose target argmax or label
+lies outside dropped) and for c* against the full distribution (dspark.training.loss docstring): 3
+k-sized and one V-sized matmul per supervised position instead of 4 V-sized ones.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from dspark.training.loss import (
+    LossOutput,
+    LossWeights,
+    check_loss_inputs,
+    compute_dtype,
+    full_vocab_tv,
+    reduce_terms,
+    weights_and_denominator,
+)
+from dspark.modeling.vocab import DraftVocab
+
+__all__ = ["fused_dspark_loss", "release_workspace"]
+
+
+def _fused_compute_dtype(hidden: Tensor, lm_head_weight: Tensor, w2: Tensor | None) -> torch.dtype:
+    """At least fp32, and fp64 if any input is (the logits' dtype of dspark_loss, upcast)."""
+    dtype = torch.promote_types(hidden.dtype, lm_head_weight.dtype)
+    return compute_dtype(dtype if w2 is None else torch.promote_types(dtype, w2.dtype))
+
+
+# ------------------------------------------------------------- one chunk of positions
+def _softmax_(z: Tensor) -> tuple[Tensor, Tensor]:
+    """softmax(z) written over z [m, V], as exp(z − max) / Σ exp(z − max); returns (max, Σ)
+    [m, 1] so that log p_y = z_y − max − log Σ. In place: no [m, V] tensor is allocated (a
+    fresh one costs page faults of the order of its exp pass on a CPU). Deterministic per
+    row: equal logits rows give bitwise-equal probabilities (the sign(0) = 0 ties of Eq. 10)."""
+    top = z.amax(dim=-1, keepdim=True)
+    total = z.sub_(top).exp_().sum(dim=-1, keepdim=True)
+    z.div_(total)
+    return top, total
+
+
+@dataclass
+class _Head:
+    """The shared LM head as the fused loss applies it to a chunk of m positions."""
+
+    weight: Tensor  # [V, d] ([k, d] with a draft vocabulary); its matmuls run in its dtype
+    w2: Tensor | None  # [V, r] ([k, r]) in the compute dtype; the rank-r products are cheap in fp32
+    softcap: float | None
+    dtype: torch.dtype  # compute dtype of everything vocabulary-sized
+    vocab: DraftVocab | None = None
+    target_weight: Tensor | None = None  # [V, d], the full head p^t comes from (None: ``weight``)
+
+    def project(self, x: Tensor, pos: Tensor, weight: Tensor | None = None, out: Tensor | None = None) -> Tensor:
+        """x[pos] Wᵀ: rows ``pos`` [m] of x [N·γ, d] -> [m, V] in the compute dtype, written
+        into ``out`` (a reused [m, V] buffer of the compute dtype) when given."""
+        w = self.weight if weight is None else weight
+        if out is None:
+            return (x[pos].to(w.dtype) @ w.T).to(self.dtype)
+        if w.dtype != self.dtype:  # a bf16 head: the product in its dtype, upcast into the buffer
+            return out.copy_(x[pos].to(w.dtype) @ w.T)
+        return torch.mm(x[pos].to(w.dtype), w.T, out=out)
+
+    def draft_probs(self, h: Tensor, pos: Tensor, lat: Tensor | None, y: Tensor, bufs: "_Buffers") -> tuple[Tensor, Tensor, Tensor | None]:
+        """(p^d [m, V], CE = −log p^d_y [m], tanh(h[pos] W_lmᵀ / c) or None without softcap)
+        for z = softcap(h[pos] W_lmᵀ) + lat W2ᵀ; tanh is kept for the backward: softcap' = 1 − tanh²."""
+        m = pos.shape[0]
+        if self.softcap is not None:
+            tanh_u = self.project(h, pos, out=bufs.tanh[:m]).div_(self.softcap).tanh_()
+            z = torch.mul(tanh_u, self.softcap, out=bufs.draft[:m])
+        else:
+            tanh_u, z = None, self.project(h, pos, out=bufs.draft[:m])
+        if lat is not None:
+            z.addmm_(lat, self.w2.T)  # + B_k
+        z_y = z.gather(1, y)
+        top, total = _softmax_(z)
+        return z, (total.log() + top - z_y).squeeze(1), tanh_u
+
+    def target_logits(self, t: Tensor, pos: Tensor, out: Tensor | None = None) -> Tensor:
+        """softcap(t[pos] Wᵀ) [m, V] over the full vocabulary."""
+        logits = self.project(t, pos, self.target_weight, out)
+        if self.softcap is not None:  # in place: softcap(x) = c·tanh(x/c)
+            logits.div_(self.softcap).tanh_().mul_(self.softcap)
+        return logits
+
+    def minus_target_probs(self, p: Tensor, t: Tensor, pos: Tensor, out: Tensor) -> Tensor:
+        """p^d − p^t [m, V] from p = p^d [m, V] and the target hidden states t[pos] [m, d], in ``out``."""
+        # p^t through the same _softmax_ as p^d, so that equal logits give bitwise-equal
+        # probabilities and sign(p − p^t) = 0 exactly there.
+        p_t = self.target_logits(t, pos, out)
+        _softmax_(p_t)
+        return torch.sub(p, p_t, out=p_t)
+
+    def minus_distinct_target_probs(self, p: Tensor, t: Tensor, rows: Tensor, expand: Tensor, bufs: "_Buffers") -> Tensor:
+        """p^d − p^t [m, V] like :meth:`minus_target_probs`, with p^t computed once per distinct target
+        position: rows [u] of t to project, expand [m] the distinct row of each of the m positions."""
+        p_t = self.target_logits(t, rows, bufs.distinct[: rows.shape[0]])
+        _softmax_(p_t)
+        diff = torch.index_select(p_t, 0, expand, out=bufs.target[: expand.shape[0]])
+        return torch.sub(p, diff, out=diff)
+
+    def minus_restricted_target(self, p: Tensor, t: Tensor, pos: Tensor,
+                                expand: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """Draft vocabulary: (p^d − p^t_D [m, k], target mass inside [m], argmax inside Bool [m]),
+        p^t_D the target restricted to the k ids and renormalised (EAGLE-3). With ``expand`` [m],
+        ``pos`` are the distinct target rows and row i of the result reads distinct row expand[i]."""
+        logp, argmax_in, log_mass_in = self.vocab.restrict_logits(self.target_logits(t, pos))
+        if expand is not None:
+            logp, argmax_in, log_mass_in = logp[expand], argmax_in[expand], log_mass_in[expand]
+        return logp.exp_().neg_().add_(p), log_mass_in.exp(), argmax_in
+
+
+@dataclass
+class _Buffers:
+    """[rows, V] buffers reused by every chunk of one pass (rows = the largest chunk)."""
+
+    draft: Tensor  # z, then p^d
+    target: Tensor  # target logits, then p^t, then p^d − p^t, then the logits gradient
+    tanh: Tensor | None  # tanh(u/c), softcap only
+    distinct: Tensor | None = None  # p^t of a chunk's distinct target positions (``target_rows``)
+    l1: Tensor | None = None  # [≤ _L1_ROWS, V] scratch for the row L1 norms (TV)
+
+    @staticmethod
+    def make(rows: int, cols: int, dtype: torch.dtype, device: torch.device, target: bool, tanh: bool,
+             distinct: bool = False) -> "_Buffers":
+        """Uninitialised buffers (every element is written before it is read); ``target``
+        False with a draft vocabulary, whose target side is V-sized, not k-sized. On a CPU they
+        are this thread's workspace (:func:`release_workspace`), kept from one call to the next."""
+        def empty(name: str, n: int = rows) -> Tensor:
+            if torch.device(device).type == "cpu":
+                return _cpu_workspace(name, n, cols, dtype)
+            return torch.empty(n, cols, dtype=dtype, device=device)  # CUDA's caching allocator reuses
+
+        return _Buffers(empty("draft"), empty("target") if target else None, empty("tanh") if tanh else None,
+                        empty("distinct") if target and distinct else None, empty("l1", min(rows, _L1_ROWS)))
+
+    def row_l1(self, x: Tensor) -> Tensor:
+        """Σ_v |x_v| per row of x [m, V] -> [m], |x| written a few rows at a time into ``l1``:
+        torch.linalg.vector_norm(ord=1) took 3.5x as long here, x.abs().sum() allocates [m, V]."""
+        out = torch.empty(x.shape[0], dtype=x.dtype, device=x.device)
+        step = self.l1.shape[0]
+        for start in range(0, x.shape[0], step):
+            rows = x[start : start + step]
+            torch.sum(torch.abs(rows, out=self.l1[: rows.shape[0]]), dim=1, out=out[start : start + rows.shape[0]])
+        return out
+
+
+# Rows of |p − p^t| per pass of :meth:`_Buffers.row_l1` (a [32, V] scratch: 6 MB at V = 49k).
+_L1_ROWS = 32
+
+# The CPU buffers of the last call, per thread. A fresh [m, V] buffer is fresh pages from the OS:
+# writing it the first time costs page faults of the order of a matmul over it (at S2 of
+# bench/train_step.py the target logits took 5.1 ms into a fresh buffer, 3.3 ms into a used one),
+# and PyTorch keeps no CPU cache of freed memory.
+_WORKSPACE = threading.local()
+
+
+def _cpu_workspace(name: str, rows: int, cols: int, dtype: torch.dtype) -> Tensor:
+    """A [rows, cols] view of this thread's buffer ``name``, grown (never shrunk) on demand."""
+    store: dict[str, Tensor] = _WORKSPACE.__dict__.setdefault("buffers", {})
+    buf = store.get(name)
+    if buf is None or buf.dtype != dtype or buf.shape[1] != cols or buf.shape[0] < rows:
+        store[name] = buf = torch.empty(rows, cols, dtype=dtype)
+    return buf[:rows]
+
+
+def release_workspace() -> int:
+    """Free this thread's CPU workspace of :func:`fused_dspark_loss` (2-5 [chunk_rows·γ, V] buffers,
+    kept between calls); returns the bytes released. The next call allocates it again."""
+    store: dict[str, Tensor] = _WORKSPACE.__dict__.pop("buffers", {})
+    return sum(b.numel() * b.element_size() for b in store.values())
+
+
+def _logits_grad(p: Tensor, diff: Tensor, y: Tensor, a: Tensor, b: Tensor | None) -> Tensor:
+    """∂objective/∂z [m, V] = p ⊙ (a + b (s − ⟨p, s⟩)) − a·onehot(y) (Eq. 9-10 closed forms).
+
+    p = p^d [m, V], diff = p^d − p^t [m, V], y [m, 1] the labels, a and b the CE
+    and TV coefficients [m, 1] (b None: no TV gradient). Written in place over
+    ``diff`` (or ``p`` when b is None): the caller must not read them again.
+    """
+    if b is not None:
+        # s = sign(p − p^t) in place (sign(0) = 0 is the subgradient torch.abs uses), then
+        # q = p ⊙ s: ⟨p, s⟩ is a plain row sum of q (a cheaper pass than a row-wise dot product),
+        # and g = b·q + (a − b⟨p, s⟩)·p.
+        q = diff.sign_().mul_(p)
+        c = a - b * q.sum(dim=1, keepdim=True)  # [m, 1]
+        g = q.mul_(b).addcmul_(p, c)  # p ⊙ (a + b (s − ⟨p, s⟩))
+    else:
+        g = p.mul_(a)
+    g.scatter_add_(1, y, -a)  # − a·onehot(y)
+    return g
+
+
+@dataclass
+class _Pass:
+    """The inputs flattened over the N·γ positions (row-major) and what the pass writes there."""
+
+    hidden: Tensor  # [N·γ, d]
+    target_hidden: Tensor  # [N·γ, d]
+    latent: Tensor | None  # [N·γ, r]
+    labels: Tensor  # [N·γ]
+    ce: Tensor  # [N·γ], compute dtype
+    tv: Tensor  # [N·γ]
+    grad_h: Tensor | None  # [N·γ, d], only if wanted
+    grad_lat: Tensor | None  # [N·γ, r]
+    grad_w2_t: Tensor | None  # [r, V]: W2's gradient transposed (latᵀ g accumulates faster than gᵀ lat)
+    bufs: _Buffers | None = None
+    tv_full: Tensor | None = None  # [N·γ], TV against the full target (draft vocabulary only)
+    target_rows: Tensor | None = None  # [N·γ] int64: equal ids have equal target hidden states
+
+
+# Below this share of distinct target positions in a chunk, p^t is computed once per distinct
+# position and gathered; above it the gather costs more than the rows it saves.
+_DISTINCT_SHARE = 0.9
+
+
+def _distinct_target_rows(run: _Pass, pos: Tensor) -> tuple[Tensor, Tensor | None]:
+    """(rows of the target hidden states to project, [m] index of each position's row in them or
+    None): one row per distinct ``run.target_rows`` id among ``pos`` (the smallest), when that
+    saves enough; else (pos, None)."""
+    if run.target_rows is None:
+        return pos, None
+    distinct, expand = torch.unique(run.target_rows[pos], return_inverse=True)
+    if distinct.numel() > _DISTINCT_SHARE * pos.numel():
+        return pos, None
+    first = torch.full_like(distinct, run.target_rows.numel()).scatter_reduce_(0, expand, pos, reduce="amin")
+    return first, expand
+
+
+def _fused_chunk(run: _Pass, head: _Head, pos: Tensor, ce_coef: Tensor, tv_coef: Tensor | None, any_grad: bool) -> None:
+    """CE and TV terms at the supervised positions ``pos`` [m] and, if ``any_grad``, their
+    gradients (``tv_coef`` None: no TV gradient); [m, V] work happens in ``run.bufs``."""
+    block_size = ce_coef.shape[0]
+    y = run.labels[pos][:, None]  # [m, 1], target ids
+    if head.vocab is not None:
+        y = head.vocab.to_draft_ids(y)  # −1 outside the vocabulary
+        label_in = y.squeeze(1) >= 0
+        y = y.clamp_min(0)
+    lat = None if run.latent is None else run.latent[pos].to(head.dtype)  # [m, r]
+    p, ce, tanh_u = head.draft_probs(run.hidden, pos, lat, y, run.bufs)  # p^d [m, V or k]
+    keep = None
+    t_rows, expand = _distinct_target_rows(run, pos)  # p^t once per distinct target position
+    if head.vocab is None and expand is None:
+        diff = head.minus_target_probs(p, run.target_hidden, pos, run.bufs.target[: pos.shape[0]])  # [m, V]
+    elif head.vocab is None:
+        diff = head.minus_distinct_target_probs(p, run.target_hidden, t_rows, expand, run.bufs)  # [m, V]
+    else:
+        diff, mass_in, argmax_in = head.minus_restricted_target(p, run.target_hidden, t_rows, expand)  # [m, k]
+        keep = label_in & argmax_in
+        p_t_in = p - diff
+        run.tv_full[pos] = full_vocab_tv(p, p_t_in, mass_in)
+        del p_t_in
+    tv = run.bufs.row_l1(diff)
+    run.ce[pos] = ce if keep is None else torch.where(keep, ce, 0.0)
+    run.tv[pos] = tv if keep is None else torch.where(keep, tv, 0.0)
+    if not any_grad:
+        return
+    a = ce_coef[pos % block_size][:, None].to(head.dtype)  # [m, 1]
+    b = None if tv_coef is None else tv_coef[pos % block_size][:, None].to(head.dtype)  # [m, 1]
+    if keep is not None:  # a dropped position has no gradient
+        a = a * keep[:, None]
+        b = None if b is None else b * keep[:, None]
+    g = _logits_grad(p, diff, y, a, b)  # ∂objective/∂z, [m, V]
+    del p, diff
+    if run.grad_lat is not None:
+        run.grad_lat[pos] = g @ head.w2  # [m, r]
+    if run.grad_w2_t is not None:
+        run.grad_w2_t.addmm_(lat.T, g)  # [r, V]
+    if run.grad_h is not None:
+        if tanh_u is not None:
+            g.mul_(tanh_u.square_().neg_().add_(1))  # ∂z/∂u = 1 − tanh²(u/c)
+        run.grad_h[pos] = (g.to(head.weight.dtype) @ head.weight).to(head.dtype)  # [m, d]
+
+
+def _fused_ce_tv(
+    hidden: Tensor,
+    latent: Tensor | None,
+    w2: Tensor | None,
+    lm_head_weight: Tensor,
+    target_hidden: Tensor,
+    labels: Tensor,
+    valid: Tensor,
+    ce_coef: Tensor,
+    tv_coef: Tensor,
+    softcap: float | None,
+    chunk_rows: int,
+    want: tuple[bool, bool, bool],
+    vocab: DraftVocab | None = None,
+    target_weight: Tensor | None = None,
+    target_rows: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None]:
+    """Per-position CE and TV terms [N, γ], the TV c* is read from [N, γ] and, for the inputs
+    flagged in ``want`` (hidden, latent, w2), the gradients of Σ (ce_coef_k·CE + tv_coef_k·TV),
+    in the compute dtype.
+
+    Only supervised positions are read (``chunk_rows·γ`` of them per chunk), so
+    whatever sits in unsupervised slots cannot leak into values or gradients.
+    """
+    rows, block_size, dim = hidden.shape
+    dtype = _fused_compute_dtype(hidden, lm_head_weight, w2)
+    head = _Head(lm_head_weight, None if w2 is None else w2.to(dtype), softcap, dtype, vocab, target_weight)
+    flat_lat = None if latent is None else latent.reshape(rows * block_size, latent.shape[2])
+
+    def zeros(*shape: int) -> Tensor:
+        return torch.zeros(shape, dtype=dtype, device=hidden.device)
+
+    run = _Pass(
+        hidden=hidden.reshape(rows * block_size, dim),
+        target_hidden=target_hidden.reshape(rows * block_size, dim),
+        latent=flat_lat,
+        labels=labels.reshape(-1),
+        ce=zeros(rows * block_size),
+        tv=zeros(rows * block_size),
+        grad_h=zeros(rows * block_size, dim) if want[0] else None,
+        grad_lat=zeros(*flat_lat.shape) if want[1] else None,
+        grad_w2_t=zeros(w2.shape[1], w2.shape[0]) if want[2] else None,
+        tv_full=None if vocab is None else zeros(rows * block_size),
+        target_rows=None if target_rows is None else target_rows.reshape(-1),
+    )
+    any_grad = any(want)
+    tv_grad = any_grad and bool((tv_coef != 0).any())
+    positions = valid.reshape(-1).nonzero().squeeze(1)  # supervised positions, row-major
+    step = chunk_rows * block_size
+    run.bufs = _Buffers.make(min(step, positions.numel()), lm_head_weight.shape[0], dtype, hidden.device,
+                             target=vocab is None, tanh=softcap is not None, distinct=target_rows is not None)
+    for start in range(0, positions.numel(), step):
+        _fused_chunk(run, head, positions[start : start + step], ce_coef, tv_coef if tv_grad else None, any_grad)
+    shape = (rows, block_size)
+    return (
+        run.ce.reshape(shape),
+        run.tv.reshape(shape),
+        (run.tv if run.tv_full is None else run.tv_full).reshape(shape),
+        None if run.grad_h is None else run.grad_h.reshape(hidden.shape),
+        None if run.grad_lat is None else run.grad_lat.reshape(latent.shape),
+        None if run.grad_w2_t is None else run.grad_w2_t.T,
+    )
+
+
+# ---------------------------------------------------------------- the autograd op
+class _FusedCeTv(torch.autograd.Function):
+    """α_ce·L_ce + α_tv·L_tv with its gradient computed in forward; backward only scales it.
+
+    Outputs (objective, ce_terms [N, γ], tv_terms [N, γ], the TV c* reads [N, γ]); the terms
+    are non-differentiable (metrics and c*). Double backward is refused: the stored
+    gradients are constants, so a graph through them would be silently wrong.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, latent, w2, lm_head_weight, target_hidden, labels, valid,
+                ce_coef, tv_coef, softcap, chunk_rows, grad_enabled, vocab, target_weight, target_rows):
+        # Inside forward grad mode is off and needs_input_grad ignores it: hence grad_enabled.
+        want = tuple(bool(grad_enabled and flag) for flag in ctx.needs_input_grad[:3])
+        # The precision is explicit inside (vocabulary matmuls in the LM head's dtype, softmaxes
+        # and accumulators in the compute dtype): an enclosing autocast must not re-type them.
+        with torch.autocast(hidden.device.type, enabled=False):
+            ce_terms, tv_terms, tv_c_star, grad_h, grad_lat, grad_w2 = _fused_ce_tv(
+                hidden, latent, w2, lm_head_weight, target_hidden, labels, valid,
+                ce_coef, tv_coef, softcap, chunk_rows, want, vocab, target_weight, target_rows,
+            )
+            objective = (ce_terms * ce_coef).sum() + (tv_terms * tv_coef).sum()
+        ctx.save_for_backward(grad_h, grad_lat, grad_w2)
+        ctx.input_dtypes = tuple(None if t is None else t.dtype for t in (hidden, latent, w2))
+        ctx.mark_non_differentiable(ce_terms, tv_terms, tv_c_star)
+        return objective, ce_terms, tv_terms, tv_c_star
+
+    @staticmethod
+    def backward(ctx, grad_objective, _grad_ce_terms, _grad_tv_terms, _grad_tv_c_star):
+        if torch.is_grad_enabled():  # backward(create_graph=True)
+            raise RuntimeError(
+                "fused_dspark_loss cannot be differentiated twice (create_graph=True): its gradient "
+                "is precomputed in forward; use dspark_loss for higher-order gradients"
+            )
+        grads = [
+            None if g is None else (grad_objective * g).to(dtype)
+            for g, dtype in zip(ctx.saved_tensors, ctx.input_dtypes)
+        ]
+        return (*grads, None, None, None, None, None, None, None, None, None, None, None, None)
+
+
+def _check_fused_inputs(
+    hidden: Tensor,
+    lm_head_weight: Tensor,
+    target_hidden: Tensor,
+    labels: Tensor,
+    latent: Tensor | None,
+    w2: Tensor | None,
+    softcap: float | None,
+    chunk_rows: int,
+) -> None:
+    """The fused path's own arguments: the drafter's shapes, a frozen head, softcap and chunk size."""
+    if hidden.dim() != 3 or hidden.shape[:2] != labels.shape:
+        raise ValueError(
+            f"hidden must be [N, γ, d] with [N, γ] = {tuple(labels.shape)}, got {tuple(hidden.shape)}"
+        )
+    if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != hidden.shape[2]:
+        raise ValueError(
+            f"lm_head_weight must be [V, d] with d = {hidden.shape[2]}, got {tuple(lm_head_weight.shape)}"
+        )
+    if lm_head_weight.requires_grad and torch.is_grad_enabled():
+        raise ValueError(
+            "lm_head_weight requires grad, but the fused loss treats the shared LM head as frozen "
+            "(SPEC 4) and computes no gradient for it; pass lm_head_weight.detach() or use dspark_loss"
+        )
+    if target_hidden.shape != hidden.shape:
+        raise ValueError(
+            f"target_hidden shape {tuple(target_hidden.shape)} must equal hidden shape {tuple(hidden.shape)}"
+        )
+    if (latent is None) != (w2 is None):
+        raise ValueError(
+            "latent and w2 come together (the sequential head's bias latent·W2ᵀ); got "
+            f"latent={'None' if latent is None else tuple(latent.shape)}, "
+            f"w2={'None' if w2 is None else tuple(w2.shape)}"
+        )
+    if latent is not None:
+        if latent.dim() != 3 or latent.shape[:2] != labels.shape:
+            raise ValueError(
+                f"latent must be [N, γ, r] with [N, γ] = {tuple(labels.shape)}, got {tuple(latent.shape)}"
+            )
+        if w2.shape != (lm_head_weight.shape[0], latent.shape[2]):
+            raise ValueError(
+                f"w2 must be [V, r] = [{lm_head_weight.shape[0]}, {latent.shape[2]}], got {tuple(w2.shape)}"
+            )
+    if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0):
+        raise ValueError(f"softcap must be None or a number > 0 (Gemma: 30.0), got {softcap!r}")
+    if not isinstance(chunk_rows, int) or chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be a positive int, got {chunk_rows!r}")
+
+
+def _check_vocab_inputs(lm_head_weight: Tensor, vocab: DraftVocab | None, target_weight: Tensor | None) -> None:
+    """With a draft vocabulary: the k-row draft head and the full target head, consistent with it."""
+    if (vocab is None) != (target_weight is None):
+        raise ValueError("vocab and target_lm_head_weight come together (a draft vocabulary needs the full "
+                         "target LM head for p^t); pass both or neither")
+    if vocab is None:
+        return
+    if lm_head_weight.shape[0] != vocab.size:
+        raise ValueError(f"lm_head_weight has {lm_head_weight.shape[0]} rows, the draft vocabulary {vocab.size}: "
+                         "pass vocab.head_weight(target_lm_head_weight)")
+    if tuple(target_weight.shape) != (vocab.vocab_size, lm_head_weight.shape[1]):
+        raise ValueError(f"target_lm_head_weight must be [V, d] = [{vocab.vocab_size}, {lm_head_weight.shape[1]}], "
+                         f"got {tuple(target_weight.shape)}")
+
+
+def fused_dspark_loss(
+    hidden: Tensor,
+    lm_head_weight: Tensor,
+    target_hidden: Tensor,
+    labels: Tensor,
+    valid: Tensor,
+    confidence_logits: Tensor | None,
+    weights: LossWeights,
+    *,
+    latent: Tensor | None = None,
+    w2: Tensor | None = None,
+    softcap: float | None = None,
+    chunk_rows: int = 64,
+    denominator: Tensor | None = None,
+    vocab: DraftVocab | None = None,
+    target_lm_head_weight: Tensor | None = None,
+    target_rows: Tensor | None = None,
+) -> LossOutput:
+    """The DSpark loss (Eq. 8-12) fused with the LM head, for drafter-shaped logits.
+
+    Same result as :func:`dspark.training.loss.dspark_loss` with ``draft_logits_fn`` returning
+    softcap(h W_lmᵀ) + latent W2ᵀ and ``target_logits_fn`` softcap(h_t W_lmᵀ), but each
+    chunk's gradient w.r.t. (hidden, latent, w2) is computed in the forward pass from the
+    closed forms of the module docstring and kept; backward scales them, recomputing nothing.
+
+    Args:
+        hidden: [N, γ, d] draft hidden states h_1..h_γ (with grad), any float dtype.
+        lm_head_weight: [V, d] the frozen shared LM head (must not require grad).
+            Its matmuls run in its dtype; everything vocabulary-sized after
+            them in ≥ fp32.
+        target_hidden: [N, γ, d] the target's final hidden states at positions
+            i+k−1 (treated as constants).
+        labels, valid, confidence_logits, weights, denominator: as in :func:`dspark.training.loss.dspark_loss`.
+        latent: [N, γ, r] the sequential head's rank-r latents (Eq. 5-6), or None (DFlash).
+        w2: [V, r] the sequential head's W2, given iff ``latent`` is.
+        softcap: c of the final-logit soft-cap c·tanh(x/c) (Gemma), or None.
+        chunk_rows: supervised positions are processed ``chunk_rows·γ`` at a
+            time; peak memory grows with chunk_rows·γ·V (2 fp32 [chunk_rows·γ, V] buffers
+            reused by every chunk, 3 with softcap, 4 with ``target_rows``, and a 32-row L1 scratch;
+            + V-sized target logits with ``vocab``). On a CPU these buffers are kept for the next
+            call (fresh pages cost page faults there); :func:`release_workspace` frees them.
+        vocab, target_lm_head_weight: a draft vocabulary of k ids (``lm_head_weight`` [k, d], ``w2``
+            [k, r]) and the full [V, d] head p^t comes from (dspark.training.loss docstring), or both None.
+
+    Returns:
+        :class:`LossOutput`; ``loss`` has gradients for hidden, latent, w2 and
+        confidence_logits, in their dtypes. Double backward is not supported.
+    """
+    check_loss_inputs(labels, valid, confidence_logits, weights, denominator)
+    _check_fused_inputs(hidden, lm_head_weight, target_hidden, labels, latent, w2, softcap, chunk_rows)
+    _check_vocab_inputs(lm_head_weight, vocab, target_lm_head_weight)
+    if target_rows is not None and (target_rows.shape != labels.shape or target_rows.dtype.is_floating_point
+                                    or target_rows.dtype == torch.bool):
+        raise ValueError(f"target_rows must be integer ids [N, γ] = {tuple(labels.shape)}, got "
+                         f"{target_rows.dtype} {tuple(target_rows.shape)}")
+    valid = valid.to(device=hidden.device, dtype=torch.bool)
+    safe_labels = torch.where(valid, labels.long(), torch.zeros_like(labels, dtype=torch.long))
+    dtype = _fused_compute_dtype(hidden, lm_head_weight, w2)
+    w, den = weights_and_denominator(valid, weights, denominator, dtype)
+    ce_coef = weights.ce * w / den  # [γ]: ∂objective/∂CE_k at a supervised position
+    tv_coef = weights.tv * w / den  # [γ]
+    objective, ce_terms, tv_terms, tv_c_star = _FusedCeTv.apply(
+        hidden, latent, w2, lm_head_weight, target_hidden.detach(), safe_labels, valid,
+        ce_coef, tv_coef, None if softcap is None else float(softcap), chunk_rows, torch.is_grad_enabled(),
+        vocab, None if target_lm_head_weight is None else target_lm_head_weight.detach(),
+        None if target_rows is None else target_rows.to(device=hidden.device, dtype=torch.long))
+    c_star = (1.0 - 0.5 * tv_c_star).clamp(0.0, 1.0)  # [N, γ], Eq. 8 (detached: no graph)
+    return reduce_terms(ce_terms, tv_terms, c_star, confidence_logits, valid, weights, denominator,
+                        ce_tv_loss=objective)

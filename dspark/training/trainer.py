@@ -1,0 +1,545 @@
+"""The training recipe: one process or many (torchrun; gloo on CPU, NCCL on GPU), the
+drafter replicated (train.distributed = "ddp") or sharded with FSDP2 ("fsdp").
+
+Exactness is the design constraint:
+
+- The global batch of step s is a fixed list of sample indices (a per-epoch
+  permutation seeded by config.seed, length-bucketed by micro-batch unless
+  train.bucketing is off: `Schedule`); rank r takes its contiguous slice and
+  walks it in micro-batches. Anchors of a sample are drawn from a generator
+  seeded by (seed, epoch, sample index), so they do not depend on how the
+  batch is split over ranks or micro-batches.
+- Every micro-batch backpropagates raw weighted sums (Σ w_k·term over its
+  supervised positions); before the optimizer step the gradients are scaled by
+  1/D with D = Σ w_k over all supervised positions of the global batch
+  (reduced across ranks). This is exactly the gradient of the weighted mean
+  over the global batch (SPEC 4), whatever the split. DDP and FSDP both average
+  gradients over ranks, so the scale applied is world/D.
+- One integer, the optimizer step, is the source of truth for resume: it
+  fixes the data position; checkpoints also hold optimizer, scheduler and
+  every rank's RNG state. A resumed run reproduces an uninterrupted one.
+- Checkpoints are the same whatever the parallelism: a plain drafter folder with
+  full tensors plus trainer_state.pt (FSDP gathers full tensors to rank 0 to write
+  them and re-shards them on load), so an FSDP checkpoint loads with load_drafter.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import math
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from dspark.config import Config
+from dspark.data.anchors import sample_anchors
+from dspark.data.dataset import SampleSource, bucketed_order, collate, sample_lengths
+from dspark.io.atomic import atomic_write_text, replace_dir
+from dspark.modeling import Drafter, load_drafter, save_drafter
+from dspark.build import resolve_mixed_precision
+from dspark.training.step import METRIC_SUMS, DraftLossModule, build_loss_module, ratio_metrics
+
+log = logging.getLogger(__name__)
+
+LATEST = "latest"
+
+
+# ------------------------------------------------------------ data schedule
+@dataclass
+class Schedule:
+    """Which samples each step trains on: epoch e is a permutation of the N samples seeded by
+    (seed, e), read as one endless stream cut into global batches of ``global_batch``.
+
+    With ``lengths`` (bucketing), each epoch's permutation is reordered by
+    ``dspark.data.dataset.bucketed_order`` so that every micro-batch of ``micro_batch``
+    samples holds similar lengths: the samples of an epoch, their anchors and their losses
+    are unchanged, only which samples share a micro-batch (and a step) changes. The order is
+    a function of (seed, epoch, lengths, micro_batch, bucket_window) alone: resume stays exact
+    and ranks agree on it without communicating.
+    """
+
+    num_samples: int
+    global_batch: int
+    world: int
+    rank: int
+    seed: int
+    total_steps: int
+    micro_batch: int = 1
+    lengths: Tensor | None = None  # Long [N]; None = no bucketing
+    bucket_window: int = 64  # micro-batches per length-sorting window
+
+    def __post_init__(self) -> None:
+        self._perms: dict[int, Tensor] = {}
+
+    def epoch_perm(self, epoch: int) -> Tensor:
+        if epoch in self._perms:
+            return self._perms[epoch]
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        perm = torch.randperm(self.num_samples, generator=g)
+        if self.lengths is not None:
+            # The first micro-batch boundary inside epoch e (the stream does not restart at one).
+            head = (-epoch * self.num_samples) % self.micro_batch
+            perm = bucketed_order(perm, self.lengths, self.micro_batch, self.bucket_window * self.micro_batch, head, g)
+        self._perms = {e: p for e, p in self._perms.items() if e >= epoch - 1}  # keep the current two
+        self._perms[epoch] = perm
+        return perm
+
+    def step_samples(self, step: int) -> list[tuple[int, int]]:
+        """(epoch, sample index) of this rank's share of the global batch of `step`."""
+        per_rank = self.global_batch // self.world
+        start = step * self.global_batch + self.rank * per_rank
+        out = []
+        for g in range(start, start + per_rank):
+            epoch, pos = divmod(g, self.num_samples)
+            out.append((epoch, int(self.epoch_perm(epoch)[pos])))
+        return out
+
+
+def anchors_for(loss_mask: Tensor, num_anchors: int, seed: int, epoch: int, index: int) -> tuple[Tensor, Tensor]:
+    """Anchors of one sample, independent of batching and ranks. loss_mask [S] -> ([A], [A])."""
+    g = torch.Generator().manual_seed((seed * 7_919 + epoch) * 1_000_003 + index)
+    anchors, keep = sample_anchors(loss_mask.unsqueeze(0).cpu(), num_anchors, generator=g)
+    return anchors[0], keep[0]
+
+
+def lr_lambda(total_steps: int, warmup_ratio: float, min_ratio: float) -> Callable[[int], float]:
+    warmup = max(1, int(round(warmup_ratio * total_steps)))
+
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return f
+
+
+# ------------------------------------------------------------- checkpoints
+def latest_checkpoint(out_dir: str | os.PathLike) -> Path | None:
+    pointer = Path(out_dir) / "checkpoints" / LATEST
+    if not pointer.is_file():
+        return None
+    path = Path(out_dir) / "checkpoints" / pointer.read_text().strip()
+    return path if (path / "trainer_state.pt").is_file() else None
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+# -------------------------------------------------------------------- FSDP
+def shard_fsdp(module: DraftLossModule, device: torch.device) -> None:
+    """FSDP2 in place: one shard group per draft layer, then the root (fc, norms, heads).
+
+    Rank 0's initial parameters are copied to every rank first, as DDP does. The frozen
+    target and the shared embedding / LM head are not parameters of `module`, so they
+    stay whole and untouched on every rank.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+    for t in itertools.chain(module.parameters(), module.buffers()):
+        dist.broadcast(t.data, src=0)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for layer in module.drafter.layers:
+        fully_shard(layer, mesh=mesh)
+        # The drafter projects the context K/V through layer.context_kv(), outside the
+        # layer's forward(): FSDP must gather the layer's parameters for that call too.
+        if hasattr(layer, "context_kv"):  # an Eagle3 layer has no injected context
+            register_fsdp_forward_method(layer, "context_kv")
+    fully_shard(module, mesh=mesh)
+
+
+def _full_state_options(**kw: bool) -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, **kw)
+
+
+# --------------------------------------------------------------- the trainer
+@dataclass
+class TrainResult:
+    out_dir: Path
+    steps: int
+    history: list[dict[str, Any]]
+
+
+class Trainer:
+    def __init__(
+        self,
+        config: Config,
+        target: Any,
+        drafter: Drafter,
+        train_data: SampleSource,
+        eval_data: SampleSource | None = None,
+        *,
+        out_dir: str | os.PathLike | None = None,
+        progress: bool = True,
+    ) -> None:
+        self.config = config
+        self.target = target
+        self.drafter = drafter
+        self.train_data = train_data
+        self.eval_data = eval_data
+        self.out_dir = Path(out_dir) if out_dir else config.run_dir
+        self.progress = progress
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world = dist.get_world_size() if self.distributed else 1
+        self.device = next(drafter.parameters()).device
+        tc = config.train
+        self.precision = resolve_mixed_precision(tc.mixed_precision, self.device)  # "bf16" | "no"
+        if tc.global_batch_size % (self.world * tc.micro_batch_size):
+            raise ValueError(
+                f"train.global_batch_size={tc.global_batch_size} must be divisible by "
+                f"world size {self.world} × train.micro_batch_size={tc.micro_batch_size}"
+            )
+        if len(train_data) == 0:
+            raise ValueError("the training set is empty")
+        total = tc.max_steps or max(1, math.ceil(tc.epochs * len(train_data) / tc.global_batch_size))
+        self.schedule = Schedule(len(train_data), tc.global_batch_size, self.world, self.rank, config.seed, total,
+                                 micro_batch=tc.micro_batch_size, bucket_window=tc.bucket_window,
+                                 lengths=sample_lengths(train_data) if tc.bucketing else None)
+        self.module = build_loss_module(drafter, target, config.loss)  # Eagle3: the TTT loss
+        self.model: nn.Module = self.module
+        # Under FSDP the drafter's parameters are DTensor shards: use drafter_state_dict()
+        # for whole tensors.
+        self.fsdp = self.distributed and tc.distributed == "fsdp"
+        if self.fsdp:
+            shard_fsdp(self.module, self.device)
+        elif self.distributed:
+            from torch.nn.parallel import DistributedDataParallel
+
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            self.model = DistributedDataParallel(self.module, device_ids=ids)
+        if tc.compile:
+            self.model = torch.compile(self.model)
+        params = drafter.trainable_parameters()
+        fused = self.device.type == "cuda"
+        self.optimizer = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, 0.95), fused=fused or None)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(total, tc.warmup_ratio, tc.min_lr_ratio))
+        self.step = 0
+        self.history: list[dict[str, Any]] = []
+        self.wall_offset = 0.0  # training seconds spent before a resume
+        self._tb = None
+
+    # ------------------------------------------------------------ utilities
+    def _autocast(self):
+        """bf16 autocast over fp32 master weights when train.mixed_precision resolves to bf16
+        (`resolve_mixed_precision`: "auto" on a GPU or a CPU with native bf16; there 1.8x the
+        anchor positions/s on the SmolLM2 demo data, with target.dtype bf16 so that the LM-head
+        matmuls of the loss run in bf16)."""
+        if self.precision == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return nullcontext()
+
+    def _all_reduce(self, t: Tensor) -> Tensor:
+        if self.distributed:
+            dist.all_reduce(t)
+        return t
+
+    def _micro_batch(
+        self, data: SampleSource, samples: Sequence[tuple[int, int]], seed: int
+    ) -> tuple[dict[str, Tensor], Tensor, Tensor]:
+        """The (epoch, index) ``samples`` of ``data`` collated on the device, with their anchors
+        and keep masks [b, A] (drawn from ``seed``, so independent of the batching)."""
+        items = [data[idx] for _, idx in samples]
+        anchors, keep = zip(
+            *(anchors_for(it["loss_mask"], self.config.data.num_anchors, seed, ep, idx) for it, (ep, idx) in zip(items, samples))
+        )
+        batch = {k: v.to(self.device, non_blocking=True) for k, v in collate(items).items()}
+        return batch, torch.stack(anchors).to(self.device), torch.stack(keep).to(self.device)
+
+    def _micro_batches(self, step: int) -> list[tuple[dict[str, Tensor], Tensor, Tensor]]:
+        """This rank's share of the global batch of ``step``, in micro-batches."""
+        samples = self.schedule.step_samples(step)
+        mb = self.config.train.micro_batch_size
+        return [self._micro_batch(self.train_data, samples[i : i + mb], self.config.seed) for i in range(0, len(samples), mb)]
+
+    def _global_sums(self, sums: dict[str, Tensor], keys: Sequence[str]) -> dict[str, Tensor]:
+        """Σ over ranks of the metric sums named ``keys``, packed into one all_reduce. A rank
+        that summed nothing (an FSDP rank out of held-out samples) contributes zeros."""
+        gamma = self.drafter.config.block_size
+        parts = [
+            sums[k] if k in sums else torch.zeros(gamma if k in ("accept_sum", "count") else (), device=self.device)
+            for k in keys
+        ]
+        packed = torch.cat([t.reshape(-1).float() for t in parts])
+        self._all_reduce(packed)
+        offset, reduced = 0, {}
+        for k, t in zip(keys, parts):
+            reduced[k] = packed[offset : offset + t.numel()].reshape(t.shape)
+            offset += t.numel()
+        return reduced
+
+    # ----------------------------------------------------------------- step
+    def train_step(self) -> dict[str, float]:
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, Tensor] = {}
+        batches = self._micro_batches(self.step)
+        for i, (batch, anchors, keep) in enumerate(batches):
+            last = i == len(batches) - 1
+            if self.fsdp:  # accumulate unsharded gradients locally, reduce-scatter after the last
+                self.module.set_requires_gradient_sync(last)
+            sync = self.model.no_sync() if self.distributed and not last and hasattr(self.model, "no_sync") else nullcontext()
+            with sync:
+                with self._autocast():
+                    loss, metrics = self.model(batch, anchors, keep)
+                loss.backward()
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0) + v.float()
+        reduced = self._global_sums(sums, sorted(sums))
+        # DDP / FSDP averaged the gradients over ranks; we want Σ_ranks grad / D.
+        scale = float(self.world) / float(reduced["weight"].clamp_min(1e-12))
+        for p in self.drafter.trainable_parameters():
+            if p.grad is not None:
+                p.grad.mul_(scale)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.trainable_parameters(), self.config.train.grad_clip)
+        if self.fsdp:  # the norm of sharded gradients is a DTensor
+            grad_norm = grad_norm.full_tensor()
+        self.optimizer.step()
+        self.scheduler.step()
+        self.step += 1
+        m = ratio_metrics(reduced)
+        lc = self.config.loss
+        return {
+            "step": self.step,
+            "loss": lc.ce_weight * m["ce"] + lc.tv_weight * m["tv"] + lc.conf_weight * m["conf"],
+            "ce": m["ce"],
+            "tv": m["tv"],
+            "conf": m["conf"],
+            "lr": self.scheduler.get_last_lr()[0],
+            "grad_norm": float(grad_norm),
+            "accept": m["accept"],
+            "tau_prob": m["tau_prob"],
+            "tau_prob_pooled": m["tau_prob_pooled"],
+            "anchors": float(reduced["anchors"]),
+            "tokens": float(reduced["tokens"]),
+        }
+
+    @torch.no_grad()
+    def evaluate(self, max_samples: int = 0) -> dict[str, float]:
+        """Held-out loss terms, per-position acceptance (1 − TV), τ_prob (DeepSpec's) and τ_prob_pooled."""
+        if self.eval_data is None or len(self.eval_data) == 0:
+            return {}
+        self.module.eval()
+        n = len(self.eval_data) if not max_samples else min(max_samples, len(self.eval_data))
+        mine = list(range(self.rank, n, self.world))
+        if self.config.train.bucketing:  # similar lengths share a micro-batch; the sums do not depend on the order
+            lengths = sample_lengths(self.eval_data)
+            mine.sort(key=lambda j: int(lengths[j]))
+        sums: dict[str, Tensor] = {}
+        mb = self.config.train.micro_batch_size
+        rounds = math.ceil(len(mine) / mb)
+        if self.fsdp:  # every forward is a collective: all ranks run as many as the busiest one
+            rounds_t = torch.tensor([rounds], device=self.device)
+            dist.all_reduce(rounds_t, op=dist.ReduceOp.MAX)
+            rounds = int(rounds_t)
+        for i in range(rounds):
+            idx = mine[i * mb : (i + 1) * mb]
+            padding = not idx
+            if padding:  # an FSDP rank out of samples: a forward whose metrics are dropped
+                idx = [0]
+            batch, anchors, keep = self._micro_batch(self.eval_data, [(0, j) for j in idx], self.config.seed + 1)
+            with self._autocast():
+                _, metrics = self.module(batch, anchors, keep)
+            if padding:
+                continue
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0) + v.float()
+        reduced = self._global_sums(sums, list(METRIC_SUMS))
+        return {f"eval_{k}": v for k, v in ratio_metrics(reduced).items()}
+
+    # ----------------------------------------------------------- checkpoints
+    def drafter_state_dict(self) -> dict[str, Tensor]:
+        """The drafter's full tensors (state_dict names). Under FSDP this gathers the shards:
+        every rank must call it, and only rank 0 gets the tensors (on CPU; others get {})."""
+        if not self.fsdp:
+            return self.drafter.state_dict()
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        full = get_model_state_dict(self.module, options=_full_state_options(cpu_offload=True))
+        prefix = "drafter."
+        return {k[len(prefix):]: v for k, v in full.items() if k.startswith(prefix)}
+
+    def _optimizer_state_dict(self) -> dict[str, Any]:
+        """Under FSDP: full optimizer state keyed by parameter name, on rank 0 only (collective)."""
+        if not self.fsdp:
+            return self.optimizer.state_dict()
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(self.module, self.optimizer, options=_full_state_options(cpu_offload=True))
+
+    def save_checkpoint(self) -> Path:
+        """Drafter folder + trainer state (optimizer, scheduler, step, every rank's RNG), atomically."""
+        ckpt_root = self.out_dir / "checkpoints"
+        name = f"step-{self.step:07d}"
+        drafter_state = self.drafter_state_dict() if self.fsdp else None
+        optimizer_state = self._optimizer_state_dict()
+        rng = _rng_state()
+        rngs = [None] * self.world
+        if self.distributed:
+            dist.all_gather_object(rngs, rng)
+        else:
+            rngs = [rng]
+        final = ckpt_root / name
+        if self.rank == 0:
+            ckpt_root.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=ckpt_root))
+            try:
+                save_drafter(self.drafter, tmp / "drafter", state_dict=drafter_state)
+                state = {
+                    "step": self.step,
+                    "optimizer": optimizer_state,
+                    "scheduler": self.scheduler.state_dict(),
+                    "rng": rngs,
+                    "world_size": self.world,
+                    "wall_seconds": self.wall_offset + (time.perf_counter() - self._t0),
+                    "history": self.history,
+                    "config": self.config.to_dict(),
+                }
+                torch.save(state, tmp / "trainer_state.pt")
+                replace_dir(tmp, final)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            atomic_write_text(ckpt_root / LATEST, name)
+            self._prune(ckpt_root)
+        if self.distributed:
+            dist.barrier()
+        return final
+
+    def _prune(self, root: Path, keep: int = 2) -> None:
+        ckpts = sorted(p for p in root.glob("step-*") if p.is_dir())
+        for old in ckpts[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def load_checkpoint(self, path: Path) -> None:
+        state = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=True)
+        if state["world_size"] != self.world:
+            log.warning("resuming a %d-rank run on %d ranks: data order is kept, RNG streams are re-seeded", state["world_size"], self.world)
+        if self.fsdp:  # every rank reads the full tensors and keeps its shard
+            from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+            loaded = load_drafter(path / "drafter", self.target, dtype=self.drafter.fc.weight.dtype)
+            full = {f"drafter.{k}": v for k, v in loaded.state_dict().items()}
+            set_model_state_dict(self.module, full, options=_full_state_options())
+            set_optimizer_state_dict(self.module, self.optimizer, state["optimizer"], options=_full_state_options())
+        else:
+            loaded = load_drafter(path / "drafter", self.target, device=self.device)
+            with torch.no_grad():
+                for name, p in self.drafter.state_dict().items():
+                    p.copy_(loaded.state_dict()[name])
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step = int(state["step"])
+        self.wall_offset = float(state.get("wall_seconds", 0.0))
+        self.history = list(state.get("history", []))
+        if state["world_size"] == self.world:
+            _set_rng_state(state["rng"][self.rank])
+
+    # ------------------------------------------------------------------ run
+    def _log(self, record: dict[str, Any]) -> None:
+        self.history.append(record)
+        if self.rank != 0:
+            return
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.out_dir / "train_log.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.config.train.tensorboard:
+            if self._tb is None:
+                from torch.utils.tensorboard import SummaryWriter  # optional dependency
+
+                self._tb = SummaryWriter(str(self.out_dir / "tb"))
+            for k, v in record.items():
+                if isinstance(v, (int, float)) and k != "step":
+                    self._tb.add_scalar(k, v, record["step"])
+
+    def fit(self, resume: bool = False, stop_after: int | None = None) -> TrainResult:
+        """Train to the configured number of steps (or `stop_after` more steps: used by tests
+        to simulate a killed job)."""
+        from tqdm.auto import tqdm
+
+        tc = self.config.train
+        if resume:
+            path = latest_checkpoint(self.out_dir)
+            if path is not None:
+                self.load_checkpoint(path)
+                if self.rank == 0:
+                    log.info("resumed from %s at step %d", path, self.step)
+        self._t0 = time.perf_counter()
+        total = self.schedule.total_steps
+        end = total if stop_after is None else min(total, self.step + stop_after)
+        bar = tqdm(total=total, initial=self.step, disable=not self.progress or self.rank != 0, desc=f"train {self.config.name}", dynamic_ncols=True)
+        window_t, window_anchors, window_tokens = time.perf_counter(), 0.0, 0.0
+        if self.step == 0 and self.eval_data is not None and len(self.eval_data) and tc.eval_every:
+            self._log({"step": 0, "wall_min": 0.0, **self.evaluate()})
+        stopped_on_time = False
+        while self.step < end:
+            rec = self.train_step()
+            window_anchors += rec["anchors"]
+            window_tokens += rec["tokens"]
+            wall = self.wall_offset + time.perf_counter() - self._t0
+            rec["wall_min"] = round(wall / 60, 4)
+            out_of_time = bool(tc.max_wall_minutes) and wall / 60 >= tc.max_wall_minutes
+            if self.step % tc.log_every == 0 or self.step == end or out_of_time:
+                dt = max(1e-9, time.perf_counter() - window_t)
+                rec["anchors_per_s"] = round(window_anchors / dt, 2)
+                rec["anchor_positions_per_s"] = round(window_anchors * self.drafter.config.block_size / dt, 2)
+                rec["tokens_per_s"] = round(window_tokens / dt, 2)
+                window_t, window_anchors, window_tokens = time.perf_counter(), 0.0, 0.0
+                if tc.eval_every and (self.step % tc.eval_every == 0 or self.step == total or out_of_time):
+                    rec.update(self.evaluate())
+                self._log(rec)
+            bar.set_postfix(loss=f"{rec['loss']:.3f}", tau=f"{rec['tau_prob']:.2f}", lr=f"{rec['lr']:.1e}")
+            bar.update(1)
+            if self.step % tc.save_every == 0 or self.step == total or out_of_time:
+                self.save_checkpoint()
+            if out_of_time:
+                stopped_on_time = True
+                if self.rank == 0:
+                    log.info("stopping at step %d: train.max_wall_minutes=%s reached", self.step, tc.max_wall_minutes)
+                break
+        bar.close()
+        if self.step >= total or stopped_on_time:  # the drafter a run ends with (not a simulated kill)
+            drafter_state = self.drafter_state_dict() if self.fsdp else None
+            if self.rank == 0:
+                save_drafter(self.drafter, self.out_dir / "drafter", state_dict=drafter_state)
+        return TrainResult(self.out_dir, self.step, self.history)
+
+
+def setup_distributed() -> tuple[int, int, torch.device]:
+    """Init torch.distributed from torchrun's environment (gloo on CPU, NCCL on GPU)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    else:
+        device = torch.device("cpu")
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    return rank, world, device

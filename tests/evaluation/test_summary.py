@@ -1,0 +1,165 @@
+"""The demo summary (dspark.evaluation.demo_page, `dspark summary`) on a run folder built by hand.
+
+Every number the tests check is computed by hand from the small JSON files below."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dspark.cli.main import main
+from dspark.evaluation.demo_page import fmt_ci, load_run, metric, sched_row, summary_markdown, write_summary
+
+SPS = {"sample_batch_tokens": [1, 4], "sample_steps_per_sec": [10.0, 8.0], "max_batch_tokens": 512}
+
+
+def _write(path: Path, data) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data))
+
+
+def _eval_report(tau, tau_ci=None, macro_ci=None):
+    """An eval report with two benchmarks; τ under the bootstrap work's key names when intervals are given."""
+    key = "tau_pooled" if tau_ci else "tau"
+    bench = {key: tau}
+    if tau_ci:
+        bench[f"{key}_ci"] = tau_ci
+    macro = {key: {"math": tau, "code": tau, "chat": tau, "avg": tau}, "speedup": {"avg": 0.8}}
+    if macro_ci:
+        macro[f"{key}_ci"] = {"avg": macro_ci}
+    return {"label": "dspark", "gamma": 4, "benchmarks": {"gsm8k": dict(bench), "mt-bench": dict(bench)},
+            "macro": macro, "config": {"num_samples": {"gsm8k": 3, "mt-bench": 3}, "max_new_tokens": 16,
+                                       "dtype": "float32"}}
+
+
+def _sched_report():
+    """A scheduled evaluation at γ = 4: 10 rounds of 2 requests, target-only 22 tokens in 12 s (2 s prefill)."""
+    return {
+        "label": "algorithm1", "gamma": 4,
+        "all": {"tau": 1.2, "tau_ci": [1.1, 1.3], "verify_rate": 0.5, "num_rounds": 10, "num_requests": 2,
+                "tokens_per_s": 3.0, "baseline_tokens_per_s": 4.0, "baseline_tokens": 22, "speedup": 0.75},
+        "timings": {"spec_phases_s": {"draft": 1.0, "verify": 3.0}, "baseline_s": 12.0,
+                    "baseline_phases_s": {"prefill": 2.0}},
+    }
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    """A run folder as scripts/demo.sh writes it, with one of each file (no plots but one)."""
+    root = tmp_path / "demo"
+    _write(root / "demo.json", {"mode": "quick", "epochs": 1, "configs": ["config/dspark/x.py"],
+                                "schedule": {"policies": ["static", "algorithm1"]}})
+    _write(root / "timings.json", {"data": 60.0, "train-dspark": 120.0, "calibrate": 30.0})
+    log = [{"step": 0, "wall_min": 0.0, "eval_tau_prob": 1.02}, {"step": 5, "wall_min": 2.5, "eval_tau_prob": 1.08}]
+    (root / "dspark_x").mkdir(parents=True)
+    (root / "dspark_x" / "train_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log))
+    _write(root / "dspark_x" / "drafter" / "config.json", {"dspark_variant": "dspark", "block_size": 4,
+                                                           "num_hidden_layers": 2})
+    _write(root / "eval-T1.0" / "dspark_x" / "report.json", _eval_report(1.14, [1.10, 1.20], [1.09, 1.19]))
+    (root / "eval-T1.0" / "dspark_x" / "acceptance.png").write_bytes(b"png")
+    _write(root / "eval-T0.0" / "dspark_x" / "report.json", _eval_report(1.05))
+    _write(root / "sps.json", SPS)
+    _write(root / "sts.json", {"temperatures": [1.5, 1.0], "ece_before": [0.2, 0.1], "ece_after": [0.05, 0.1],
+                               "kept": [None, "0 accepted prefixes < min_events=10"],
+                               "evaluated_on": "test", "split": {"fit_requests": 3, "test_requests": 4}})
+    _write(root / "sched" / "algorithm1-R1" / "report.json", _sched_report())
+    _write(root / "sched" / "static-R1" / "report.json", _sched_report())
+    results = [{"policy": p, "concurrency": r, "throughput": 20.0, "tau": 1.05, "mean_ell": 0.5}
+               for p in ("static", "algorithm1") for r in (1, 4, 16)]
+    _write(root / "simulate" / "results.json", {"config": {"num_prompts": 2}, "results": results})
+    return root
+
+
+def test_an_interval_is_shown_as_half_its_width_and_its_absence_leaves_the_value():
+    assert fmt_ci(1.14, (1.09, 1.19)) == "1.14 ± 0.05"
+    assert fmt_ci(1.14, None) == "1.14"
+    assert fmt_ci(None, (1.0, 2.0)) == "–"
+
+
+def test_an_interval_narrower_than_the_last_digit_gets_one_more_decimal():
+    assert fmt_ci(1.1412, (1.1400, 1.1424)) == "1.141 ± 0.001"
+
+
+def test_metric_reads_the_sibling_interval_or_the_older_key_without_one():
+    assert metric({"tau_pooled": 1.2, "tau_pooled_ci": [1.1, 1.3]}, ("tau_pooled", "tau")) == (1.2, (1.1, 1.3))
+    assert metric({"tau": 1.2}, ("tau_pooled", "tau")) == (1.2, None)
+    macro = {"tau": {"avg": 1.3}, "tau_ci": {"avg": [1.2, 1.4]}}
+    assert metric(macro, "tau", "avg") == (1.3, (1.2, 1.4))
+    assert metric({"tau": 1.2, "tau_ci": [None, 1.3]}, "tau") == (1.2, None)  # a broken interval is dropped
+    assert metric(None, "tau") == (None, None)
+
+
+def test_a_scheduling_row_accounts_the_round_in_target_steps_and_compares_the_sps_clock_to_target_only(run_dir):
+    run = load_run(run_dir)
+    simulated = {"throughput": 20.0, "tau": 1.05, "mean_ell": 0.5}
+    row = sched_row(run, "algorithm1", 1, run["sched"][("algorithm1", 1)], simulated)
+    # mean ℓ = verify_rate · γ = 0.5 · 4; a target step = (12 - 2) s / (22 - 2 requests' first tokens) = 0.5 s
+    assert row["mean_ell"] == pytest.approx(2.0) and row["tau"] == 1.2
+    assert row["draft_steps"] == pytest.approx(1.0 / 10 / 0.5)
+    assert row["verify_steps"] == pytest.approx(3.0 / 10 / 0.5)
+    assert row["tau_ci"] == (1.1, 1.3) and row["speedup"] == 0.75 and row["speedup_ci"] is None
+    # target-only Θ at R = 1 is SPS(1) = 10
+    assert (row["theta"], row["theta_target"], row["theta_ratio"]) == pytest.approx((20.0, 10.0, 2.0))
+
+
+def test_a_row_without_a_scheduled_evaluation_takes_tau_and_ell_from_the_simulator(run_dir):
+    row = sched_row(load_run(run_dir), "algorithm1", 4, None, {"throughput": 20.0, "tau": 1.05, "mean_ell": 0.5})
+    assert (row["tau"], row["tau_ci"], row["mean_ell"]) == (1.05, None, 0.5)
+    # target-only Θ at R = 4 is 4 · SPS(4) = 32; no wall clock at R = 4
+    assert (row["theta_target"], row["theta_ratio"]) == pytest.approx((32.0, 20.0 / 32.0))
+    assert row["speedup"] is None and row["draft_steps"] is None
+
+
+def test_the_page_has_every_section_with_intervals_links_and_missing_stages_named(run_dir):
+    page = summary_markdown(load_run(run_dir))
+    for heading in ("## 1. What was trained", "## 2. Accepted length τ", "## 3. Calibration",
+                    "## 4. Scheduled verification", "## 5. Serving simulation", "## 6. Time per stage", "## 7. Files"):
+        assert heading in page
+    assert "| GSM8K | 1.14 ± 0.05 | 1.05 |" in page  # per benchmark: ([1.10, 1.20] → ± 0.05), and no interval at T = 0
+    assert "| **Avg** | 1.14 ± 0.05 | 1.05 |" in page
+    assert "| dspark_x | dspark | 4 | 2 | 5 | 2.5 | 1.020 | 1.080 | yes |" in page
+    assert "| 1 | 1.500 | 0.2000 | 0.0500 | fitted |" in page
+    assert "| 2 | 1.000 | 0.1000 | 0.1000 | 0 accepted prefixes < min_events=10 |" in page  # STS's guard, said
+    assert "[dspark_x T=1.0](eval-T1.0/dspark_x/acceptance.png)" in page
+    assert "dspark_x T=0.0 (missing)" in page
+    assert "simulate/figure8.png (missing)" in page
+    assert "| algorithm1 | 4 | 1.05 | 0.50 | – |" in page and "| algorithm1 | 16 |" not in page.split("## 5.")[0]
+    assert "| **total** |  | 3.5 |" in page
+    lines = page.splitlines()
+    static, alg = (next(i for i, line in enumerate(lines) if line.startswith(f"| {p} | 1 |")) for p in ("static", "algorithm1"))
+    assert static < alg  # the demo's policy order, not the alphabet
+
+
+def test_a_training_log_line_cut_by_a_killed_run_is_skipped(run_dir):
+    with (run_dir / "dspark_x" / "train_log.jsonl").open("a") as f:
+        f.write('{"step": 6, "wa')
+    training = load_run(run_dir)["training"]["dspark_x"]
+    assert (training["steps"], training["tau_prob_last"]) == (5, 1.08)
+    write_summary(run_dir)  # the learning-curve plot is left out, the page is still written
+    assert "curves.png (missing)" in (run_dir / "README.md").read_text()
+
+
+def test_write_summary_writes_the_page_and_the_learning_curves_and_returns_the_short_text(run_dir):
+    path, short = write_summary(run_dir)
+    assert path == run_dir / "README.md" and path.read_text().startswith("# dspark demo: demo")
+    assert (run_dir / "curves.png").stat().st_size > 0
+    assert "τ macro avg, dspark_x T=1.0: 1.14 ± 0.05" in short
+    assert "ECE per position before->after STS: 0.200->0.050 0.100->0.100" in short
+    assert "total 3.5" in short
+
+
+def test_the_summary_command_prints_the_short_text_and_names_a_missing_folder(run_dir, tmp_path, capsys):
+    assert main(["summary", str(run_dir)]) == 0
+    assert "summary with the plots linked" in capsys.readouterr().out
+    assert main(["summary", str(tmp_path / "nowhere")]) == 2
+    assert "no such run folder" in capsys.readouterr().err
+
+
+def test_the_headline_names_the_trained_drafters_and_stages_get_a_description():
+    from dspark.evaluation.demo_page import _drafters_trained, _stage_name
+
+    run = {"training": {"dflash_x": {"variant": "dflash"}, "dspark_x": {"variant": "dspark"}, "eagle3_x": {"variant": "eagle3"}}}
+    assert _drafters_trained(run) == "a DSpark, a DFlash and an Eagle3 drafter"
+    assert _drafters_trained({"training": {}}) == "drafters"
+    assert _stage_name("train-eagle3_x") == "training" and _stage_name("sched-algorithm1+skip-R1") == "scheduled evaluation"
+    assert _stage_name("vocab").startswith("draft vocabulary") and _stage_name("other") == ""

@@ -1,0 +1,358 @@
+"""The serving simulator (SPEC 7, paper Fig. 8) and the per-request stepper it drives.
+
+Oracles: ``speculative_generate`` (the one-request loop), greedy target-only
+decoding (any verification-length schedule is exact at T = 0), the target's
+exact joint distribution of the first tokens on a tiny vocabulary (lossless
+scheduling at T = 1), the paper's Appendix A counterexample (a search without
+the early-stopping break must be caught by the same test), and hand-computed
+throughput / τ / budget for a scripted drafter whose acceptances are known.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from helpers.targets import make_tiny_target
+from dspark.scheduling.calibration import apply_temperatures
+from dspark.decoding.loop import PhaseClock, SpeculativeRequest, speculative_generate, target_generate
+from dspark.modeling import Proposal
+from dspark.scheduling.algorithm1 import SPSTable, schedule_prefix
+from dspark.evaluation.report import write_results
+from dspark.scheduling.simulator import Job, Policy, job_seed, make_policy, run_requests, simulate
+from test_decoding import chi_square_pvalue, exact_joint, random_drafter
+
+
+def joint_counts(sim, V: int, n: int = 3) -> torch.Tensor:
+    """Counts [V]*n of the first n tokens of the simulation's finished requests."""
+    counts = torch.zeros((V,) * n)
+    for request in sim.requests:
+        if request["finished"]:
+            counts[tuple(request["result"].tokens[:n])] += 1
+    return counts
+
+
+PROMPTS = ([3, 17, 42, 5, 99], [7], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22])
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+# A decaying cost curve: SPS(B) = 100 / B^0.6, so Algorithm 1 admits more drafts when fewer requests compete.
+DECAYING = SPSTable(list(range(1, 65)), [100.0 / b**0.6 for b in range(1, 65)], 64)
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+
+class ScriptedDrafter:
+    """Drafts the target's greedy continuation at positions 1..correct and a wrong token after,
+    with fixed confidences, so that at T = 0 every round accepts exactly min(ℓ, correct).
+
+    ``sequence`` is prompt + the target's greedy continuation (long enough for every draft);
+    the anchor of a round sits at position ctx.lengths, so x_k = sequence[ctx.lengths + k]."""
+
+    def __init__(self, sequence: list[int], vocab: int, gamma: int, correct: int, confidences: list[float]):
+        self.sequence, self.vocab, self.gamma, self.correct = sequence, vocab, gamma, correct
+        self.confidences = torch.tensor([confidences], dtype=torch.float32)
+
+    def new_context(self, batch_size, device=None, capacity=256):
+        return SimpleNamespace(lengths=torch.zeros(batch_size, dtype=torch.long))
+
+    def extend_context(self, ctx, features, num_valid=None):
+        ctx.lengths = ctx.lengths + features.shape[1]
+
+    def propose(self, ctx, anchor_tokens, *, temperature=1.0, generator=None):
+        at = int(ctx.lengths[0])
+        assert self.sequence[at] == int(anchor_tokens[0])  # the loop hands over the right anchor
+        tokens = [self.sequence[at + k] if k <= self.correct else (self.sequence[at + k] + 1) % self.vocab
+                  for k in range(1, self.gamma + 1)]
+        probs = torch.full((1, self.gamma, self.vocab), 1.0 / self.vocab)
+        return Proposal(torch.tensor([tokens]), probs, probs.log(), self.confidences.clone())
+
+
+def scripted(target, prompt, *, gamma=3, correct=2, confidences=(0.9, 0.8, 0.7), n=40) -> ScriptedDrafter:
+    sequence = list(prompt) + greedy(target, prompt, n).tokens
+    return ScriptedDrafter(sequence, target.vocab_size, gamma, correct, list(confidences))
+
+
+def greedy(target, prompt, n: int):
+    return target_generate(target, prompt, max_new_tokens=n, temperature=0.0)
+
+
+# --------------------------------------------------------------------------- the stepper
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+def test_stepping_a_request_by_hand_is_speculative_generate(temperature):
+    target = make_tiny_target("llama")
+    drafter = random_drafter(target, gamma=4)
+    plan = [0, 2, 4, 1, 3]
+    for prompt in PROMPTS:
+        expected = speculative_generate(target, drafter, prompt, max_new_tokens=30, temperature=temperature,
+                                        eos_token_ids=(5,), choose_length=lambda c, i: plan[i % 5],
+                                        generator=torch.Generator().manual_seed(9))
+        request = SpeculativeRequest(target, drafter, prompt, max_new_tokens=30, temperature=temperature,
+                                     eos_token_ids=(5,), generator=torch.Generator().manual_seed(9))
+        while not request.done:
+            proposal = request.draft()
+            assert request.confidences == proposal.confidences[0].tolist()
+            request.verify(plan[len(request.rounds) % 5])
+        got = request.result()
+        assert got.tokens == expected.tokens and got.rounds == expected.rounds
+        assert got.finished_by_eos == expected.finished_by_eos
+
+
+def test_a_request_times_its_phases_only_with_a_clock_and_decodes_the_same_either_way():
+    target = make_tiny_target("llama")
+    drafter = random_drafter(target, gamma=4)
+
+    def run(clock):
+        request = SpeculativeRequest(target, drafter, PROMPTS[0], max_new_tokens=12,
+                                     generator=torch.Generator().manual_seed(3), clock=clock)
+        while not request.done:
+            request.draft()
+            request.verify(2)
+        return request.result()
+
+    untimed, timed = run(None), run(PhaseClock(target.device))
+    assert untimed.tokens == timed.tokens and untimed.rounds == timed.rounds
+    assert untimed.timings == {}
+    assert set(timed.timings) == {"prefill", "draft", "verify", "accept", "bookkeeping", "total"}
+
+
+def test_an_eos_accepted_in_the_serving_loop_ends_the_round_with_tau_equal_to_accepted():
+    """Same round code as speculative_generate: with drafts x_1..x_5 right (x_6 wrong) and the
+    EOS at x_k, k < 5, the round accepts x_1..x_k, emits nothing after the EOS and verifies nothing past it."""
+    target = make_tiny_target("llama")
+    prompt = PROMPTS[0]
+    drafter = scripted(target, prompt, gamma=6, correct=5, confidences=[0.9] * 6)
+    x = greedy(target, prompt, 8).tokens  # x[0] from the prefill, round 1 drafts x[1..6]
+    k = next(i for i in range(2, 5) if x[i] not in x[:i])  # the first new token: the EOS
+    sim = run_requests(target, drafter, [Job(prompt, seed=0, tag="r")], concurrency=1, policy="static", sps=None,
+                       max_new_tokens=20, temperature=0.0, eos_token_ids=(x[k],))
+    (row,) = sim.rounds
+    assert (row["proposed"], row["accepted"], row["eos_accepted"], row["emitted"]) == (k, k, True, k)
+    assert sim.tau == k and sim.tokens == k and sim.requests[0]["finished_by_eos"]
+    assert sim.proposed == 6  # the target still verified all six: the step's cost is what was sent
+
+
+def test_the_stepper_refuses_out_of_order_calls_and_bad_lengths():
+    target = make_tiny_target("llama")
+    request = SpeculativeRequest(target, random_drafter(target, gamma=4), PROMPTS[0], max_new_tokens=8)
+    with pytest.raises(RuntimeError, match="draft"):
+        request.verify(1)
+    request.draft()
+    with pytest.raises(RuntimeError, match="twice"):
+        request.draft()
+    with pytest.raises(ValueError, match="0..4"):
+        request.verify(5)
+
+
+def test_each_served_request_is_speculative_generate_with_its_own_seed():
+    """Under a static policy the other live requests change nothing: request i of a run at
+    R = 3 produces exactly what speculative_generate produces alone with seed job_seed(seed, i)."""
+    target = make_tiny_target("qwen3")
+    drafter = random_drafter(target, gamma=3)
+    sim = simulate(target, drafter, PROMPTS, concurrency=3, policy="static", sps=DECAYING, max_new_tokens=20,
+                   temperature=1.0, seed=4, cycle=False)
+    assert [r["index"] for r in sim.requests] == [0, 1, 2] and all(r["finished"] for r in sim.requests)
+    for i, prompt in enumerate(PROMPTS):
+        alone = speculative_generate(target, drafter, prompt, max_new_tokens=20, temperature=1.0,
+                                     generator=torch.Generator().manual_seed(job_seed(4, i)))
+        served = sim.requests[i]["result"]
+        assert served.tokens == alone.tokens and served.rounds == alone.rounds
+
+
+# --------------------------------------------------------------------------- lossless under every policy
+POLICIES = ["algorithm1", "algorithm1+skip", "async", "async:3", "static1", "static", "static:0", "threshold:0.5"]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_greedy_serving_reproduces_greedy_target_decoding_under_every_policy(policy):
+    target = make_tiny_target("llama")
+    drafter = random_drafter(target, gamma=4)
+    sts = np.random.default_rng(0).uniform(0.5, 2.0, size=4)  # any calibration: T = 0 is exact for every ℓ
+    sim = simulate(target, drafter, PROMPTS, concurrency=2, policy=policy, sps=DECAYING, sts_temperatures=sts,
+                   max_new_tokens=24, temperature=0.0, seed=0, cycle=False)
+    for i, prompt in enumerate(PROMPTS):
+        assert sim.requests[i]["result"].tokens == greedy(target, prompt, 24).tokens
+    if policy in ("algorithm1", "threshold:0.5"):  # the schedule really varied
+        assert len({r["proposed"] for r in sim.rounds}) >= 3
+
+
+@pytest.mark.parametrize("policy", ["algorithm1", "async"])
+def test_sampled_serving_keeps_the_targets_distribution(policy):
+    """Joint of the first three tokens of 800 requests served four at a time (T = 1, V = 8)
+    against the target's exact joint. The policy schedules from the drafter's real
+    confidence head, and lengths 0, 1 and 2 all occur."""
+    target = make_tiny_target("llama", vocab_size=8, num_hidden_layers=2, target_layer_ids=(-1, 1))
+    drafter = random_drafter(target, gamma=2, seed=2)
+    with torch.no_grad():  # flatter drafts: about 60 % accepted
+        drafter.norm.weight.mul_(0.3)
+    prompt, V = [1, 3, 2, 0], target.vocab_size
+    # Requests live up to three rounds, so async's capacity from two steps back is often > 0.
+    sim = simulate(target, drafter, [prompt], concurrency=4, policy=policy, sps=DECAYING, max_new_tokens=4,
+                   temperature=1.0, seed=5, num_requests=800)
+    counts = joint_counts(sim, V)
+    lengths = np.bincount([r["proposed"] for r in sim.rounds], minlength=3)
+    assert counts.sum() >= 800 and (lengths > 100).all()  # a few more finish in the last step
+    exact = exact_joint(target, prompt, 3, 1.0)
+    assert chi_square_pvalue(counts.sum(-1), exact.sum(-1)) > 1e-3
+    assert chi_square_pvalue(counts, exact) > 1e-3
+
+
+class AppendixADrafter:
+    """Appendix A's drafter: x_1 uniform over {A, B}; c_1 = 0.8, and c_2 = 0.9 after A, 0 after B."""
+
+    def __init__(self, vocab: int, a: int, b: int):
+        self.vocab, self.a, self.b = vocab, a, b
+
+    def new_context(self, batch_size, device=None, capacity=256):
+        return SimpleNamespace(lengths=torch.zeros(batch_size, dtype=torch.long))
+
+    def extend_context(self, ctx, features, num_valid=None):
+        ctx.lengths = ctx.lengths + features.shape[1]
+
+    def propose(self, ctx, anchor_tokens, *, temperature=1.0, generator=None):
+        probs = torch.full((1, 2, self.vocab), 1.0 / self.vocab)
+        probs[0, 0] = 0.0
+        probs[0, 0, [self.a, self.b]] = 0.5
+        x1 = self.a if float(torch.rand((), generator=generator)) < 0.5 else self.b
+        confidences = torch.tensor([[0.8, 0.9 if x1 == self.a else 0.0]])
+        return Proposal(torch.tensor([[x1, self.a]]), probs, probs.log(), confidences)
+
+
+def test_the_appendix_a_leak_is_caught_and_algorithm1_is_not_leaky():
+    """With SPS(1..3) = 1.0, 0.5, 0.45, a search without the break verifies x_1 only when it is A
+    (Appendix A), which skews the second token; Algorithm 1 stops at Θ_1 < Θ_0 and verifies nothing."""
+    target = make_tiny_target("llama", vocab_size=8, num_hidden_layers=2, target_layer_ids=(-1, 1))
+    prompt, V = [1, 3, 2, 0], target.vocab_size
+    exact = exact_joint(target, prompt, 2, 1.0)  # [V, V]: (x_0, x_1)
+    likely = exact.sum(0).argsort(descending=True).tolist()  # A = the likeliest x_1: the largest skew
+    drafter = AppendixADrafter(V, a=likely[0], b=likely[1])
+    sps = SPSTable([1, 2, 3], [1.0, 0.5, 0.45], 3)
+    leaky = Policy("no break", True, lambda ids, c: schedule_prefix(c, sps, early_stop=False))
+    pvalues, lengths = {}, {}
+    for name, policy in (("algorithm1", "algorithm1"), ("no break", leaky)):
+        sim = simulate(target, drafter, [prompt], concurrency=1, policy=policy, sps=sps, max_new_tokens=2,
+                       temperature=1.0, seed=1, num_requests=1000)
+        counts = torch.zeros(V, V)
+        for request in sim.requests:
+            counts[tuple(request["result"].tokens)] += 1
+        pvalues[name] = chi_square_pvalue(counts.sum(0), exact.sum(0))  # x_1, where the skew is
+        lengths[name] = {r["proposed"] for r in sim.rounds}
+    assert lengths == {"algorithm1": {0}, "no break": {0, 2}}
+    assert pvalues["algorithm1"] > 1e-3
+    assert pvalues["no break"] < 1e-6
+
+
+# --------------------------------------------------------------------------- accounting
+def test_throughput_tau_and_budget_equal_the_hand_computed_values():
+    """R = 2 slots, two requests of 7 tokens, γ = 3, drafts right at positions 1-2 (T = 0).
+    Request 0 verifies ℓ = 3: each round accepts 2 and emits 3, so 1 + 3 + 3 = 7 tokens in 2 rounds.
+    Request 1 verifies ℓ = 1: each round emits 2, so 1 + 2 + 2 + 2 in 3 rounds.
+    Steps: B = 4 + 2 = 6 emitting 3 + 2 tokens, again B = 6 and 3 + 2, then B = 2 and 2 (request 1 alone)."""
+    target = make_tiny_target("llama")
+    prompt = PROMPTS[0]
+    drafter = scripted(target, prompt)
+    seen = []
+
+    def script(request_ids, confidences):
+        seen.append(confidences.copy())
+        return np.array([3 if i == 0 else 1 for i in request_ids])
+
+    sps = SPSTable([2, 6], [50.0, 20.0], 8)
+    sts = [2.0, 0.5, 1.0]
+    for overhead in (0.0, 0.5):
+        sim = simulate(target, drafter, [prompt, prompt], concurrency=2, policy=script, sps=sps, sts_temperatures=sts,
+                       max_new_tokens=7, temperature=0.0, cycle=False, draft_overhead=overhead)
+        assert [s["batch_tokens"] for s in sim.step_log] == [6, 6, 2]
+        assert [s["tokens"] for s in sim.step_log] == [5, 5, 2]
+        assert [(r["request"], r["proposed"], r["accepted"], r["emitted"]) for r in sim.rounds] == [
+            (0, 3, 2, 3), (1, 1, 1, 2), (0, 3, 2, 3), (1, 1, 1, 2), (1, 1, 1, 2)]
+        seconds = (1 + overhead) * (1 / 20 + 1 / 20 + 1 / 50)
+        assert sim.steps == 3 and sim.tokens == 12
+        assert sim.sim_time_s == pytest.approx(seconds)
+        assert sim.throughput == pytest.approx(12 / seconds)
+        assert sim.tau == pytest.approx(12 / 5)  # (3 + 2 + 3 + 2 + 2) / 5
+        assert sim.mean_ell == pytest.approx(9 / 5) and sim.budget_tokens == pytest.approx(14 / 5)
+        assert sim.mean_batch_tokens == pytest.approx(14 / 3)
+        assert sim.tokens_per_s_per_user == pytest.approx(12 / ((1 + overhead) * (2 / 20 + 2 / 20 + 1 / 50)))
+    for confidences in seen:  # the policy saw STS-calibrated confidences
+        np.testing.assert_allclose(confidences, apply_temperatures(np.array([[0.9, 0.8, 0.7]] * len(confidences)), sts))
+    a = np.cumprod(apply_temperatures(np.array([[0.9, 0.8, 0.7]]), sts)[0])
+    assert sim.rounds[0]["expected_accepted"] == pytest.approx(a.sum())
+    assert sim.rounds[1]["expected_accepted"] == pytest.approx(a[0])
+
+
+def test_verifying_nothing_gives_tau_one_and_a_batch_of_one_token_per_request():
+    target = make_tiny_target("llama")
+    sim = simulate(target, random_drafter(target, gamma=4), PROMPTS, concurrency=3, policy="static:0", sps=DECAYING,
+                   max_new_tokens=6, temperature=1.0, num_requests=5)
+    assert sim.tau == 1.0 and sim.mean_ell == 0.0 and sim.budget_tokens == 1.0
+    assert all(s["batch_tokens"] == s["live"] == 3 for s in sim.step_log)
+    assert sim.throughput == pytest.approx(3 * DECAYING(3))  # one token per request per step
+
+
+def test_cycling_keeps_r_requests_live_and_stops_after_num_requests_finished():
+    target = make_tiny_target("llama")
+    sim = simulate(target, random_drafter(target, gamma=4), PROMPTS, concurrency=4, policy="algorithm1",
+                   sps=DECAYING, max_new_tokens=10, temperature=1.0, num_requests=6)
+    assert all(s["live"] == 4 for s in sim.step_log)
+    assert sim.requests_finished == 6 and len(sim.requests) >= 6 + 4 - 1
+    assert [r["tag"] for r in sim.requests] == [i % 3 for i in range(len(sim.requests))]  # prompt i mod N
+    assert sum(s["batch_tokens"] for s in sim.step_log) == sim.batch_tokens == sim.request_steps + sim.proposed
+    for step in sim.step_log:
+        rows = [r for r in sim.rounds if r["step"] == step["step"]]
+        assert step["batch_tokens"] == sum(1 + r["proposed"] for r in rows)
+
+
+def test_policy_specs_and_their_errors():
+    conf = np.array([[0.9, 0.5, 0.1], [0.6, 0.6, 0.6]])
+    assert make_policy("static1")([0, 1], conf).tolist() == [1, 1]
+    assert make_policy("static")([0, 1], conf).tolist() == [3, 3]
+    assert make_policy("static:2")([0, 1], conf).tolist() == [2, 2]
+    assert make_policy("threshold:0.4")([0, 1], conf).tolist() == [2, 1]  # a = (.9, .45, .045), (.6, .36, ...)
+    assert make_policy("first-below:0.4")([0, 1], conf).tolist() == [2, 3]  # c = (.9, .5, .1), (.6, .6, .6)
+    with pytest.raises(ValueError, match=r"threshold must be in \[0, 1\]"):
+        make_policy("first-below:2")
+    with pytest.raises(ValueError, match="needs an SPS table"):
+        make_policy("algorithm1")
+    with pytest.raises(ValueError, match="unknown policy"):
+        make_policy("greedy-please", DECAYING)
+    target = make_tiny_target("llama")
+    drafter = random_drafter(target, gamma=4)
+    with pytest.raises(ValueError, match="max_batch_tokens"):
+        simulate(target, drafter, PROMPTS, concurrency=2, policy="static", sps=SPSTable([1, 4], [10.0, 5.0], 4),
+                 max_new_tokens=4)
+
+
+def test_results_files_hold_the_table_the_rounds_and_figure_8(tmp_path):
+    target = make_tiny_target("llama")
+    drafter = random_drafter(target, gamma=4)
+    results = [simulate(target, drafter, PROMPTS, concurrency=r, policy=p, sps=DECAYING, max_new_tokens=6)
+               for p in ("algorithm1", "static1") for r in (1, 2)]
+    write_results(tmp_path, results, {"note": "test"})
+    import json
+
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert [(r["policy"], r["concurrency"]) for r in data["results"]] == [
+        ("algorithm1", 1), ("algorithm1", 2), ("static1", 1), ("static1", 2)]
+    assert data["results"][0]["throughput"] == pytest.approx(results[0].throughput)
+    lines = (tmp_path / "rounds.jsonl").read_text().splitlines()
+    assert len(lines) == sum(len(r.rounds) for r in results)
+    table = (tmp_path / "results.md").read_text()
+    assert "| static1 | 2 |" in table and "draft cost (steps)" in table and "Drafting on the SPS clock: none" in table
+    assert data["results"][0]["draft_cost_steps"] == pytest.approx(results[0].draft_s_per_round * DECAYING(1))
+    for png in ("figure8.png", "frontier.png"):
+        assert (tmp_path / png).read_bytes()[:8] == PNG_MAGIC
+
+
+def test_run_requests_serves_given_jobs_with_their_seeds_and_tags():
+    target = make_tiny_target("llama")
+    drafter = random_drafter(target, gamma=4)
+    jobs = [Job(PROMPTS[0], 123, ("gsm8k", 7)), Job(PROMPTS[1], 456, ("gsm8k", 9))]
+    sim = run_requests(target, drafter, jobs, concurrency=2, policy="static", sps=None, max_new_tokens=8)
+    assert [r["tag"] for r in sim.requests] == [("gsm8k", 7), ("gsm8k", 9)]
+    assert np.isnan(sim.throughput)  # no SPS table: no simulated clock
+    alone = speculative_generate(target, drafter, PROMPTS[1], max_new_tokens=8,
+                                 generator=torch.Generator().manual_seed(456))
+    assert sim.requests[1]["result"].tokens == alone.tokens
