@@ -1,3 +1,68 @@
-"""dspark: confidence-scheduled, semi-autoregressive draft models for speculative decoding."""
+"""dspark: confidence-scheduled, semi-autoregressive draft models for speculative decoding.
+
+The names a researcher imports, loaded on first use (``import dspark`` itself pulls in
+neither torch nor transformers)::
+
+    import dspark
+    target = dspark.load_target(dspark.load_config("config/dspark/dspark_smollm2_135m.py"))
+    drafter = dspark.load_drafter("runs/demo/dspark_smollm2_135m", target=target)
+    result = dspark.speculative_generate(target, drafter, prompt_ids, max_new_tokens=64)
+
+Where each name lives, by the paper's parts:
+
+- the models: ``TargetModel`` (frozen target, feature capture), ``Drafter`` (paper Eq. 2-7:
+  parallel backbone, sequential head, confidence head), ``Eagle3Drafter``, ``DrafterConfig``,
+  ``load_drafter`` / ``save_drafter``;
+- training (Section 3.3): ``dspark_loss`` (Eq. 8-12), ``LossWeights``, ``eagle3_loss``, ``Trainer``;
+- decoding (Section 2): ``verify_draft`` (lossless rejection sampling), ``speculative_generate``,
+  ``target_generate``;
+- scheduling (Section 3.2): ``fit_sts`` (Sequential Temperature Scaling), ``schedule_prefix``
+  (Algorithm 1), ``SPSTable``;
+- running it: ``Config``, ``load_config``, ``load_target``, ``evaluate``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
+
+# public name -> the module that defines it
+_LOCATIONS = {
+    "TargetModel": "dspark.target",
+    "Drafter": "dspark.modeling.drafter",
+    "Eagle3Drafter": "dspark.modeling.eagle3",
+    "DrafterConfig": "dspark.modeling.config",
+    "load_drafter": "dspark.modeling.checkpoint",
+    "save_drafter": "dspark.modeling.checkpoint",
+    "dspark_loss": "dspark.training.loss",
+    "LossWeights": "dspark.training.loss",
+    "eagle3_loss": "dspark.training.eagle3_loss",
+    "Trainer": "dspark.training.trainer",
+    "verify_draft": "dspark.decoding.verify",
+    "speculative_generate": "dspark.decoding.loop",
+    "target_generate": "dspark.decoding.loop",
+    "fit_sts": "dspark.scheduling.calibration",
+    "schedule_prefix": "dspark.scheduling.algorithm1",
+    "SPSTable": "dspark.scheduling.algorithm1",
+    "Config": "dspark.config",
+    "load_config": "dspark.config",
+    "load_target": "dspark.build",
+    "evaluate": "dspark.evaluation.evaluate",
+}
+
+__all__ = sorted(_LOCATIONS) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LOCATIONS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dspark' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LOCATIONS))

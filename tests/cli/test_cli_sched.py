@@ -8,8 +8,6 @@ it round for round), and the files each command promises.
 
 from __future__ import annotations
 
-from helpers.paths import REPO, SHARED
-
 import json
 from pathlib import Path
 
@@ -21,8 +19,9 @@ from dspark.scheduling.calibration import roc_auc, split_rounds_by_request
 from dspark.cli.main import main
 from dspark.evaluation.evaluate import evaluate
 from dspark.scheduling.algorithm1 import SPSTable
-from test_decoding import random_drafter
-from test_evaluate import CharTokenizer, write_benchmarks
+from helpers.decoding import random_drafter
+from helpers.benchmarks import CharTokenizer, write_benchmarks
+from helpers.paths import REPO, SHARED
 
 ROOT = REPO
 SHARED = SHARED / "eval_datasets"

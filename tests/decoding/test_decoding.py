@@ -9,8 +9,6 @@ distributions, so that every draft must be accepted.
 
 from __future__ import annotations
 
-from helpers.paths import REPO
-
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -27,37 +25,14 @@ from dspark.decoding.loop import DecodeResult, RoundRecord, speculative_generate
 from dspark.evaluation.metrics import summarize_rounds
 from dspark.modeling import Drafter, DrafterConfig, Proposal
 from dspark.sampling import logits_to_probs
+from helpers.decoding import chi_square_pvalue, exact_joint, random_drafter
+from helpers.paths import REPO
 
 PROMPTS = ([3, 17, 42, 5, 99], [7], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22])
 SMOLLM2_CONFIG = REPO / "config" / "dspark" / "dspark_smollm2_135m.py"
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
-
-
-# --------------------------------------------------------------------------- drafters
-def random_drafter(target, *, gamma: int = 4, seed: int = 0, layers: int = 1) -> Drafter:
-    """A drafter of the target's family with every parameter randomised (far from the target)."""
-    config = DrafterConfig.from_target_config(
-        target.model.config,
-        target_layer_ids=list(target.target_layer_ids),
-        mask_token_id=target.vocab_size - 1,
-        num_draft_layers=layers,
-        block_size=gamma,
-        markov_rank=8,
-    )
-    drafter = Drafter(config).attach_target(target)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in drafter.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            if "norm" in name:
-                p.copy_(1.0 + 0.3 * noise)
-            elif p.dim() == 2 and "markov_w1" not in name:
-                p.copy_(noise * 1.5 / math.sqrt(p.shape[1]))
-            else:
-                p.copy_(noise)
-    return drafter
 
 
 @dataclass
@@ -145,31 +120,6 @@ class Spy:
 # --------------------------------------------------------------------------- helpers
 def greedy(target, prompt, n: int, eos=()) -> DecodeResult:
     return target_generate(target, prompt, max_new_tokens=n, temperature=0.0, eos_token_ids=eos)
-
-
-def exact_joint(target, prompt: list[int], n: int, temperature: float) -> torch.Tensor:
-    """P(x_0..x_{n-1} | prompt) of target-only sampling at T, by enumeration: [V]*n (float64)."""
-    V = target.vocab_size
-    joint = torch.ones(1, 1, dtype=torch.float64)
-    for k in range(n):
-        prefixes = torch.tensor(list(itertools.product(range(V), repeat=k)), dtype=torch.long).reshape(V**k, k)
-        ids = torch.cat([torch.tensor(prompt).expand(V**k, -1), prefixes], dim=1)  # every continuation so far
-        p = logits_to_probs(target(ids).logits[:, -1], temperature).double()  # [V^k, V]
-        joint = joint.reshape(-1, 1) * p  # rows in the order of `prefixes`, i.e. row-major
-    return joint.reshape([V] * n)
-
-
-def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson's test of counts against probs; cells expecting < 5 are pooled into one."""
-    counts, probs = counts.reshape(-1).double(), probs.reshape(-1)
-    expected = probs * counts.sum()
-    small = expected < 5
-    obs = torch.cat([counts[~small], counts[small].sum().reshape(1)])
-    exp = torch.cat([expected[~small], expected[small].sum().reshape(1)])
-    keep = exp > 0
-    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
-    df = int(keep.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2)))
 
 
 # --------------------------------------------------------------------------- T = 0

@@ -5,8 +5,6 @@ matplotlib line per drafter, its y the report's curve), never pixels."""
 
 from __future__ import annotations
 
-from helpers.paths import 
-
 import json
 import math
 

@@ -10,8 +10,6 @@ benchmark files.
 
 from __future__ import annotations
 
-from helpers.paths import REPO, SHARED
-
 import json
 import math
 import warnings
@@ -27,6 +25,8 @@ from dspark.data.benchmarks import resolve_benchmarks, samples_per_benchmark
 from dspark.evaluation.evaluate import evaluate
 from dspark.evaluation.report import compare_reports
 from dspark.evaluation.metrics import BENCHMARKS
+from helpers.benchmarks import CharTokenizer, write_benchmarks
+from helpers.paths import REPO, SHARED
 
 ROOT = REPO
 SHARED = SHARED / "eval_datasets"
@@ -41,26 +41,9 @@ SCRIPT = {
     "m0": [2, 2],  # τ 3, 3
     "a0": [1],  # τ 2
 }
-FILES = {"gsm8k": ["g0", "g1"], "mbpp": ["m0"], "alpaca": ["a0"]}
 TABLE1_HEADER = (
     "| drafter | GSM8K | MATH | AIME25 | MBPP | HumanEval | LCB | MT-Bench | Alpaca | Arena-Hard | Math | Code | Chat | Avg |"
 )
-
-
-class CharTokenizer:
-    """Chat template '<u>text</u><a>'; one token per character (id = code point)."""
-
-    eos_token_id = 0
-
-    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False, enable_thinking=True):
-        assert enable_thinking is False  # the protocol renders with thinking off
-        text = "".join(f"<{m['role'][0]}>{m['content']}</{m['role'][0]}>" for m in messages)
-        return text + ("<a>" if add_generation_prompt else "")
-
-    def __call__(self, text, add_special_tokens=False):
-        return {"input_ids": [ord(c) for c in text]}
-
-    chat_template = "char"
 
 
 def prompt_text(prompt_ids) -> str:
@@ -100,15 +83,6 @@ def scripted_decoders(clock, calls=None):
         return DecodeResult(len(prompt_ids), [5] * n, [], False, {"prefill": 0.5, "decode": 1.5, "total": 2.0})
 
     return decode, baseline
-
-
-def write_benchmarks(folder: Path, files=FILES) -> dict[str, Path]:
-    folder.mkdir(parents=True, exist_ok=True)
-    paths = {}
-    for name, prompts in files.items():
-        paths[name] = folder / f"{name}.jsonl"
-        paths[name].write_text("".join(json.dumps({"turns": [p, "second turn"]}) + "\n" for p in prompts))
-    return paths
 
 
 def fake_models():

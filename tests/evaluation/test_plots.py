@@ -8,7 +8,7 @@ import pytest
 
 from dspark.scheduling.calibration import apply_temperatures
 from dspark.evaluation.plots import reliability_diagram, reliability_grid
-from test_calibration import synthetic_rounds
+from helpers.calibration import synthetic_rounds
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

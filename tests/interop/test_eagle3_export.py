@@ -14,7 +14,7 @@ import pytest
 import torch
 from helpers.targets import make_tiny_target
 from safetensors.torch import load_file
-from test_eagle3 import tiny_eagle3
+from helpers.eagle3 import tiny_eagle3
 
 from dspark.cli.main import main
 from dspark.interop.export import ExportRefused, export_drafter

@@ -17,8 +17,6 @@ DeepSpec's total divides by (den + 1e-6), ours by den (a relative 1e-7 here).
 
 from __future__ import annotations
 
-from helpers.paths import SHARED
-
 import functools
 import json
 import os
@@ -32,6 +30,7 @@ from dspark.data.anchors import block_labels, target_positions
 from dspark.training.loss import LossWeights, dspark_loss, position_weights
 from dspark.modeling import load_drafter
 from dspark.target import TargetModel
+from helpers.paths import SHARED
 
 GOLDEN = Path(os.environ.get("DSPARK_GOLDEN", SHARED / "golden"))
 DEEPSPEC_FIXTURES = ("dspark_vanilla", "dspark_rnn", "dflash")

@@ -9,8 +9,6 @@ mask token, the block layout), and the check must name that corruption.
 
 from __future__ import annotations
 
-from helpers.paths import SHARED
-
 import json
 import shutil
 from pathlib import Path
@@ -32,6 +30,7 @@ from dspark.interop.inspect import (
 from dspark.modeling import Drafter, save_drafter
 from dspark.evaluation.proposals import greedy_continuation
 from tests.helpers.targets import build_tiny_model, make_tiny_target, tiny_drafter_config
+from helpers.paths import SHARED
 
 GOLDEN = SHARED / "golden"
 LAYER_IDS = (0, 2)  # shiftable both ways in a 4-layer target: (-1, 1) and (1, 3)

@@ -174,7 +174,7 @@ def test_packing_a_target_keeps_its_state_and_its_outputs(packed_calls):
 
 def test_greedy_speculative_decoding_with_packed_weights_reproduces_greedy_target_decoding():
     from dspark.build import prepare_for_decoding
-    from test_decoding import random_drafter
+    from helpers.decoding import random_drafter
 
     target = make_tiny_target("llama")
     expected = target_generate(target, [1, 5, 9, 2], max_new_tokens=30, temperature=0.0).tokens

@@ -8,8 +8,6 @@ re-derivation of the loss from its definition, and target-only greedy decoding (
 
 from __future__ import annotations
 
-from helpers.paths import REPO, SHARED
-
 import dataclasses
 import json
 import os
@@ -27,6 +25,8 @@ from dspark.training.eagle3_loss import Eagle3LossModule, checkpointed_eagle3_lo
 from dspark.modeling import DrafterConfig, Eagle3Drafter, load_drafter, save_drafter
 from dspark.modeling.eagle3 import Eagle3Layer
 from dspark.build import build_drafter
+from helpers.eagle3 import tiny_eagle3
+from helpers.paths import REPO, SHARED
 
 ROOT = REPO
 GOLDEN = Path(os.environ.get("DSPARK_GOLDEN", SHARED / "golden"))
@@ -55,20 +55,6 @@ def golden():
     cases = load_file(str(EAGLE3 / "cases.safetensors"))
     target = TargetModel.from_pretrained(str(GOLDEN / "deepspec" / "target"), [0, 1, 2, 3, 4])
     return load_drafter(EAGLE3 / "checkpoint", target), target, meta, cases
-
-
-def tiny_eagle3(target, preset: str = "eagle3_deepspec", seed: int = 0, **fields) -> Eagle3Drafter:
-    cfg = DrafterConfig.from_target_config(
-        target.model.config, target_layer_ids=list(target.target_layer_ids),
-        mask_token_id=0, num_draft_layers=1, variant="eagle3", eagle3_preset=preset, block_size=4,
-        markov_rank=0, enable_confidence_head=False, confidence_head_with_markov=False, **fields,
-    )
-    torch.manual_seed(seed)
-    drafter = Eagle3Drafter(cfg)
-    with torch.no_grad():  # visible norms and larger weights, so that every path changes the numbers
-        for name, p in drafter.named_parameters():
-            p.copy_(1 + 0.3 * torch.randn_like(p) if "norm" in name else torch.randn_like(p) / p.shape[-1] ** 0.5)
-    return drafter.attach_target(target)
 
 
 # ---------------------------------------------------------------------------- golden (DeepSpec)

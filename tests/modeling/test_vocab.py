@@ -150,7 +150,7 @@ def test_full_vocabulary_as_draft_vocabulary_is_the_plain_loss():
 def _first_token_pvalue(target_probs, draft_probs_k, vocab, n, seed, law=None):
     """One-draft rounds verified against target_probs [2, V]: the first emitted token (accepted
     draft or correction) against ``law`` (default: target_probs' first row)."""
-    from test_decoding import chi_square_pvalue
+    from helpers.decoding import chi_square_pvalue
 
     gen = torch.Generator().manual_seed(seed)
     q = vocab.to_target(draft_probs_k).expand(n, 1, -1)  # [n, 1, V], zero outside
@@ -176,7 +176,7 @@ def test_verification_is_lossless_when_the_target_has_mass_outside_the_vocabular
 def test_speculative_decoding_with_a_draft_vocabulary_keeps_the_targets_distribution():
     """End to end: a random drafter over 5 of 8 ids; the first three emitted tokens against the
     target's exact joint law (test_decoding's oracle), outside ids included."""
-    from test_decoding import chi_square_pvalue, exact_joint, random_drafter
+    from helpers.decoding import chi_square_pvalue, exact_joint, random_drafter
 
     target = make_tiny_target("llama", vocab_size=8, num_hidden_layers=2, target_layer_ids=(-1, 1))
     base = random_drafter(target, gamma=1, seed=2)

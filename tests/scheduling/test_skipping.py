@@ -18,8 +18,8 @@ from dspark.scheduling.policies import make_policy, skip_policy
 from dspark.scheduling.algorithm1 import SPSTable
 from dspark.scheduling.simulator import simulate
 from dspark.scheduling.skipping import DraftSkipper, block_pays, expected_survival
-from test_decoding import chi_square_pvalue, exact_joint, random_drafter
-from test_serving import PROMPTS, greedy, joint_counts, scripted
+from helpers.decoding import chi_square_pvalue, exact_joint, random_drafter
+from helpers.serving import PROMPTS, greedy, joint_counts, scripted
 
 SPS = SPSTable([1, 2, 4, 8], [100.0, 90.0, 80.0, 50.0], 8)  # T(1) = 10 ms, SPS(3) = 85, SPS(5) = 72.5
 DECAYING = SPSTable(list(range(1, 65)), [100.0 / b**0.6 for b in range(1, 65)], 64)

@@ -3,8 +3,6 @@ sample, less padding, still random, resumable and rank-invariant; and train.mixe
 
 from __future__ import annotations
 
-from helpers.paths import REPO
-
 import pytest
 import torch
 from helpers.training import synthetic_samples, tiny_trainer
@@ -13,6 +11,7 @@ from dspark.data.dataset import RenderedSource, bucketed_order, collate, padding
 from dspark.data.render import RenderedSample
 from dspark.training.trainer import Schedule, anchors_for, latest_checkpoint
 from dspark import build as runtime
+from helpers.paths import REPO
 
 
 def _lengths(n: int, seed: int = 0) -> torch.Tensor:

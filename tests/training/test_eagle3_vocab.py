@@ -17,7 +17,7 @@ import torch
 from helpers.targets import make_tiny_target
 from helpers.training import synthetic_samples, tiny_config
 from safetensors.torch import load_file
-from test_eagle3 import tiny_eagle3
+from helpers.eagle3 import tiny_eagle3
 
 from dspark.training.eagle3_loss import eagle3_loss, supervision_mask
 from dspark.modeling import Eagle3Drafter, load_drafter, save_drafter
@@ -97,7 +97,7 @@ def test_proposals_are_target_ids_with_zero_probability_outside():
 def test_speculative_decoding_with_a_draft_vocabulary_keeps_the_targets_distribution():
     """A random Eagle3 drafter over 5 of 8 ids; the first three emitted tokens against the target's
     exact joint law (enumerated), which puts mass outside the vocabulary."""
-    from test_decoding import chi_square_pvalue, exact_joint
+    from helpers.decoding import chi_square_pvalue, exact_joint
 
     from dspark.decoding.loop import speculative_generate
 

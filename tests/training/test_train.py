@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from helpers.paths import REPO
-
 import math
 import os
 import subprocess
@@ -18,6 +16,7 @@ from helpers.training import run_torchrun, synthetic_samples, tiny_trainer
 from dspark.training.trainer import latest_checkpoint, lr_lambda
 from dspark.training.loss import LossWeights, reduce_terms
 from dspark.training.step import ratio_metrics, tau_from_acceptance_rates
+from helpers.paths import REPO
 
 
 def _params(trainer):

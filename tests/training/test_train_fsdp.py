@@ -3,8 +3,6 @@ exact resume, plain drafter checkpoints. One torchrun launch (tests/helpers/fsdp
 
 from __future__ import annotations
 
-from helpers.paths import REPO
-
 from pathlib import Path
 
 import pytest
@@ -14,6 +12,7 @@ from helpers.training import run_torchrun, synthetic_samples, tiny_trainer
 
 from dspark.data.dataset import RenderedSource
 from dspark.modeling import load_drafter
+from helpers.paths import REPO
 
 
 @pytest.fixture(scope="module")
