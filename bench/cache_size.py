@@ -8,7 +8,7 @@ that are anchor candidates, i.e. carry a final hidden state)::
     fp8   b = 1, s = 1 (one E8M0 exponent per row)  Qwen3-4B: 12,809 + 2,561 f
     bf16  b = 2, s = 0                              Qwen3-4B: 25,604 + 5,120 f
     fp32  b = 4, s = 0                              Qwen3-4B: 51,204 + 10,240 f
-    DeepSpec: 30,726 at every token (SPEC 4: int32 id, u8 mask, bf16 layers, bf16 final hidden
+    DeepSpec: 30,726 at every token (DeepSpec's figure: int32 id, u8 mask, bf16 layers, bf16 final hidden
               everywhere; those parts add up to 4 + 1 + 2md + 2d = 30,725)
 
 Half of DeepSpec is 15,363. fp8's worst case (f = 1) is 15,370, 7 bytes over;
@@ -38,7 +38,7 @@ import torch
 from dspark.data.cache import PRECISIONS, TargetCache, build_cache, bytes_per_token, estimate_cache_size
 
 QWEN3_4B = {"d": 2560, "m": 5}
-# SPEC 4's figure. Its listed parts (int32 id, u8 mask, bf16 [m*d], bf16 [d]) add up to 30,725.
+# DeepSpec's figure. Its listed parts (int32 id, u8 mask, bf16 [m*d], bf16 [d]) add up to 30,725.
 DEEPSPEC = 30_726
 HALF = DEEPSPEC / 2
 FORMULA = {"fp8": "4 + (m+f)(d+1)", "bf16": "4 + (m+f)(2d)", "fp32": "4 + (m+f)(4d)"}
@@ -61,7 +61,7 @@ def size_table(typical_f: float) -> None:
 
 
 def regenerate(target, num_prompts: int, max_new_tokens: int) -> list:
-    """Greedy SmolLM2 answers to built-in prompts, rendered with the chat template (SPEC 4's data, small)."""
+    """Greedy SmolLM2 answers to built-in prompts, rendered with the chat template (the paper's Section 4.1 data, small)."""
     from dspark.data.prompts import load_builtin_prompts
     from dspark.data.render import render_conversation, render_prompt
     from dspark.evaluation.proposals import greedy_continuation

@@ -53,7 +53,7 @@ from transformers import Qwen3Config
 
 from dspark.modeling import Drafter, DrafterConfig
 
-TARGET_LAYER_IDS = [1, 9, 17, 25, 33]  # Qwen3-4B/8B defaults (SPEC 2); the target has 36 layers
+TARGET_LAYER_IDS = [1, 9, 17, 25, 33]  # Qwen3-4B/8B defaults (DeepSpec's); the target has 36 layers
 GAMMA = 7
 MASK_TOKEN_ID = 3
 

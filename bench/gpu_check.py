@@ -20,7 +20,7 @@ Sections:
            verifies γ drafts): the round/step ratio; greedy speculative == greedy
            target-only in fp32
   lossless rejection_sample on the device against the exact output distribution
-  sps      the target's steps/s at B = 1..512 batch tokens (SPEC 7.4)
+  sps      the target's steps/s at B = 1..512 batch tokens (paper Section 3.2.2)
   nccl     a one-rank NCCL process group and an all_reduce
 """
 

@@ -26,7 +26,7 @@ step); gradients are reset to None before every step.
 
 Time is CPU time of this process (`time.process_time`) on a CPU and wall time
 on a GPU: on a shared CPU, wall time counts the time other processes hold the
-cores (7x the CPU time was seen here), CPU time does not. Run with `--threads 1`
+cores, CPU time does not. Run with `--threads 1`
 (the default) so that CPU time is the step's work, not OpenMP spinning.
 
 Peak memory is the peak of live bytes allocated *by the step* (activations,
@@ -69,12 +69,12 @@ from torch.utils._pytree import tree_leaves
 from transformers import Qwen3Config
 
 from dspark.data.anchors import block_labels, sample_anchors, target_positions
-from dspark.training.fused_loss import fused_dspark_loss
+from dspark.training.fused_loss import LogitFactors, fused_dspark_loss
 from dspark.training.loss import LossWeights, dspark_loss, naive_dspark_loss
 from dspark.modeling import Drafter, DrafterConfig
 from dspark.modeling.vocab import DraftVocab
 
-TARGET_LAYER_IDS = [1, 9, 17, 25, 33]  # Qwen3-4B/8B defaults (SPEC 2); the target has 36 layers
+TARGET_LAYER_IDS = [1, 9, 17, 25, 33]  # Qwen3-4B/8B defaults (DeepSpec's); the target has 36 layers
 GAMMA = 7
 MASK_TOKEN_ID = 3
 CHUNK_ROWS = 64  # dspark.config.LossConfig default
@@ -186,11 +186,12 @@ def train_step(drafter: Drafter, batch: dict[str, Tensor], variant: str, weights
         out = naive_dspark_loss(draft, target, labels, valid, conf, weights)
     elif variant == "fused":  # what the trainer runs (train.loss.fused = True)
         head = drafter.markov_head
-        out = fused_dspark_loss(
-            h_flat, drafter.shared_weights()["lm_head.weight"], t_hidden, labels, valid, conf, weights,
-            latent=head.block_latent(prev_flat, h_flat), w2=head.markov_w2.weight, chunk_rows=CHUNK_ROWS,
+        factors = LogitFactors(
+            h_flat, drafter.shared_weights()["lm_head.weight"], t_hidden,
+            latent=head.block_latent(prev_flat, h_flat), w2=head.markov_w2.weight,
             target_rows=(torch.arange(B)[:, None, None] * S + tpos).reshape(-1, GAMMA),
         )
+        out = fused_dspark_loss(factors, labels, valid, conf, weights, chunk_rows=CHUNK_ROWS)
     else:
         out = dspark_loss(
             lambda r0, r1: drafter.draft_logits(h_flat[r0:r1], prev_flat[r0:r1]),
@@ -473,11 +474,13 @@ def vocab_step(drafter: Drafter, batch: dict[str, Tensor], weights: LossWeights)
     h_flat, prev_flat = hidden.reshape(-1, GAMMA, hidden.shape[-1]), prev.reshape(-1, GAMMA)
     conf = drafter.confidence_logits(h_flat, prev_flat)
     head, vocab = drafter.markov_head, drafter.vocab
-    out = fused_dspark_loss(
-        h_flat, drafter.shared_weights()["lm_head.weight"], t_hidden, labels.reshape(-1, GAMMA), valid.reshape(-1, GAMMA),
-        conf, weights, latent=head.block_latent(prev_flat, h_flat), w2=head.markov_w2.weight, chunk_rows=CHUNK_ROWS,
+    factors = LogitFactors(
+        h_flat, drafter.shared_weights()["lm_head.weight"], t_hidden,
+        latent=head.block_latent(prev_flat, h_flat), w2=head.markov_w2.weight,
         vocab=vocab, target_lm_head_weight=None if vocab is None else drafter.target_lm_head_weight(),
     )
+    out = fused_dspark_loss(factors, labels.reshape(-1, GAMMA), valid.reshape(-1, GAMMA), conf, weights,
+                            chunk_rows=CHUNK_ROWS)
     out.loss.backward()
     return out.loss.detach()
 

@@ -2,7 +2,7 @@
 
 Reads the counts `dspark vocab` stored next to its vocabulary file (<vocab>.counts.safetensors:
 hard and soft counts of the training split, hard counts of its held-out split) and, with
---generate N, samples N answers per benchmark of ../shared/eval_datasets from the target
+--generate N, samples N answers per benchmark of $DSPARK_EVAL_DATA (else eval_datasets/) from the target
 (SmolLM2 by default, T = 0.7) as a second held-out set of another distribution. Prints the
 share of each set's tokens that lies inside the vocabulary chosen by each (mode, k).
 
@@ -13,7 +13,6 @@ Run:  PYTHONPATH=. .venv/bin/python bench/vocab_coverage.py --counts DATA/draft_
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
@@ -22,7 +21,7 @@ from tqdm import tqdm
 from dspark.data.vocab_counts import COUNT_MODES, coverage_table
 
 KS = (1024, 2048, 4096, 8192, 16384, 32768)
-EVAL_DIR = Path(__file__).resolve().parents[2] / "shared" / "eval_datasets"
+EVAL_DIR = "eval_datasets"  # the default folder: $DSPARK_EVAL_DATA when set (dspark.data.benchmarks)
 
 
 def generated_counts(target_name: str, per_benchmark: int, max_new_tokens: int, seed: int = 0) -> torch.Tensor:

@@ -11,14 +11,15 @@ neither torch nor transformers)::
 Where each name lives, by the paper's parts:
 
 - the models: ``TargetModel`` (frozen target, feature capture), ``Drafter`` (paper Eq. 2-7:
-  parallel backbone, sequential head, confidence head), ``Eagle3Drafter``, ``DrafterConfig``,
-  ``load_drafter`` / ``save_drafter``;
-- training (Section 3.3): ``dspark_loss`` (Eq. 8-12), ``LossWeights``, ``eagle3_loss``, ``Trainer``;
+  parallel backbone, sequential head, confidence head), ``DrafterConfig``, ``load_drafter`` /
+  ``save_drafter`` (any drafter folder, Eagle3 included);
+- training (Section 3.3): ``dspark_loss`` (Eq. 8-12), ``LossWeights``, ``Trainer``;
 - decoding (Section 2): ``verify_draft`` (lossless rejection sampling), ``speculative_generate``,
   ``target_generate``;
 - scheduling (Section 3.2): ``fit_sts`` (Sequential Temperature Scaling), ``schedule_prefix``
   (Algorithm 1), ``SPSTable``;
-- running it: ``Config``, ``load_config``, ``load_target``, ``evaluate``.
+- running it: ``Config``, ``load_config``, ``load_target``, ``evaluate`` with its
+  ``DecodeSettings`` and ``ServeSettings`` (the verification policy, SPS table, concurrency).
 """
 
 from __future__ import annotations
@@ -32,13 +33,11 @@ __version__ = "0.1.0"
 _LOCATIONS = {
     "TargetModel": "dspark.target",
     "Drafter": "dspark.modeling.drafter",
-    "Eagle3Drafter": "dspark.modeling.eagle3",
     "DrafterConfig": "dspark.modeling.config",
     "load_drafter": "dspark.modeling.checkpoint",
     "save_drafter": "dspark.modeling.checkpoint",
     "dspark_loss": "dspark.training.loss",
     "LossWeights": "dspark.training.loss",
-    "eagle3_loss": "dspark.training.eagle3_loss",
     "Trainer": "dspark.training.trainer",
     "verify_draft": "dspark.decoding.verify",
     "speculative_generate": "dspark.decoding.loop",
@@ -50,6 +49,8 @@ _LOCATIONS = {
     "load_config": "dspark.config",
     "load_target": "dspark.build",
     "evaluate": "dspark.evaluation.evaluate",
+    "DecodeSettings": "dspark.evaluation.evaluate",
+    "ServeSettings": "dspark.evaluation.evaluate",
 }
 
 __all__ = sorted(_LOCATIONS) + ["__version__"]

@@ -26,8 +26,7 @@ def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:
 
     "auto" picks what the hardware runs fastest without losing range: bfloat16 on
     a GPU that supports it (float16 on older ones), bfloat16 on a CPU with native
-    bf16 (there a target step is 1.5x faster than in fp32 and a speculative round
-    costs about 1.5 steps against 1.74: `bench/decode_round.py`), float32 otherwise.
+    bf16 (faster than fp32 there: `bench/decode_round.py` measures it), float32 otherwise.
     Speculative decoding is lossless with respect to the target run in that dtype.
     """
     if name != "auto":
@@ -46,9 +45,9 @@ def resolve_mixed_precision(name: str, device: torch.device | str) -> str:
     """The training precision of `train.mixed_precision`: "bf16" or "no".
 
     "auto" is "bf16" (autocast over fp32 master weights) where bf16 matmuls run in hardware:
-    a GPU with bf16 support, a CPU with native bf16 (AVX512-BF16 or AMX: a step there was
-    measured 1.78x faster with the same loss, issue 12); "no" (fp32) elsewhere, where CPU bf16
-    is emulated and slower than fp32 and fp16-only GPUs would need loss scaling.
+    a GPU with bf16 support, a CPU with native bf16 (AVX512-BF16 or AMX: faster there, with the
+    same loss; `bench/train_step.py` measures it); "no" (fp32) elsewhere, where CPU bf16 is
+    emulated and slower than fp32 and fp16-only GPUs would need loss scaling.
     """
     if name != "auto":
         if name not in ("bf16", "no"):
@@ -99,6 +98,9 @@ def load_target(config: Config, target_layer_ids: list[int] | None = None) -> Ta
 
 
 def drafter_config(spec: DrafterSpec, target: TargetModel, num_anchors: int = 512) -> DrafterConfig:
+    """The architecture an experiment's drafter section describes for `target`: the sizes are the
+    target's; a "dflash" or "eagle3" drafter gets no sequential or confidence head; the attention
+    kernel "auto" is resolved on the target's device."""
     return DrafterConfig.from_target_config(
         target.text_config,
         target_layer_ids=spec.target_layer_ids,

@@ -1,7 +1,7 @@
 """Typed experiment configs, the config-file loader and `key.path=value` overrides.
 
 Every command that runs a model reads one `Config`. Its defaults are the
-Qwen3-4B DSpark recipe of SPEC 4 (config/dspark/dspark_qwen3_4b.py spells
+Qwen3-4B DSpark recipe of paper Section 3.3 (config/dspark/dspark_qwen3_4b.py spells
 every field out, to copy from); a config file is plain Python that binds one
 `Config` to the name `config` and states only what differs:
 
@@ -27,6 +27,7 @@ import difflib
 import json
 import runpy
 import types
+import warnings
 from dataclasses import dataclass, field
 from collections.abc import Mapping
 from pathlib import Path
@@ -48,12 +49,18 @@ class TargetConfig:
 
 @dataclass
 class DrafterSpec:
-    """The drafter's architecture (SPEC 3). Sizes not given here are the target's.
+    """What an experiment chooses about its drafter (paper Section 3); the defaults are the
+    paper's Qwen3-4B DSpark recipe (Sections 3.3 and 4.1).
 
-    A "dflash" drafter has no sequential or confidence head whatever the head
-    fields say (`dflash_of` writes them out as DeepSpec trains DFlash). An "eagle3"
-    drafter (SPEC 8) is one autoregressive layer trained by training-time test;
-    `eagle3_of` derives it from a DSpark config."""
+    `dspark.build.drafter_config` resolves it against the target into a
+    `dspark.modeling.DrafterConfig`, the architecture written to config.json, whose
+    sizes (hidden size, vocabulary, heads) are the target's. The fields both carry
+    have the same defaults, kept equal by a test; `attn_implementation` "auto" is
+    resolved on the device. A "dflash" drafter has no sequential or confidence head
+    whatever the head fields say (`dflash_of` writes them out as DeepSpec trains
+    DFlash). An "eagle3" drafter is one autoregressive layer trained by
+    training-time test (EAGLE-3, the paper's baseline); `eagle3_of` derives it
+    from a DSpark config."""
 
     target_layer_ids: list[int] = field(default_factory=lambda: [1, 9, 17, 25, 33])  # i = output of decoder layer i
     mask_token_id: int = 151669
@@ -88,7 +95,7 @@ class DataConfig:
     num_anchors: int = 512
     data_dir: str = ""  # where regenerated answers and the cache live ("" = <out_dir>/data)
     feature_mode: str = "cache"  # "cache" (dspark cache) | "online" (target runs in the step)
-    cache_precision: str = "bf16"  # "bf16" (DeepSpec's) | "fp8" (0.47x the bytes, see README "Commands") | "fp32"
+    cache_precision: str = "bf16"  # "bf16" (DeepSpec's) | "fp8" (0.47x the bytes, docs/configs.md) | "fp32"
     # How `dspark vocab` counts tokens for the draft vocabulary: "hard" (the supervised tokens, EAGLE-3's),
     # "soft" (the target's probabilities summed over supervised positions), "hard+soft" (hard counts
     # first, topped up from soft ones).
@@ -153,16 +160,16 @@ class TrainConfig:
 
 @dataclass
 class EvalConfig:
-    """`dspark eval` (SPEC 6); `propose` and `simulate` take their drafter and prompts from here too."""
+    """`dspark eval` (the protocol of paper Section 4.1); `propose` and `simulate` take their drafter and prompts from here too."""
 
     draft: str = ""  # a trained drafter folder (ours or DeepSpec's); "" = a fresh one from `drafter` (untrained)
     out: str = ""  # "" = <out_dir>/eval
-    data_dir: str = "eval_datasets"  # folder with the nine <benchmark>.jsonl files
+    data_dir: str = "eval_datasets"  # folder with the nine <benchmark>.jsonl files ($DSPARK_EVAL_DATA when left at the default)
     builtin_prompts: bool = False  # the built-in evaluation prompts (held out of training) instead of files
     benchmarks: list[str] = field(
         default_factory=lambda: ["gsm8k", "math500", "aime25", "humaneval", "mbpp", "livecodebench", "mt-bench", "alpaca", "arena-hard-v2"]
     )
-    num_samples: int = 0  # prompts per benchmark; 0 = SPEC 6 defaults
+    num_samples: int = 0  # prompts per benchmark; 0 = the protocol counts (dspark.data.benchmarks)
     max_new_tokens: int = 2048
     temperature: float = 1.0  # 0 = greedy
     seed: int = 980406  # prompt subset and random draws; DeepSpec's default, so both tools pick the same prompts
@@ -172,15 +179,21 @@ class EvalConfig:
     label: str = ""  # row label in the report tables ("" = from the drafter's variant)
 
 
+# The policies `dspark simulate` compares when serve.policy is empty.
+SIMULATE_POLICIES = ["algorithm1", "async", "static1", "static", "threshold:0.5"]
+
+
 @dataclass
 class ServeConfig:
-    """Verification scheduling (SPEC 7): `dspark eval` with a policy, and `dspark simulate`."""
+    """Verification scheduling (paper Section 3.2): `dspark eval` with a policy, and `dspark simulate`."""
 
-    policy: str = ""  # eval: "" = verify all γ drafts; else algorithm1, async[:K0], static1, static[:ℓ], threshold:<a>, first-below:<t>
+    # The verification-length policies (algorithm1, algorithm1+skip[:M], async[:K0], static1, static[:ℓ],
+    # threshold:<a>, first-below:<t>): eval runs one ([] = verify all γ drafts), simulate compares
+    # them all ([] = SIMULATE_POLICIES). One string is read as a list of one.
+    policy: list[str] = field(default_factory=list)
     concurrency: int = 1  # eval with a policy: requests decoded in lockstep
     sts: str = ""  # STS JSON (dspark calibrate); "" = raw confidences
     sps: str = ""  # SPS table JSON (dspark profile-sps), for algorithm1 / async and the simulated clock
-    policies: list[str] = field(default_factory=lambda: ["algorithm1", "async", "static1", "static", "threshold:0.5"])
     concurrencies: list[int] = field(default_factory=lambda: [1, 4, 16, 64])  # simulate: R values
     num_prompts: int = 8  # simulate: prompts per benchmark (seeded subset)
     num_requests: int = 0  # simulate: stop after this many finished requests (0 = max(prompts, R))
@@ -190,11 +203,19 @@ class ServeConfig:
     # "measured" (each step also pays the drafting seconds measured in it; see dspark.scheduling.simulator)
     draft_overhead: float | str = 0.0
     out: str = ""  # simulate: "" = <out_dir>/simulate
+    # Deprecated spelling of serve.policy (simulate's list), still read with a warning.
+    policies: dataclasses.InitVar[list[str] | None] = None
+
+    def __post_init__(self, policies: list[str] | None) -> None:
+        if isinstance(self.policy, str):
+            self.policy = _list_of_one(self.policy)
+        if policies is not None:
+            self.policy = _upgraded_policy(self.policy, list(policies), "ServeConfig")
 
 
 @dataclass
 class ProfileConfig:
-    """`dspark profile-sps`: the target's verification steps/s at B batch tokens (SPEC 7.4)."""
+    """`dspark profile-sps`: the target's verification steps/s at B batch tokens (paper Section 3.2.2)."""
 
     out: str = ""  # the table JSON ("" = <out_dir>/sps.json); .profile.json and .png go next to it
     batch_tokens: list[int] = field(default_factory=list)  # [] = 1..512, powers of 2
@@ -206,7 +227,7 @@ class ProfileConfig:
 
 @dataclass
 class CalibrateConfig:
-    """`dspark calibrate`: Sequential Temperature Scaling fitted on round logs (SPEC 7.1)."""
+    """`dspark calibrate`: Sequential Temperature Scaling fitted on round logs (paper Section 3.2.1)."""
 
     rounds: list[str] = field(default_factory=list)  # rounds.jsonl files of dspark eval / simulate
     out: str = ""  # the STS JSON ("" = <out_dir>/sts.json); <stem>_reliability.png goes next to it
@@ -232,7 +253,7 @@ class ProposeConfig:
 
 @dataclass
 class Config:
-    """One experiment. The defaults are the Qwen3-4B DSpark recipe of SPEC 4
+    """One experiment. The defaults are the Qwen3-4B DSpark recipe of paper Section 3.3
     (config/dspark/dspark_qwen3_4b.py spells every field out); other config
     files state only what differs."""
 
@@ -267,7 +288,7 @@ class Config:
 
 def dflash_of(config: Config) -> Config:
     """The DFlash baseline of a DSpark config, as DeepSpec trains it: the same backbone,
-    target, data and optimiser; no sequential or confidence head; CE only (SPEC 4)."""
+    target, data and optimiser; no sequential or confidence head; CE only (paper Section 4.1)."""
     drafter = dataclasses.replace(config.drafter, variant="dflash", markov_rank=0,
                                   enable_confidence_head=False, confidence_head_with_markov=False)
     loss = dataclasses.replace(config.loss, ce_weight=1.0, tv_weight=0.0, conf_weight=0.0)
@@ -281,7 +302,7 @@ EAGLE3_PRESETS = ("eagle3", "eagle3_deepspec")
 
 def standard_eagle3_layer_ids(num_target_layers: int) -> list[int]:
     """The 3 layers standard EAGLE-3 fuses, [1, N/2 − 1, N − 4] in our output-of-layer convention
-    (../shared/INTEROP.md)."""
+    (as SpecForge and EAGLE train it)."""
     n = num_target_layers
     if n < 6:
         raise ValueError(f"num_target_layers={n}: standard EAGLE-3 layer ids [1, N/2-1, N-4] need N >= 6")
@@ -289,7 +310,7 @@ def standard_eagle3_layer_ids(num_target_layers: int) -> list[int]:
 
 
 def eagle3_of(config: Config, preset: str = "eagle3_deepspec", num_target_layers: int | None = None) -> Config:
-    """The Eagle3 baseline of a DSpark config (SPEC 8): the same target, data and optimiser, one
+    """The Eagle3 baseline of a DSpark config (paper Section 4.1): the same target, data and optimiser, one
     autoregressive draft layer trained by training-time test over 7 steps with step decay 0.8, CE only.
 
     preset "eagle3_deepspec" keeps the DSpark config's target layers (DeepSpec's variant, the
@@ -363,6 +384,9 @@ def validate(config: Config) -> None:
     if isinstance(overhead, str) and overhead != "measured" or not isinstance(overhead, str) and overhead < 0:
         raise ValueError(f"serve.draft_overhead={overhead!r} must be a number >= 0 (a fraction of the step) "
                          "or 'measured' (the drafting time measured in each step)")
+    if any(not p.strip() for p in config.serve.policy):
+        raise ValueError(f"serve.policy={config.serve.policy} holds an empty policy name; "
+                         "name each policy (e.g. algorithm1) or leave the list empty")
     for key in ("serve.concurrencies", "profile.batch_tokens"):
         if any(v < 1 for v in get_key(config, key)):
             raise ValueError(f"{key} must hold integers >= 1, got {get_key(config, key)}")
@@ -499,6 +523,7 @@ def set_values(config: Config, values: Mapping[str, Any], *, parse: bool = False
     (with `parse`, values are override texts: see `apply_overrides`)."""
     valid = _keys(config)
     for key, raw in values.items():
+        key = _current_key(key)
         if key not in valid:
             close = difflib.get_close_matches(key, valid, n=3)
             hint = f"; did you mean {', '.join(close)}?" if close else f"; valid keys: {', '.join(valid)}"
@@ -507,6 +532,8 @@ def set_values(config: Config, values: Mapping[str, Any], *, parse: bool = False
         annotation = _field_types(get_key(config, ".".join(path)) if path else config)[leaf]
         if parse:
             raw = _from_text(raw, annotation)
+        if key in _ONE_OR_MORE and isinstance(raw, str):
+            raw = _list_of_one(raw)
         config = _replace_path(config, key.split("."), _coerce(key, raw, annotation))
     validate(config)
     return config
@@ -563,13 +590,17 @@ def _read_json(path: Path) -> Any:
 
 
 def config_from_dict(data: Any, where: str = "config") -> Config:
-    """The inverse of `Config.to_dict()`: every key must be a field (errors name it)."""
+    """The inverse of `Config.to_dict()`: every key must be a field (errors name it).
+
+    Deprecated keys (`DEPRECATED_KEYS`) are still read, with a FutureWarning naming the new one."""
     return _build(Config, data, where, "")
 
 
 def _build(cls: type, data: Any, where: str, prefix: str) -> Any:
     if not isinstance(data, dict):
         raise ValueError(f"{where}: {prefix.rstrip('.') or 'the config'} must be a JSON object, got {data!r}")
+    if cls is ServeConfig:
+        data = _upgraded_serve(data, where)
     types_ = get_type_hints(cls, globalns=globals())
     unknown = sorted(set(data) - set(types_))
     if unknown:
@@ -586,3 +617,51 @@ def _build(cls: type, data: Any, where: str, prefix: str) -> Any:
                 raise ValueError(f"{where}: {e}") from None
     return cls(**kwargs)
 
+
+# ------------------------------------------------------------- deprecated keys
+# old key -> the key that replaced it (read with a FutureWarning)
+DEPRECATED_KEYS = {"serve.policies": "serve.policy"}
+_ONE_OR_MORE = {"serve.policy"}  # list fields that also take one string (a list of one)
+
+
+def _list_of_one(value: str) -> list[str]:
+    """One string as a list of one ("" as an empty list)."""
+    return [value] if value.strip() else []
+
+
+def _upgraded_policy(policy: list[str], policies: list[str], where: str) -> list[str]:
+    """serve.policy of a config that still holds serve.policies (simulate's list).
+
+    An eval policy that is set wins; else the list, which at its old default is SIMULATE_POLICIES,
+    what an empty serve.policy means to simulate."""
+    dropped = f"; serve.policies={policies} is dropped for serve.policy={policy}" if policy and \
+        policies != SIMULATE_POLICIES else ""
+    warnings.warn(f"{where}: serve.policies is deprecated; serve.policy holds the policies now "
+                  f"(a list: --policy A B, serve.policy=['A', 'B']){dropped}", FutureWarning, stacklevel=3)
+    if policy:
+        return list(policy)
+    return [] if policies == SIMULATE_POLICIES else list(policies)
+
+
+def _upgraded_serve(data: dict[str, Any], where: str) -> dict[str, Any]:
+    """The `serve` section of a config.json with its deprecated keys in their new form."""
+    data = dict(data)
+    if isinstance(data.get("policy"), str):
+        data["policy"] = _list_of_one(data["policy"])
+    if "policies" in data:
+        policies = data.pop("policies")
+        if not isinstance(policies, list) or not all(isinstance(p, str) for p in policies):
+            raise ValueError(f"{where}: serve.policies (now serve.policy) expects a list of strings, got {policies!r}")
+        current = data.get("policy", [])
+        merged = _upgraded_policy(current if isinstance(current, list) else [], policies, where)
+        data["policy"] = merged if isinstance(current, list) else current  # a bad policy: _build names it
+    return data
+
+
+def _current_key(key: str) -> str:
+    """`key`, or the key that replaced a deprecated one (with a FutureWarning naming it)."""
+    new = DEPRECATED_KEYS.get(key)
+    if new is None:
+        return key
+    warnings.warn(f"config key {key} is deprecated; use {new}", FutureWarning, stacklevel=3)
+    return new

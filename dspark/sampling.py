@@ -26,7 +26,7 @@ def logits_to_probs(logits: Tensor, temperature: float) -> Tensor:
     Returns:
         [..., V] float32 probabilities. Draft tokens must be sampled from
         exactly these probabilities and the same tensor handed to
-        ``rejection_sample`` (SPEC section 9: a bf16 softmax breaks losslessness).
+        ``rejection_sample`` (sampling from a bf16 softmax would break losslessness).
     """
     try:
         value = float(temperature)

@@ -1,10 +1,10 @@
-"""The frozen target LLM: feature capture, final hidden state, LM head (SPEC 2).
+"""The frozen target LLM: feature capture, final hidden state, LM head (the features of paper Eq. 2).
 
 :class:`TargetModel` wraps a ``transformers`` causal LM of a supported family
 and gives the drafter what it needs from it, and nothing more:
 
 - ``features``: the hidden states at ``target_layer_ids``, concatenated in id
-  order, ``[B, S, m*d]``. Layer-id convention (SPEC 2, **conv**): id ``i >= 0``
+  order, ``[B, S, m*d]``. Layer-id convention (DeepSpec's, for the l_1..l_m of Eq. 2): id ``i >= 0``
   is ``hidden_states[i+1]`` of a transformers forward with
   ``output_hidden_states=True`` (the output of decoder layer ``i``), id ``-1``
   is ``hidden_states[0]`` (the embedding output, with Gemma's sqrt(d) scale).
@@ -113,8 +113,8 @@ def _own_cpu_memory(model: nn.Module, alignment: int = 64) -> int:
     arbitrary file offsets) into freshly allocated, aligned memory. Returns how many moved.
 
     transformers keeps float32 safetensors weights as views of the mapped file, 8-byte
-    aligned; MKL's small-batch GEMMs then take slower, numerically different paths (an
-    8-token SmolLM2 forward took 110 ms against 74 ms aligned, `bench/decode_round.py`).
+    aligned; MKL's small-batch GEMMs then take slower, numerically different paths (a
+    few-token SmolLM2 forward is markedly slower unaligned, `bench/decode_round.py`).
     Tied weights are one Parameter, so they stay tied.
     """
     moved = 0
@@ -127,7 +127,7 @@ def _own_cpu_memory(model: nn.Module, alignment: int = 64) -> int:
 
 
 def validate_layer_ids(target_layer_ids: Sequence[int], num_layers: int) -> tuple[int, ...]:
-    """Check SPEC 2's rules: non-empty, integers, strictly increasing, each in {-1} ∪ [0, L-1]."""
+    """Check the layer-id rules: non-empty, integers, strictly increasing, each in {-1} ∪ [0, L-1]."""
     ids = tuple(target_layer_ids)
     valid = f"-1 (embeddings) or 0..{num_layers - 1} (decoder layers of a {num_layers}-layer target)"
     if not ids:
@@ -143,7 +143,7 @@ def validate_layer_ids(target_layer_ids: Sequence[int], num_layers: int) -> tupl
 
 
 class TargetModel(nn.Module):
-    """A frozen causal LM with SPEC-2 feature capture.
+    """A frozen causal LM with feature capture at the layer ids of paper Eq. 2.
 
     The whole target is frozen: parameters never require grad, the module is
     always in eval mode (``train()`` is a no-op), and ``forward`` runs under

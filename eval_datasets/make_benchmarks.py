@@ -1,4 +1,4 @@
-"""Build the nine benchmark files of SPEC 6 from their public sources on the Hugging Face hub.
+"""Build the nine benchmark files (paper Section 4.1) from their public sources on the Hugging Face hub.
 
     python eval_datasets/make_benchmarks.py --out eval_datasets/
     python eval_datasets/make_benchmarks.py --out eval_datasets/ --only gsm8k mbpp
@@ -7,7 +7,8 @@ Each file is JSON lines, one ``{"turns": ["user message", ...]}`` per prompt,
 in the source's row order (written with ``json.dumps(..., ensure_ascii=False)``).
 The formatting functions below are pure (a hub row in, the turns out) so that
 they can be checked offline against rows of the reference files; see
-eval_datasets/README.md for the sources and the known differences.
+eval_datasets/README.md for the sources and the known differences. The list of
+benchmarks is dspark's (``dspark.data.benchmarks.BENCHMARKS``): install dspark first.
 """
 
 from __future__ import annotations
@@ -20,6 +21,12 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+try:
+    from dspark.data.benchmarks import BENCHMARKS
+except ImportError:
+    sys.exit("make_benchmarks.py reads the list of benchmarks from dspark: install it first "
+             "(`pip install -e .` in the repository)")
 
 MATH_SUFFIX = "Please reason step by step, and put your final answer within \\boxed{}."
 HUMANEVAL_PREFIX = "Write a solution to the following problem and make sure that it passes the tests:\n"
@@ -113,6 +120,7 @@ class Source:
         return ", ".join([repr(a) for a in self.args] + [f"{k}={v!r}" for k, v in self.kwargs.items()])
 
 
+# One source per name of BENCHMARKS, in its order.
 SOURCES: dict[str, Source] = {
     "gsm8k": Source(("openai/gsm8k", "main"), {"split": "test"}, format_gsm8k),
     "math500": Source(("HuggingFaceH4/MATH-500",), {"split": "test"}, format_math500),
@@ -171,9 +179,9 @@ def build(
 
     ``load`` defaults to ``datasets.load_dataset``. Each file is written to a
     temporary name first and renamed, so a failed download leaves no partial file."""
-    unknown = [n for n in names if n not in SOURCES]
+    unknown = [n for n in names if n not in BENCHMARKS]
     if unknown:
-        raise ValueError(f"unknown benchmark(s) {unknown}; choose from {list(SOURCES)}")
+        raise ValueError(f"unknown benchmark(s) {unknown}; choose from {list(BENCHMARKS)}")
     if load is None:
         from datasets import load_dataset as load
     out = Path(out_dir)
@@ -193,14 +201,14 @@ def build(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Build the SPEC 6 benchmark files from the Hugging Face hub.")
+    parser = argparse.ArgumentParser(description="Build the nine benchmark files from the Hugging Face hub.")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent),
                         help="output folder (default: this folder)")
-    parser.add_argument("--only", nargs="+", choices=list(SOURCES), metavar="NAME",
-                        help=f"build only these benchmarks (of: {' '.join(SOURCES)})")
+    parser.add_argument("--only", nargs="+", choices=list(BENCHMARKS), metavar="NAME",
+                        help=f"build only these benchmarks (of: {' '.join(BENCHMARKS)})")
     args = parser.parse_args(argv)
     try:
-        build(args.only or list(SOURCES), args.out)
+        build(args.only or list(BENCHMARKS), args.out)
     except ValueError as e:
         print(f"make_benchmarks.py: error: {e}", file=sys.stderr)
         return 2

@@ -35,12 +35,14 @@ done
 POLICIES="static static1 algorithm1 async algorithm1+skip"
 
 OUT="${DSPARK_DEMO_OUT:-runs/demo}"
-EVAL_DATA="${DSPARK_EVAL_DATA:-}"
-if [ -z "$EVAL_DATA" ]; then
-  for d in ../shared/eval_datasets eval_datasets; do
-    if ls "$d"/*.jsonl >/dev/null 2>&1; then EVAL_DATA="$d"; break; fi
-  done
+# The benchmark files: $DSPARK_EVAL_DATA, else those of a shared folder beside the repository, else
+# eval_datasets/ (python eval_datasets/make_benchmarks.py); none: the built-in evaluation prompts.
+shared_eval="$ROOT/../shared/eval_datasets"
+if [ -z "${DSPARK_EVAL_DATA:-}" ] && ls "$shared_eval"/*.jsonl >/dev/null 2>&1; then
+  export DSPARK_EVAL_DATA="$(cd "$shared_eval" && pwd)"
 fi
+EVAL_DATA="${DSPARK_EVAL_DATA:-}"
+if [ -z "$EVAL_DATA" ] && ls eval_datasets/*.jsonl >/dev/null 2>&1; then EVAL_DATA=eval_datasets; fi
 DTYPE="${DSPARK_EVAL_DTYPE:-auto}"  # evaluation, profiling and simulation use the same target dtype
 BENCHMARKS=()                        # empty: all nine
 PREP_SET=()
@@ -163,7 +165,7 @@ echo "== 6/8 scheduled verification at R = 1: policies [$POLICIES], same prompts
 for policy in $POLICIES; do
   stage "sched-$policy-R1" "$OUT/sched/$policy-R1/report.md" \
     dspark eval "${EVAL_ARGS[@]}" --num-samples "$SCHED_SAMPLES" --max-new-tokens "$SCHED_MAXNEW" \
-    --draft "$DRAFT" --temperature 1.0 --scheduler "$policy" --concurrency 1 \
+    --draft "$DRAFT" --temperature 1.0 --policy "$policy" --concurrency 1 \
     --sts "$OUT/sts.json" --sps "$OUT/sps.json" --label "$policy" --out "$OUT/sched/$policy-R1"
 done
 

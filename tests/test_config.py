@@ -1,4 +1,4 @@
-"""Typed configs: the shipped config files, SPEC 4 values, overrides and their errors."""
+"""Typed configs: the shipped config files, the recipe values of paper Section 3.3, overrides and their errors."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The frozen target wrapper (SPEC 2) and the embedded SmolLM2 default target.
+"""The frozen target wrapper (the features of paper Eq. 2) and the embedded SmolLM2 default target.
 
 Oracles: a plain transformers forward with ``output_hidden_states=True`` (layer
 id i <-> hidden_states[i+1], -1 <-> hidden_states[0]) and the HF model's own

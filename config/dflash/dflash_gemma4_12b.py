@@ -1,11 +1,18 @@
-"""DFlash as DeepSpec trains it, for google/gemma-4-12B-it: the DSpark config's backbone, target, data and
-optimiser, without the sequential and confidence heads, trained on CE only (`dflash_of`).
+"""DFlash as DeepSpec trains it (the paper's DFlash baseline, Section 4.1), for google/gemma-4-12B-it: the DSpark
+config with the differences below (what `dflash_of` derives from it).
 
 Run: dspark train --config config/dflash/dflash_gemma4_12b.py [--set key.path=value ...]
 """
 
 from pathlib import Path
 
-from dspark.config import dflash_of, load_config
+from dspark.config import load_config, set_values
 
-config = dflash_of(load_config(Path(__file__).parents[1] / "dspark" / "dspark_gemma4_12b.py"))
+dspark = load_config(Path(__file__).parents[1] / "dspark" / "dspark_gemma4_12b.py")
+config = set_values(dspark, {
+    "name": "dflash_gemma4_12b_block7",
+    "drafter.variant": "dflash",
+    "drafter.markov_rank": 0,  # no sequential head
+    "drafter.enable_confidence_head": False, "drafter.confidence_head_with_markov": False,  # no confidence head
+    "loss.ce_weight": 1.0, "loss.tv_weight": 0.0, "loss.conf_weight": 0.0,  # loss weights: CE only
+})

@@ -1,4 +1,4 @@
-"""DSpark (Markov head + confidence head) drafter for Qwen/Qwen3-4B: the SPEC 4 reference recipe.
+"""DSpark (Markov head + confidence head) drafter for Qwen/Qwen3-4B: the paper's recipe (Sections 3.3, 4.1).
 
 These values are also the defaults of dspark.config, so the other config files state only what
 differs from this one. Copy this file to start an experiment of your own.
@@ -14,7 +14,7 @@ config = Config(
     target=TargetConfig(name_or_path="Qwen/Qwen3-4B", dtype="auto", device="auto"),  # bfloat16 on a GPU
     drafter=DrafterSpec(
         variant="dspark",
-        target_layer_ids=[1, 9, 17, 25, 33],  # SPEC 2 convention: i = output of decoder layer i
+        target_layer_ids=[1, 9, 17, 25, 33],  # DeepSpec's convention: i = output of decoder layer i
         mask_token_id=151669,
         block_size=7,  # γ
         num_draft_layers=5,
@@ -31,7 +31,7 @@ config = Config(
         min_loss_tokens=14,
         num_anchors=512,
         feature_mode="cache",
-        cache_precision="bf16",  # as DeepSpec stores it; "fp8" takes 0.47x the bytes (README "Commands")
+        cache_precision="bf16",  # as DeepSpec stores it; "fp8" takes 0.47x the bytes (docs/configs.md)
     ),
     generation=GenerationConfig(temperature=0.7, top_p=0.8, top_k=20, max_new_tokens=4096, backend="openai"),
     loss=LossConfig(ce_weight=0.1, tv_weight=0.9, conf_weight=1.0, loss_decay_gamma=4.0),

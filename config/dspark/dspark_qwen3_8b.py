@@ -1,4 +1,4 @@
-"""DSpark drafter for Qwen/Qwen3-8B: the SPEC 4 recipe; every field not set here is the Qwen3-4B recipe
+"""DSpark drafter for Qwen/Qwen3-8B: the paper's recipe; every field not set here is the Qwen3-4B recipe
 (the defaults, spelled out in config/dspark/dspark_qwen3_4b.py).
 
 Run: dspark train --config config/dspark/dspark_qwen3_8b.py [--set key.path=value ...]
@@ -9,5 +9,5 @@ from dspark.config import Config, DrafterSpec, TargetConfig
 config = Config(
     name="dspark_qwen3_8b_block7",
     target=TargetConfig(name_or_path="Qwen/Qwen3-8B"),
-    drafter=DrafterSpec(target_layer_ids=[1, 9, 17, 25, 33]),  # SPEC 2 layer ids
+    drafter=DrafterSpec(target_layer_ids=[1, 9, 17, 25, 33]),  # DeepSpec's layer ids for this target
 )

@@ -14,17 +14,17 @@ config = Config(
         mask_token_id=16,  # <empty_output>: a special token never used in chat
         num_draft_layers=2, intermediate_size=1024,  # CPU budget (the GPU recipes use 5 layers of the target's width)
         markov_rank=64,  # a V×r + r×k head stays small at V = 49,152
-        draft_vocab_size=16384,  # counted by `dspark vocab` (or `train` when missing): README "Draft vocabulary"
+        draft_vocab_size=16384,  # counted by `dspark vocab` (or `train` when missing): docs/configs.md
         attn_implementation="sdpa",
         layer_family="qwen3",  # Qwen3 layers (q/k norms): what vLLM, SGLang and DeepSpec load (`dspark export`)
     ),
-    # fp8 cache: half the disk of bf16 for a held-out τ within 0.5 % on this demo (README "Commands").
+    # fp8 cache: half the disk of bf16, and the held-out τ of this demo stays the same (bench/README.md).
     data=DataConfig(train_prompts="builtin", max_length=768, num_anchors=64, cache_precision="fp8"),
     generation=GenerationConfig(max_new_tokens=192, backend="transformers"),
     loss=LossConfig(chunk_rows=32),
-    # "auto" precision: bf16 on a GPU or a CPU with native bf16 (AVX512-BF16, AMX: 1.8x faster, same
+    # "auto" precision: bf16 on a GPU or a CPU with native bf16 (AVX512-BF16, AMX: faster, same
     # loss), fp32 elsewhere; --set train.mixed_precision=no target.dtype=float32 forces fp32.
     train=TrainConfig(lr=1e-3, global_batch_size=8, micro_batch_size=4, epochs=1.25, mixed_precision="auto",
                       compile=False, save_every=200, eval_every=8, log_every=2),
-    eval=EvalConfig(max_new_tokens=128, num_samples=2, data_dir="../shared/eval_datasets"),
+    eval=EvalConfig(max_new_tokens=128, num_samples=2),  # benchmarks: eval_datasets/, or $DSPARK_EVAL_DATA
 )

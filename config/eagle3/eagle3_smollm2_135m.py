@@ -1,9 +1,7 @@
 """Standard EAGLE-3 (what vLLM and SGLang serve) for the embedded default target, SmolLM2-135M-Instruct:
-the DSpark demo config's data, budget and optimiser; one Llama-style draft layer over the 3 target
-layers [1, N/2 - 1, N - 4] = [1, 14, 26] of the 30, trained by training-time test over 7 steps with
-step-loss decay 0.8, soft CE only (`eagle3_of`), over a draft vocabulary of k = 16,384 of the
-49,152 target ids (the size measured best for SmolLM2 by held-out coverage; EAGLE-3's reduced
-vocabulary, d2t / draft_vocab_size in the checkpoint as vLLM reads them).
+the DSpark demo config with the differences below (what `eagle3_of(dspark, "eagle3", 30)` derives).
+It keeps the demo's draft vocabulary of k = 16,384 of the 49,152 target ids (the size with the best
+held-out coverage, bench/vocab_coverage.py), as EAGLE-3's d2t / draft_vocab_size that vLLM reads.
 
 Run:
     dspark vocab --config config/eagle3/eagle3_smollm2_135m.py   # writes <data_dir>/draft_vocab_16384.safetensors
@@ -12,7 +10,18 @@ Run:
 
 from pathlib import Path
 
-from dspark.config import eagle3_of, load_config
+from dspark.config import load_config, set_values
 
-config = eagle3_of(load_config(Path(__file__).parents[1] / "dspark" / "dspark_smollm2_135m.py"), "eagle3",
-                   num_target_layers=30)  # keeps the DSpark config's draft_vocab_size = 16,384
+dspark = load_config(Path(__file__).parents[1] / "dspark" / "dspark_smollm2_135m.py")
+config = set_values(dspark, {
+    "name": "eagle3_smollm2_135m",
+    "drafter.variant": "eagle3",
+    "drafter.eagle3_preset": "eagle3",  # standard EAGLE-3: a Llama-style layer, no q/k norms
+    "drafter.layer_family": "",  # the target's (Llama), not the DSpark demo's Qwen3 layers
+    "drafter.target_layer_ids": [1, 14, 26],  # EAGLE-3's [1, N/2 - 1, N - 4] of the N = 30 layers
+    "drafter.num_draft_layers": 1,  # one autoregressive layer, one forward per draft token
+    "drafter.ttt_length": 7, "drafter.step_loss_decay": 0.8,  # training-time test: 7 steps, step s weighs 0.8^s
+    "drafter.markov_rank": 0,  # no sequential head
+    "drafter.enable_confidence_head": False, "drafter.confidence_head_with_markov": False,  # no confidence head
+    "loss.ce_weight": 1.0, "loss.tv_weight": 0.0, "loss.conf_weight": 0.0,  # loss weights: (soft) CE only
+})

@@ -2,14 +2,17 @@
 
 Every command that runs a model reads one `dspark.config.Config`: `--config FILE`
 (a Python config file, or the config.json a run wrote) plus `--set key.path=value`.
-The flags below only set fields of that config; `COMMAND_FLAGS` says, per
+The flags below only set fields of that config; `COMMANDS` says, per
 command, which field each flag sets (`--out` is `eval.out` for `eval` and
-`serve.out` for `simulate`). Kept free of torch so that `dspark --help` is fast.
+`serve.out` for `simulate`). A deprecated flag still works, hidden from the help,
+with a FutureWarning naming its replacement. Kept free of torch so that
+`dspark --help` is fast.
 """
 
 from __future__ import annotations
 
 import argparse
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +25,7 @@ class Flag:
     help: str
     kind: str = "value"  # "value": one text | "list": items, comma- or space-separated | "true" / "false": a switch
     metavar: str | None = None
+    replaced_by: str | None = None  # a deprecated flag: the flag to use instead
 
 
 FLAGS: dict[str, Flag] = {
@@ -34,7 +38,7 @@ FLAGS: dict[str, Flag] = {
     "--data-dir": Flag("folder with the benchmark <name>.jsonl files"),
     "--benchmarks": Flag("benchmark names (default: all nine)", kind="list"),
     "--builtin-eval": Flag("use the built-in evaluation prompts instead of benchmark files", kind="true"),
-    "--num-samples": Flag("prompts per benchmark (0: SPEC 6 counts)"),
+    "--num-samples": Flag("prompts per benchmark (0: the protocol's count of each benchmark)"),
     "--num-prompts": Flag("prompts per benchmark (seeded subset)"),
     "--max-new-tokens": Flag("the most tokens generated per request"),
     "--temperature": Flag("sampling temperature (0 = greedy)"),
@@ -42,10 +46,11 @@ FLAGS: dict[str, Flag] = {
     "--seed": Flag("seed of the prompt subset and of every random draw"),
     "--no-baseline": Flag("skip target-only decoding (no speedup figures)", kind="false"),
     "--label": Flag("row label in the report tables"),
-    "--scheduler": Flag("decode through the serving loop under a verification-length policy: " + POLICY_HELP,
-                        metavar="POLICY"),
-    "--policy": Flag("policies, comma-separated: " + POLICY_HELP, kind="list"),
-    "--sts": Flag("STS JSON (dspark calibrate): calibrated confidences for the scheduler and the report"),
+    "--policy": Flag("verification-length policy: eval decodes through the serving loop under one "
+                     "(none: verify all γ drafts), simulate compares the ones given (default: algorithm1, async, "
+                     "static1, static, threshold:0.5); " + POLICY_HELP, kind="list", metavar="POLICY"),
+    "--scheduler": Flag("deprecated spelling of --policy", metavar="POLICY", replaced_by="--policy"),
+    "--sts": Flag("STS JSON (dspark calibrate): calibrated confidences for the policy and the report"),
     "--sps": Flag("SPS table JSON (dspark profile-sps), for algorithm1 / async and the simulated clock"),
     "--concurrency": Flag("requests decoded in lockstep (eval: one R; simulate: R values, e.g. 1,4,16,64)"),
     "--num-requests": Flag("stop after this many finished requests (0: max(prompts, R)); prompts are cycled"),
@@ -95,15 +100,15 @@ COMMANDS: dict[str, tuple[str, dict[str, str]]] = {
     "train": ("train a drafter (torchrun for several processes)", {**_MODEL, "--resume": "train.resume"}),
     "eval": ("accepted length τ on the nine benchmarks (torchrun shards prompts)",
              {**_MODEL, **_PROMPTS, "--num-samples": "eval.num_samples", "--max-new-tokens": "eval.max_new_tokens",
-              "--no-baseline": "eval.baseline", "--label": "eval.label", "--scheduler": "serve.policy",
-              "--concurrency": "serve.concurrency", "--out": "eval.out"}),
-    "profile-sps": ("time the target's verification forward: the SPS(B) table of SPEC 7.4",
+              "--no-baseline": "eval.baseline", "--label": "eval.label", "--policy": "serve.policy",
+              "--scheduler": "serve.policy", "--concurrency": "serve.concurrency", "--out": "eval.out"}),
+    "profile-sps": ("time the target's verification forward: the SPS(B) table of Algorithm 1",
                     {**_MODEL, "--draft": "eval.draft", "--batch-tokens": "profile.batch_tokens",
                      "--context-len": "profile.context_len", "--tokens-per-request": "profile.tokens_per_request",
                      "--warmup": "profile.warmup", "--repeats": "profile.repeats", "--out": "profile.out"}),
     "simulate": ("serving simulation: throughput and verification budget vs concurrency per policy (paper Fig. 8)",
                  {**_MODEL, **_PROMPTS, "--num-prompts": "serve.num_prompts", "--concurrency": "serve.concurrencies",
-                  "--policy": "serve.policies", "--num-requests": "serve.num_requests", "--no-cycle": "serve.cycle",
+                  "--policy": "serve.policy", "--num-requests": "serve.num_requests", "--no-cycle": "serve.cycle",
                   "--max-new-tokens": "serve.max_new_tokens", "--draft-overhead": "serve.draft_overhead",
                   "--out": "serve.out"}),
     "calibrate": ("fit STS on eval round logs (split by request) and report calibration",
@@ -123,11 +128,11 @@ def add_config_flags(p: argparse.ArgumentParser, command: str) -> None:
                    help="override config fields, e.g. --set train.lr=3e-4 drafter.block_size=8")
     for name, key in COMMANDS[command][1].items():
         flag = FLAGS[name]
-        text = f"{flag.help} [{key}]"
+        text = argparse.SUPPRESS if flag.replaced_by else f"{flag.help} [{key}]"
         if flag.kind in ("true", "false") or flag.kind.startswith("const:"):
             p.add_argument(name, dest=_dest(name), action="store_true", default=None, help=text)
         elif flag.kind == "list" or key in LIST_KEYS:
-            p.add_argument(name, dest=_dest(name), nargs="+", default=None, metavar="V", help=text)
+            p.add_argument(name, dest=_dest(name), nargs="+", default=None, metavar=flag.metavar or "V", help=text)
         else:
             p.add_argument(name, dest=_dest(name), default=None, metavar=flag.metavar, help=text)
 
@@ -142,6 +147,8 @@ def flag_values(args: argparse.Namespace, command: str) -> dict[str, Any]:
         given = getattr(args, _dest(name))
         if given is None:
             continue
+        if FLAGS[name].replaced_by:
+            warnings.warn(f"{name} is deprecated; use {FLAGS[name].replaced_by}", FutureWarning, stacklevel=2)
         kind = FLAGS[name].kind
         if kind == "true":
             values[key] = True

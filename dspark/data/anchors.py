@@ -1,4 +1,4 @@
-"""Training anchors and their γ-token blocks (SPEC 4 "Anchors", paper Section 3.3).
+"""Training anchors and their γ-token blocks (paper Section 3.3).
 
 A training sequence yields several blocks. Each block starts at an anchor
 position i (the token x_0 the drafter conditions on); block position
@@ -105,7 +105,7 @@ def block_labels(
         labels: Long [B, A, γ], 0 where not valid (a safe index).
         valid: Bool [B, A, γ], prefix-closed along γ.
         prev_tokens: Long [B, A, γ], the previous token of each position under
-            teacher forcing, [x_i, x*_1, …, x*_{γ−1}] (SPEC 3.2); 0 where not valid.
+            teacher forcing, [x_i, x*_1, …, x*_{γ−1}] (paper Eq. 5-7); 0 where not valid.
     """
     _check_2d("input_ids", input_ids)
     _check_2d("loss_mask", loss_mask)

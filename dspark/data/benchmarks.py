@@ -1,4 +1,8 @@
-"""The benchmark prompts an evaluation decodes (SPEC 6): which files, how many, which subset.
+"""The nine evaluation benchmarks (paper Section 4.1, Table 1) and the prompts an evaluation decodes.
+
+``BENCHMARK_TABLE`` is the one list of them: file name, domain, Table 1
+header and the number of requests drawn. ``BENCHMARKS``, ``DOMAINS``,
+``TABLE1_ORDER``, ``DISPLAY_NAMES`` and ``DEFAULT_NUM_SAMPLES`` are views of it.
 
 A benchmark is a ``<name>.jsonl`` file of ``{"turns": [...]}`` lines (see
 eval_datasets/README.md), or a list of conversations given in memory (the
@@ -13,14 +17,69 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
 
-from dspark.data.prompts import Conversation, load_eval_benchmark, seeded_subset
-from dspark.evaluation.metrics import BENCHMARKS, DEFAULT_NUM_SAMPLES
+from dspark.data.prompts import BUILTIN_PREFIX, Conversation, load_eval_benchmark, seeded_subset
 
 PathLike = Union[str, os.PathLike]
 BUILD_HINT = "python eval_datasets/make_benchmarks.py --out {dir}"
+DEFAULT_EVAL_DATA = "eval_datasets"  # the default of EvalConfig.data_dir
+EVAL_DATA_ENV = "DSPARK_EVAL_DATA"  # names the benchmark folder when data_dir is left at its default
+
+
+def eval_data_folder(data_dir: PathLike = DEFAULT_EVAL_DATA) -> Path:
+    """The folder of the benchmark files: an explicit ``data_dir`` other than the default wins,
+    else ``$DSPARK_EVAL_DATA`` when set and non-empty, else ``eval_datasets``."""
+    if Path(data_dir) != Path(DEFAULT_EVAL_DATA):
+        return Path(data_dir)
+    return Path(os.environ.get(EVAL_DATA_ENV) or DEFAULT_EVAL_DATA)
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    """One evaluation benchmark of the paper's protocol."""
+
+    name: str  # the file stem in eval_datasets/ (<name>.jsonl) and the key in reports
+    domain: str  # "math" | "code" | "chat": the macro-average column it counts in
+    display_name: str  # its column header in Table 1
+    table1_column: int  # its position among Table 1's nine columns (0-based)
+    num_samples: int  # requests drawn from the file (a seeded subset; DeepSpec's evaluator counts)
+
+
+# In evaluation order: the order benchmarks are decoded in, hence of rounds.jsonl and reports.
+BENCHMARK_TABLE: tuple[Benchmark, ...] = (
+    Benchmark("gsm8k", "math", "GSM8K", 0, 500),
+    Benchmark("math500", "math", "MATH", 1, 500),
+    Benchmark("aime25", "math", "AIME25", 2, 30),
+    Benchmark("humaneval", "code", "HumanEval", 4, 164),
+    Benchmark("mbpp", "code", "MBPP", 3, 256),
+    Benchmark("livecodebench", "code", "LCB", 5, 500),
+    Benchmark("mt-bench", "chat", "MT-Bench", 6, 80),
+    Benchmark("alpaca", "chat", "Alpaca", 7, 500),
+    Benchmark("arena-hard-v2", "chat", "Arena-Hard", 8, 500),
+)
+
+BENCHMARKS: tuple[str, ...] = tuple(b.name for b in BENCHMARK_TABLE)
+DOMAINS: dict[str, tuple[str, ...]] = {
+    domain: tuple(b.name for b in BENCHMARK_TABLE if b.domain == domain)
+    for domain in dict.fromkeys(b.domain for b in BENCHMARK_TABLE)
+}
+TABLE1_ORDER: tuple[str, ...] = tuple(b.name for b in sorted(BENCHMARK_TABLE, key=lambda b: b.table1_column))
+DISPLAY_NAMES: dict[str, str] = {b.name: b.display_name for b in BENCHMARK_TABLE}
+DEFAULT_NUM_SAMPLES: dict[str, int] = {b.name: b.num_samples for b in BENCHMARK_TABLE}
+
+
+def domain_of(benchmark: str) -> str | None:
+    """"math", "code" or "chat" for the nine benchmarks and the built-in evaluation sets
+    (``builtin-math``, ...: ``dspark.data.prompts.builtin_eval_sets``), None for any other name."""
+    for domain, names in DOMAINS.items():
+        if benchmark in names:
+            return domain
+    if benchmark.startswith(BUILTIN_PREFIX) and benchmark[len(BUILTIN_PREFIX):] in DOMAINS:
+        return benchmark[len(BUILTIN_PREFIX):]
+    return None
 
 
 def resolve_benchmarks(
@@ -30,7 +89,7 @@ def resolve_benchmarks(
 
     ``benchmarks`` is either ``{name: path or list of conversations}`` or a
     folder holding ``<name>.jsonl`` files (``names`` picks which; default the
-    nine of SPEC 6). A missing file is skipped with a warning; if none
+    nine of ``BENCHMARKS``). A missing file is skipped with a warning; if none
     exists, ValueError says how to build them.
     """
     in_memory: dict[str, list[Conversation]] = {}
@@ -45,13 +104,13 @@ def resolve_benchmarks(
         where = "the given paths"
         hint = f"build the files with `{BUILD_HINT.format(dir='<folder>')}`"
     else:
-        folder = Path(benchmarks)
+        folder = eval_data_folder(benchmarks)
         chosen = list(BENCHMARKS) if names is None else [str(n) for n in names]
         wanted = {n: folder / f"{n}.jsonl" for n in chosen}
         where = f"data folder {str(folder)!r}"
         hint = (
             f"build them with `{BUILD_HINT.format(dir=folder)}` (needs the hub), "
-            "or point the data folder at a copy such as ../shared/eval_datasets"
+            f"or set {EVAL_DATA_ENV} (or the data folder) to a folder that holds them"
         )
     if not wanted and not in_memory:
         raise ValueError("no benchmark given: pass {name: path} or a data folder with <name>.jsonl files")
@@ -78,13 +137,13 @@ def samples_per_benchmark(
 ) -> dict[str, int | None]:
     """Requests to draw from each benchmark.
 
-    None or 0: the SPEC 6 protocol counts (all prompts for names outside the
-    nine); an int: that many from every benchmark; a mapping: per name, the
+    None or 0: the protocol counts of ``BENCHMARK_TABLE`` (all prompts for names
+    outside the nine); an int: that many from every benchmark; a mapping: per name, the
     protocol count for names it omits. A count above a file's size takes the
     whole file."""
     def check(value: Any, where: str) -> int:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"num_samples{where} must be an int >= 0 (0 = SPEC 6 default), got {value!r}")
+            raise ValueError(f"num_samples{where} must be an int >= 0 (0 = the benchmark's default count), got {value!r}")
         return value
 
     out: dict[str, int | None] = {}

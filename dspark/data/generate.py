@@ -1,4 +1,4 @@
-"""Regenerating training answers with the target itself (SPEC 4).
+"""Regenerating training answers with the target itself (paper Section 4.1).
 
 Training data is prompts only; the target answers every prompt in
 non-thinking mode with its recommended sampling (``GenerationConfig``:

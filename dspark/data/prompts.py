@@ -3,7 +3,7 @@
 A ``Conversation`` is a list of ``{"role": "system" | "user" | "assistant",
 "content": str}`` dicts, the shape ``tokenizer.apply_chat_template`` takes.
 
-Training data is prompts only (SPEC 4): the target regenerates every answer
+Training data is prompts only (paper Section 4.1): the target regenerates every answer
 itself, so what the loaders below hand over is usually passed through
 :func:`prompt_only` first. Sources:
 
@@ -13,8 +13,9 @@ itself, so what the loaders below hand over is usually passed through
 - :func:`load_jsonl_prompts`: a local JSON-lines file.
 - :func:`load_builtin_prompts`: the small prompt set shipped with the package
   (``dspark/data/builtin/``), for smoke tests and demos.
-- :func:`load_eval_benchmark`: the benchmark files of SPEC 6 (first user turn,
-  seeded subset drawn by :func:`seeded_subset`, DeepSpec's rule).
+- :func:`load_eval_benchmark`: the benchmark files of the evaluation protocol
+  (``dspark.data.benchmarks``; first user turn, seeded subset drawn by
+  :func:`seeded_subset`, DeepSpec's rule).
 """
 
 from __future__ import annotations
@@ -45,8 +46,9 @@ ROLE_MAP: dict[str, str] = {
     "bard": "assistant",
 }
 
-BUILTIN_DOMAINS = ("math", "code", "chat")
 _BUILTIN_FILE = "builtin/prompts.jsonl"
+# The built-in evaluation sets are named BUILTIN_PREFIX + domain ("builtin-math", ...).
+BUILTIN_PREFIX = "builtin-"
 
 
 def map_role(role: Any) -> str:
@@ -201,11 +203,16 @@ def load_hub_prompts(
 def load_builtin_prompts(domain: str | None = None) -> list[Conversation]:
     """The prompts shipped in ``dspark/data/builtin/prompts.jsonl`` (see its README).
 
-    ``domain`` selects one of ``math``, ``code``, ``chat``; None returns all.
+    ``domain`` selects one of ``builtin_domains()`` (math, code, chat); None returns all.
     """
-    if domain is not None and domain not in BUILTIN_DOMAINS:
-        raise ValueError(f"domain must be one of {BUILTIN_DOMAINS} or None, got {domain!r}")
+    if domain is not None and domain not in builtin_domains():
+        raise ValueError(f"domain must be one of {builtin_domains()} or None, got {domain!r}")
     return [conv for _, record_domain, conv in builtin_prompt_records() if domain in (None, record_domain)]
+
+
+def builtin_domains() -> tuple[str, ...]:
+    """The domains of the built-in prompts, in file order (the paper's math, code, chat)."""
+    return tuple(dict.fromkeys(domain for _, domain, _ in builtin_prompt_records()))
 
 
 def is_reserved_for_eval(prompt_id: str) -> bool:
@@ -219,7 +226,7 @@ def builtin_eval_sets() -> dict[str, list[Conversation]]:
     sets: dict[str, list[Conversation]] = {}
     for pid, domain, conv in builtin_prompt_records():
         if is_reserved_for_eval(pid):
-            sets.setdefault(f"builtin-{domain}", []).append(conv)
+            sets.setdefault(BUILTIN_PREFIX + domain, []).append(conv)
     return sets
 
 
@@ -242,7 +249,7 @@ def builtin_prompt_records() -> list[tuple[str, str, Conversation]]:
 def load_eval_benchmark(
     path: str | Path, num_samples: int | None = None, seed: int = 0
 ) -> list[Conversation]:
-    """First-user-turn prompts of a benchmark file (SPEC 6: ``{"turns": [...]}`` per line).
+    """First-user-turn prompts of a benchmark file (``{"turns": [...]}`` per line).
 
     With ``num_samples`` smaller than the file, the subset is
     ``seeded_subset(prompts, num_samples, seed)`` (DeepSpec's rule, so a

@@ -1,4 +1,4 @@
-"""Chat rendering and loss masks (SPEC 4).
+"""Chat rendering and loss masks (the training data of paper Sections 3.3 and 4.1).
 
 Every sequence is produced by the target's own ``tokenizer.apply_chat_template``;
 nothing here knows a chat format. The loss mask is found by rendering
@@ -168,10 +168,10 @@ def assistant_spans(
 def render_conversation(
     tokenizer: Any, conversation: Conversation, max_length: int, enable_thinking: bool = False
 ) -> RenderedSample:
-    """Token ids and loss mask of a conversation (SPEC 4), cut to ``max_length`` tokens.
+    """Token ids and loss mask of a conversation (paper Section 4.1), cut to ``max_length`` tokens.
 
     Truncation keeps the first ``max_length`` tokens. ``enable_thinking=False``
-    (the SPEC's non-thinking mode) is passed to the chat template.
+    (the paper's non-thinking mode, Section 4.1) is passed to the chat template.
     """
     if max_length < 1:
         raise ValueError(f"max_length must be >= 1, got {max_length}")
@@ -198,7 +198,7 @@ def render_dataset(
 ) -> tuple[list[RenderedSample], RenderStats]:
     """Render many conversations; drop samples with fewer than ``min_loss_tokens`` loss tokens.
 
-    The default of 2 is the least that yields a training anchor (SPEC 4: an
+    The default of 2 is the least that yields a training anchor (an
     anchor i needs loss_mask[i] and loss_mask[i+1]). Counting happens after
     truncation, so a conversation whose answer was cut away is dropped too.
     """

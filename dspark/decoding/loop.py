@@ -1,4 +1,4 @@
-"""The speculative decoding loop (SPEC section 1) and its target-only baseline.
+"""The speculative decoding loop (paper Section 2.1, Figure 1) and its target-only baseline.
 
 One request (batch 1), a KV-cached target and an incrementally kept drafter
 context. ``SpeculativeRequest`` holds that state and steps it one round at a
@@ -52,7 +52,7 @@ class RoundRecord:
     confidences: c_1..c_γ of all γ drafted positions (not cumulative), None
         without a confidence head.
     eos_accepted: an EOS among the accepted drafts ended the sequence, so no
-        token follows it (SPEC 5): τ of the round is m, not m + 1. DeepSpec's
+        token follows it: τ of the round is m, not m + 1. DeepSpec's
         evaluator counts such a round the same way (acceptance length and
         proposal length both cut at the EOS).
     """
@@ -102,7 +102,7 @@ def speculative_generate(
     choose_length: ChooseLength | None = None,
     generator: torch.Generator | None = None,
 ) -> DecodeResult:
-    """Speculative decoding of one request (SPEC section 1), lossless at every temperature.
+    """Speculative decoding of one request (paper Section 2.1, Figure 1), lossless at every temperature.
 
     A loop over one ``SpeculativeRequest``: draft, pick ℓ, verify, until done.
     See ``SpeculativeRequest`` for the cache/context invariant of every round.
@@ -136,7 +136,7 @@ def speculative_generate(
 
 
 class SpeculativeRequest:
-    """One request's speculative decoding, stepped one round at a time (SPEC section 1).
+    """One request's speculative decoding, stepped one round at a time (paper Figure 1).
 
     The pieces of ``speculative_generate`` with the verification length chosen
     from outside between ``draft`` and ``verify``, so that a serving loop
@@ -218,7 +218,7 @@ class SpeculativeRequest:
 
     @torch.inference_mode()
     def draft(self) -> Proposal:
-        """Draft x_1..x_γ from the current anchor (SPEC 1, steps 2-4); kept until ``verify``."""
+        """Draft x_1..x_γ from the current anchor (paper Section 3.1: parallel, then sequential stage); kept until ``verify``."""
         if self.done:
             raise RuntimeError("draft() on a finished request; check request.done first")
         if self.proposal is not None:
@@ -231,7 +231,7 @@ class SpeculativeRequest:
 
     @torch.inference_mode()
     def verify(self, ell: int) -> RoundRecord:
-        """Verify the first ``ell`` drafts in one target forward (SPEC 1 step 6, SPEC 5).
+        """Verify the first ``ell`` drafts in one target forward (paper Section 2.1).
 
         Appends the accepted prefix and the next token to ``tokens`` (truncated at
         max_new_tokens; an accepted EOS ends the prefix with no next token), and

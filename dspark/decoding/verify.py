@@ -1,4 +1,4 @@
-"""Verification of a draft block against the target (SPEC section 5).
+"""Verification of a draft block against the target (speculative sampling, paper Section 2.1).
 
 Pure functions of tensors: no model, no cache, no state. Every random draw goes
 through the ``generator`` argument. Shapes: B requests, ℓ verified draft
@@ -43,7 +43,7 @@ def rejection_sample(
     lengths: Tensor | None = None,
     generator: torch.Generator | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Lossless speculative sampling of one verification round (SPEC section 5).
+    """Lossless speculative sampling of one verification round (paper Section 2.1).
 
     For k = 1..ℓ_b, x_k is accepted iff u_k < min(1, p_t(x_k) / p_d(x_k)) with
     u_k ~ U(0, 1). At the first rejection the next token is drawn from
@@ -112,7 +112,7 @@ def greedy_verify(
     target_logits_or_probs: Tensor,
     lengths: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Temperature-0 verification (SPEC section 5): accept x_k iff it is the target argmax.
+    """Temperature-0 verification (paper Section 2.1 at T = 0): accept x_k iff it is the target argmax.
 
     Args:
         draft_tokens: [B, ℓ] integer draft tokens (ℓ may be 0).

@@ -23,7 +23,8 @@ from typing import Any, Union
 
 from dspark.bootstrap import intervals_overlap
 from dspark.evaluation.markdown import fmt_ci, markdown_table
-from dspark.evaluation.metrics import DISPLAY_NAMES, TABLE1_ORDER, macro_average
+from dspark.data.benchmarks import DISPLAY_NAMES, TABLE1_ORDER
+from dspark.evaluation.metrics import MACRO_COLUMNS, macro_average
 from dspark.evaluation.paired import paired_ratio, verdict
 
 PathLike = Union[str, os.PathLike]
@@ -78,7 +79,7 @@ _SPEED_COLUMNS = ("speedup Avg", "decode speedup Avg")
 def _table1_columns(reports: Any) -> list[str]:
     """Table 1's τ columns: the nine benchmarks in the paper's order, any other benchmark, the macro averages."""
     extra = [n for r in reports for n in r["benchmarks"] if n not in TABLE1_ORDER]
-    return [DISPLAY_NAMES.get(n, n) for n in [*TABLE1_ORDER, *dict.fromkeys(extra)]] + ["Math", "Code", "Chat", "Avg"]
+    return [DISPLAY_NAMES.get(n, n) for n in [*TABLE1_ORDER, *dict.fromkeys(extra)]] + list(MACRO_COLUMNS.values())
 
 
 def _compared_numbers(report: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
@@ -92,7 +93,7 @@ def _compared_numbers(report: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
     macro = report.get("macro") or {}
     tau_ci = macro.get("tau_ci") or {}
     for key, value in macro_average({n: t for n, t in taus.items()}).items():
-        out["Avg" if key == "avg" else key.capitalize()] = (value, tau_ci.get(key))
+        out[MACRO_COLUMNS[key]] = (value, tau_ci.get(key))
     for key, column in zip(("speedup", "decode_speedup"), _SPEED_COLUMNS):
         value = (macro.get(key) or {}).get("avg")
         if value is not None and math.isfinite(value):

@@ -1,10 +1,11 @@
 """The summary of a `scripts/demo.sh` run folder: one markdown page (README.md) and a short text.
 
 `dspark summary RUN_DIR` reads what the demo's stages wrote and says, top to bottom,
-what was trained, the accepted length τ with its intervals, the calibration, the
-scheduling table, the simulation, the time each stage took and where every file is.
-Every input is optional: a stage that has not run (or a file an older version wrote
-without some key) is named as missing, never an error.
+the results table (`results_table`: the one the repository's README shows), what was
+trained, the accepted length τ with its intervals, the calibration, the scheduling table,
+the simulation, the time each stage took and where every file is. Every input is
+optional: a stage that has not run (or a file without some key) is named as missing,
+never an error.
 
 The run folder (``scripts/demo.sh`` writes it; the names are this module's contract):
 
@@ -14,7 +15,7 @@ The run folder (``scripts/demo.sh`` writes it; the names are this module's contr
     eval-T<temp>/<name>/report.json   `dspark eval` reports (+ report.md, rounds.jsonl, plots)
     sps.json (.profile.json, .png)    `dspark profile-sps`
     sts.json (sts_reliability.png)    `dspark calibrate`
-    sched/<policy>-R<r>/report.json   `dspark eval --scheduler <policy> --concurrency <r>`
+    sched/<policy>-R<r>/report.json   `dspark eval --policy <policy> --concurrency <r>`
     simulate/results.json (figure8.png, frontier.png)   `dspark simulate`
 
 Intervals: a metric ``x`` of a report may carry a sibling ``x_ci: [lo, hi]`` (a 95 %
@@ -36,7 +37,7 @@ from dspark.io.atomic import atomic_write_text
 from dspark.evaluation.markdown import fmt_ci, fmt_number, markdown_table
 from dspark.evaluation.metrics import DISPLAY_NAMES, TABLE1_ORDER
 
-TAU_KEYS = ("tau_pooled", "tau")  # the bootstrap work renames τ pooled over rounds; older reports say "tau"
+TAU_KEYS = ("tau_pooled", "tau")  # τ pooled over rounds; a report without intervals names it "tau"
 DOMAIN_NAMES = {"math": "Math", "code": "Code", "chat": "Chat", "avg": "Avg"}
 STAGE_NAMES = {"data": "answers, rendering, fp8 feature cache", "vocab": "draft vocabulary (dspark vocab)",
                "profile-sps": "SPS profile of the target", "calibrate": "STS calibration",
@@ -352,7 +353,18 @@ def paired_rows(run: Mapping[str, Any], baseline: str = PAIRED_BASELINE) -> list
     """For every other policy with a scheduled evaluation at R = 1: its speedup and τ over the
     baseline's on the same requests (``dspark.evaluation.paired.paired_ratio``, each speedup against its own
     target-only decodes), as {policy, paired: PairedRatio or None, error: why not or None}.
-    Empty without the baseline's evaluation."""
+    Empty without the baseline's evaluation. Kept in ``run`` (a dict) once computed: the page
+    shows them twice and each is a bootstrap."""
+    cached = run.get("paired_rows", {}).get(baseline)
+    if cached is not None:
+        return cached
+    rows = _paired_rows(run, baseline)
+    if isinstance(run, dict):
+        run.setdefault("paired_rows", {})[baseline] = rows
+    return rows
+
+
+def _paired_rows(run: Mapping[str, Any], baseline: str) -> list[dict[str, Any]]:
     from dspark.evaluation.paired import paired_ratio
 
     if (baseline, 1) not in run["sched"]:
@@ -362,7 +374,7 @@ def paired_rows(run: Mapping[str, Any], baseline: str = PAIRED_BASELINE) -> list
     for policy, _ in sorted((k for k in run["sched"] if k[1] == 1 and k[0] != baseline), key=_policy_order(run)):
         try:
             paired, error = paired_ratio(folder / f"{policy}-R1", folder / f"{baseline}-R1"), None
-        except (OSError, ValueError, KeyError, TypeError) as e:  # a stage still running, an older folder
+        except (OSError, ValueError, KeyError, TypeError) as e:  # a stage still running, a folder without round logs
             paired, error = None, str(e)
         rows.append({"policy": policy, "paired": paired, "error": error})
     return rows
@@ -419,7 +431,7 @@ def sched_section(run: Mapping[str, Any]) -> str:
               fmt_number(x["theta_ratio"]), fmt_number(x["draft_steps"]), fmt_number(x["verify_steps"])]
              for x in rows]
     note = (
-        "DSpark at T = 1 on the same prompts under each policy. **Wall clock** (R = 1, `dspark eval --scheduler "
+        "DSpark at T = 1 on the same prompts under each policy. **Wall clock** (R = 1, `dspark eval --policy "
         "POLICY`, folders `sched/`): tokens/s of the speculative decode against target-only decoding of the same "
         "prompts, measured in the same process; τ, mean ℓ and the per-round costs come from it. Draft / verify per "
         "round: seconds per round over the target-only seconds per decode step (prefills excluded); a round costs "
@@ -432,6 +444,72 @@ def sched_section(run: Mapping[str, Any]) -> str:
         "simulator's τ and mean ℓ.")
     paired = paired_section(run)
     return "\n".join([markdown_table(header, cells), "", note] + (["", paired] if paired else []))
+
+
+DRAFTER_NAMES = {"dspark": "DSpark", "dflash": "DFlash", "eagle3": "Eagle3"}
+POLICY_NAMES = {"static": "static γ = {gamma}", "static1": "static ℓ = 1", "algorithm1": "Algorithm 1",
+                "async": "async (Section 5.2)", "algorithm1+skip": "Algorithm 1 + skip"}
+RESULTS_HEADER = ("", "τ, T = 1", "τ, greedy", "speed vs target-only (T = 1, R = 1, wall clock)",
+                  f"speed vs {PAIRED_BASELINE} γ (paired, R = 1)", "throughput vs target-only (R = {r}, SPS clock)")
+
+
+def _drafter_name(run: Mapping[str, Any], name: str, report: Mapping[str, Any]) -> str:
+    """"DSpark" / "DFlash" / "Eagle3" from the training run's variant, the report's label or the name."""
+    for key in ((run["training"].get(name) or {}).get("variant"), report.get("label"), name.split("_")[0]):
+        if key in DRAFTER_NAMES:
+            return DRAFTER_NAMES[key]
+    return name
+
+
+def _policy_name(policy: str, gamma: Any) -> str:
+    return POLICY_NAMES.get(policy, policy).replace("{gamma}", fmt_number(gamma) if gamma else "γ")
+
+
+def results_table(run: Mapping[str, Any] | str | os.PathLike) -> str:
+    """The results table of a demo run (a folder, or ``load_run``'s dict): the README's table.
+
+    One row per drafter evaluated at T = 1 (every draft verified): its macro-average τ at T = 1
+    and greedily, with half the 95 % interval over requests, and its wall-clock speed against
+    target-only decoding. One row per verification policy of the scheduled evaluations (DSpark,
+    T = 1, R = 1): τ, wall-clock speed, that speed over static γ's on the same requests (paired
+    bootstrap: estimate and 95 % interval), and, from the simulator, the throughput against
+    target-only decoding at the smallest R > 1 on the SPS clock. A last row: target-only decoding.
+    "" when the folder has neither evaluations nor scheduled evaluations."""
+    if not isinstance(run, Mapping):
+        run = load_run(run)
+    evals = {name: {temp: report for (temp, n), report in run["evals"].items() if n == name}
+             for _, name in _eval_columns(run)}
+    all_rows = sched_rows(run)
+    sched = [x for x in all_rows if x["R"] == 1]
+    if not evals and not sched:
+        return ""
+    r = min((x["R"] for x in all_rows if x["R"] > 1), default=None)
+    rows = []
+    for name, by_temp in evals.items():
+        hot = next((rep for t, rep in by_temp.items() if _is_float(t) and float(t) > 0), None)
+        greedy = next((rep for t, rep in by_temp.items() if _is_float(t) and float(t) == 0), None)
+        report = hot or greedy or {}
+        gamma = report.get("gamma")
+        label = _drafter_name(run, name, report) + (f" (γ = {gamma})" if gamma else "")
+        rows.append([label, fmt_ci(*metric((hot or {}).get("macro"), TAU_KEYS, "avg")),
+                     fmt_ci(*metric((greedy or {}).get("macro"), TAU_KEYS, "avg")),
+                     fmt_ci(*metric((hot or {}).get("macro"), "speedup", "avg")), "–", "–"])
+    paired = {x["policy"]: x["paired"] for x in paired_rows(run)}
+    at_r = {x["policy"]: x["theta_ratio"] for x in all_rows if x["R"] == r}
+    for x in sched:
+        gamma = (run["sched"].get((x["policy"], 1)) or {}).get("gamma")
+        p = paired.get(x["policy"])
+        if x["policy"] == PAIRED_BASELINE:
+            vs = "1 (baseline)"
+        elif p is not None and p.speedup is not None:
+            vs = f"{p.speedup.estimate:.2f} {_fmt_ratio(p.speedup)[1]}"
+        else:
+            vs = "–"
+        rows.append([f"DSpark, {_policy_name(x['policy'], gamma)}", fmt_ci(x["tau"], x["tau_ci"]), "–",
+                     fmt_ci(x["speedup"], x["speedup_ci"]), vs, fmt_number(at_r.get(x["policy"]))])
+    rows.append(["target-only decoding", "1", "1", "1", "–", "1"])
+    header = [h.replace("{r}", str(r) if r else "> 1") for h in RESULTS_HEADER]
+    return markdown_table(header, rows)
 
 
 def simulate_section(run: Mapping[str, Any]) -> str:
@@ -505,6 +583,10 @@ def summary_markdown(run: Mapping[str, Any]) -> str:
         f"# dspark demo: {run['dir'].name}", "",
         f"SmolLM2-135M-Instruct as the target; {_drafters_trained(run)} trained with the same budget, "
         "evaluated against target-only decoding, calibrated, and served under verification policies.",
+        "", "## Results", "", results_table(run) or "No evaluation found.", "",
+        "τ: accepted tokens per round, macro average over the benchmarks, ± half the 95 % bootstrap interval "
+        "over requests. Speeds: tokens/s against target-only decoding of the same prompts; the sections below "
+        "give every number this table is made of.",
         "", "## 1. What was trained", "", training_section(run),
         "", f"Learning curves: {_link(run, 'curves.png')}.",
         "", "## 2. Accepted length τ", "", tau_section(run),
@@ -538,7 +620,7 @@ def summary_short(run: Mapping[str, Any]) -> str:
                      f"wall speedup {fmt_ci(x['speedup'], x['speedup_ci'])}, SPS-clock Θ ratio {fmt_number(x['theta_ratio'])}"
                      f", draft/round {fmt_number(x['draft_steps'])} steps")
     if run["sched"] or run["simulate"]:
-        lines.append("(R = 1: wall clock of dspark eval --scheduler; R > 1: the simulator's SPS clock)")
+        lines.append("(R = 1: wall clock of dspark eval --policy; R > 1: the simulator's SPS clock)")
     for x in paired_rows(run):
         if x["paired"] is not None:
             speed, speed_ci = _fmt_ratio(x["paired"].speedup)

@@ -1,4 +1,4 @@
-"""Draft-quality metrics over round logs (SPEC 6).
+"""Draft-quality metrics over round logs (paper Section 4: τ, Table 1; acceptance, Fig. 2; confidence, Section 4.3.3).
 
 Pure functions: they read round records and return numbers, nothing is
 written or printed. A round record is a mapping with the keys of one line of
@@ -13,11 +13,11 @@ the scheduler off); ``accepted`` is m ≤ ℓ, the accepted draft tokens (the
 bonus token excluded); ``confidences`` are c_1..c_γ (conditional, not
 cumulative), or None for a drafter without a confidence head.
 ``eos_accepted`` (absent = false) marks a round that accepted an EOS draft:
-it ended the sequence with no token after it (SPEC 5), so its τ is m, and
+it ended the sequence with no token after it, so its τ is m, and
 its ``proposed`` stops at the EOS (m = ℓ: nothing after it was verified or
 rejected), as DeepSpec's evaluator counts it.
 
-Where each quantity of SPEC 6 lives:
+Where each quantity lives (τ counts the bonus token, paper Section 4.1):
 
 - ``round_tau``                τ of one round: m + 1, or m after an accepted EOS
 - ``tau_pooled``               τ averaged over all rounds (what serving engines report)
@@ -31,7 +31,8 @@ Where each quantity of SPEC 6 lives:
 - ``macro_average``            the Math / Code / Chat / Avg columns of Table 1
 - ``macro_average_array``      the same over a trailing benchmark axis (bootstrap resamples)
 
-Their 95 % bootstrap intervals over requests are in ``dspark.evaluation.intervals``.
+Their 95 % bootstrap intervals over requests are in ``dspark.evaluation.intervals``; the
+benchmarks, their domains and Table 1 headers in ``dspark.data.benchmarks``.
 """
 
 from __future__ import annotations
@@ -42,78 +43,16 @@ from typing import Any
 
 import numpy as np
 
+from dspark.data.benchmarks import BENCHMARKS, DOMAINS, domain_of
+# Views of the benchmark table, re-exported for the modules that read them from here.
+from dspark.data.benchmarks import DISPLAY_NAMES as DISPLAY_NAMES, TABLE1_ORDER as TABLE1_ORDER
 from dspark.scheduling.calibration import apply_temperatures, confidence_metrics
-
-# The nine benchmarks of SPEC 6, in the file-name spelling of eval_datasets/.
-BENCHMARKS: tuple[str, ...] = (
-    "gsm8k",
-    "math500",
-    "aime25",
-    "humaneval",
-    "mbpp",
-    "livecodebench",
-    "mt-bench",
-    "alpaca",
-    "arena-hard-v2",
-)
-
-DOMAINS: dict[str, tuple[str, ...]] = {
-    "math": ("gsm8k", "math500", "aime25"),
-    "code": ("humaneval", "mbpp", "livecodebench"),
-    "chat": ("mt-bench", "alpaca", "arena-hard-v2"),
-}
-
-# Column order and headers of the paper's Table 1 (MBPP before HumanEval there).
-TABLE1_ORDER: tuple[str, ...] = (
-    "gsm8k",
-    "math500",
-    "aime25",
-    "mbpp",
-    "humaneval",
-    "livecodebench",
-    "mt-bench",
-    "alpaca",
-    "arena-hard-v2",
-)
-DISPLAY_NAMES: dict[str, str] = {
-    "gsm8k": "GSM8K",
-    "math500": "MATH",
-    "aime25": "AIME25",
-    "humaneval": "HumanEval",
-    "mbpp": "MBPP",
-    "livecodebench": "LCB",
-    "mt-bench": "MT-Bench",
-    "alpaca": "Alpaca",
-    "arena-hard-v2": "Arena-Hard",
-}
-
-# Requests per benchmark in the reference protocol (SPEC 6; seeded subsets).
-DEFAULT_NUM_SAMPLES: dict[str, int] = {
-    "gsm8k": 500,
-    "math500": 500,
-    "aime25": 30,
-    "humaneval": 164,
-    "mbpp": 256,
-    "livecodebench": 500,
-    "mt-bench": 80,
-    "alpaca": 500,
-    "arena-hard-v2": 500,
-}
 
 ECE_BINS = 20
 
-# The macro columns of Table 1, in the order ``macro_average_array`` returns them.
-MACRO_KEYS: tuple[str, ...] = ("math", "code", "chat", "avg")
-
-
-def domain_of(benchmark: str) -> str | None:
-    """"math", "code" or "chat" for the nine SPEC benchmarks, None for any other name."""
-    for domain, names in DOMAINS.items():
-        if benchmark in names:
-            return domain
-    if benchmark.startswith("builtin-") and benchmark[len("builtin-"):] in DOMAINS:
-        return benchmark[len("builtin-"):]  # the built-in evaluation prompts (dspark.data.prompts)
-    return None
+# The macro columns of Table 1, in the order ``macro_average_array`` returns them, and their headers.
+MACRO_KEYS: tuple[str, ...] = (*DOMAINS, "avg")
+MACRO_COLUMNS: dict[str, str] = {key: key.capitalize() for key in MACRO_KEYS}
 
 
 # ---------------------------------------------------------------------------
@@ -231,10 +170,10 @@ def confidence_quality(
     temperatures: Any = None,
     n_bins: int = ECE_BINS,
 ) -> list[dict[str, float]] | None:
-    """Per-position quality of a_k = Π_{i≤k} c_i against 1[first k accepted] (SPEC 6).
+    """Per-position quality of a_k = Π_{i≤k} c_i against 1[first k accepted] (paper Section 4.3.3).
 
     Rounds without confidences are left out; None if no round has them.
-    ``temperatures`` (γ STS temperatures, SPEC 7.1) are applied to c first.
+    ``temperatures`` (γ STS temperatures, paper Section 3.2.1) are applied to c first.
     Returns ``dspark.scheduling.calibration.confidence_metrics``: one dict per position
     with position, count, ece, auroc, brier, mean_pred, mean_label."""
     keep = [i for i, c in enumerate(confidences) if c is not None]
@@ -258,7 +197,7 @@ def summarize_rounds(
     gamma: int,
     temperatures: Any = None,
 ) -> dict[str, Any]:
-    """Every SPEC 6 metric of a set of round records (one benchmark, a domain, or all).
+    """Every metric above of a set of round records (one benchmark, a domain, or all).
 
     Requests are told apart by (benchmark, request). Keys: num_rounds,
     num_requests, tau, tau_per_request, conditional_acceptance (γ floats),
@@ -295,7 +234,7 @@ def macro_average(values: Mapping[str, float]) -> dict[str, float]:
     """Table 1's domain columns from per-benchmark values.
 
     math / code / chat: the mean over that domain's benchmarks present in
-    ``values``; avg: the mean over all present SPEC benchmarks (equal to the
+    ``values``; avg: the mean over all present benchmarks of the table (equal to the
     mean of the three domain means when all nine are there). NaN where no
     benchmark is present; NaN values are skipped; other names are ignored."""
     def mean(names: Iterable[str]) -> float:

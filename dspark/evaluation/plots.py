@@ -8,7 +8,7 @@
 - ``reliability_diagram``, ``reliability_grid``
                                               reliability diagrams of predictions, and of
                                               a_k = Π_{i≤k} c_i before / after STS per position.
-- ``plot_sps``                                a profiled SPS(B) table (SPEC 7.4).
+- ``plot_sps``                                a profiled SPS(B) table (paper Section 5.2).
 - ``plot_figure8``, ``plot_frontier``         the serving simulator (paper Fig. 8 and 7).
 - ``plot_learning_curves``                    held-out τ of training runs against wall-clock minutes.
 
@@ -26,7 +26,8 @@ import numpy as np
 
 from dspark.scheduling.calibration import apply_temperatures, cumulative_confidence, ece, prefix_labels, reliability_bins
 from dspark.evaluation.curves import curve, read_log
-from dspark.evaluation.metrics import DISPLAY_NAMES, DOMAINS, domain_of
+from dspark.data.benchmarks import DISPLAY_NAMES, DOMAINS, domain_of
+from dspark.evaluation.metrics import MACRO_COLUMNS
 
 if TYPE_CHECKING:
     from dspark.scheduling.simulator import SimResult
@@ -73,7 +74,7 @@ def plot_acceptance(report: Mapping[str, Any], path: PathLike) -> None:
     k = np.arange(1, gamma + 1)
     fig = _new_figure((5.0, 3.6))
     ax = fig.add_subplot(1, 1, 1)
-    curves = [(d.capitalize(), e) for d, e in report["domains"].items()]
+    curves = [(MACRO_COLUMNS[d], e) for d, e in report["domains"].items()]
     if not curves:  # benchmarks outside the three domains only
         curves = [(DISPLAY_NAMES.get(n, n), e) for n, e in report["benchmarks"].items()]
     for name, entry in curves:
@@ -141,7 +142,7 @@ def plot_reliability(
     for domain in DOMAINS:
         mask = np.array([domain_of(r["benchmark"]) == domain for r in with_conf], dtype=bool)
         if mask.any():
-            groups[domain.capitalize()] = mask
+            groups[MACRO_COLUMNS[domain]] = mask
     cols = min(gamma, 4)
     rows = -(-gamma // cols)
     fig = _new_figure((3.2 * cols, 3.2 * rows))

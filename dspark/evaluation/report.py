@@ -46,7 +46,8 @@ from dspark.evaluation.compare import _compared_numbers, _numbers_table, _table1
 from dspark.evaluation.intervals import add_intervals
 from dspark.io.jsonsafe import to_jsonable
 from dspark.evaluation.markdown import fmt_ci, fmt_number, markdown_table
-from dspark.evaluation.metrics import DISPLAY_NAMES, DOMAINS, domain_of, macro_average, summarize_rounds
+from dspark.data.benchmarks import DISPLAY_NAMES, DOMAINS, domain_of
+from dspark.evaluation.metrics import MACRO_COLUMNS, macro_average, summarize_rounds
 from dspark.evaluation.plots import plot_acceptance, plot_figure8, plot_frontier, plot_reliability, plot_sps, reliability_grid
 
 if TYPE_CHECKING:
@@ -299,7 +300,7 @@ def _position_tables(report: Mapping[str, Any]) -> list[str]:
     groups = [*report["benchmarks"].items(), *report["domains"].items(), ("all", report["all"])]
 
     def table(key: str) -> str:
-        return markdown_table(["", *positions], [[DISPLAY_NAMES.get(n, n.capitalize() if n in DOMAINS else n)]
+        return markdown_table(["", *positions], [[DISPLAY_NAMES.get(n, MACRO_COLUMNS[n] if n in DOMAINS else n)]
                                                  + [fmt_ci(x, ci, 3) for x, ci in zip(e[key], _cis(e, key))]
                                                  for n, e in groups])
 
@@ -367,7 +368,7 @@ def scheduled_summary(
     records: Sequence[Mapping[str, Any]], rounds: Sequence[Mapping[str, Any]], pooled: Mapping[str, Any],
     *, policy: str, concurrency: int, sps_step_s: float | None = None,
 ) -> dict[str, Any]:
-    """``report["scheduled"]`` of ``dspark eval --scheduler``: speed against target-only decoding
+    """``report["scheduled"]`` of ``dspark eval --policy``: speed against target-only decoding
     and what a round costs, in target steps.
 
     pooled: ``report["all"]`` (tokens_per_s, speedup, decode_speedup, τ). The target step t is

@@ -1,11 +1,11 @@
 """The recipes of the scheduling commands: a `dspark.config.Config` in, files out.
 
 - `profile_sps`   `dspark profile-sps`: the target's verification steps/s at B batch
-                  tokens (SPEC 7.4), written as SGLang's SPS table (`config.profile`).
+                  tokens (SPS(B) of Algorithm 1), written as SGLang's SPS table (`config.profile`).
 - `simulate`      `dspark simulate`: the serving simulator over policies × concurrencies
                   on the benchmark prompts (paper Fig. 8; `config.serve`, `config.eval`).
 - `calibrate`     `dspark calibrate`: STS fitted on round logs, split by request
-                  (SPEC 7.1; `config.calibrate`).
+                  (paper Section 3.2.1; `config.calibrate`).
 
 Each writes the config it ran next to its outputs where they are a folder
 (config.json) or inside them, so a run can be repeated from its files. Printing
@@ -72,8 +72,9 @@ def interleave(sets: Sequence[Sequence[Any]]) -> list[Any]:
 
 def simulate(config: Config, *, progress: Callable[[Any], None] | None = None,
              announce: Announce = _silent) -> tuple[list[Any], Path]:
-    """Serve `serve.num_prompts` prompts per benchmark under every policy of `serve.policies`
-    at every R of `serve.concurrencies` (the drafter of `eval.draft`, or a fresh one); write
+    """Serve `serve.num_prompts` prompts per benchmark under every policy of `serve.policy`
+    (`SIMULATE_POLICIES` when empty) at every R of `serve.concurrencies` (the drafter of
+    `eval.draft`, or a fresh one); write
     results.json/.md, rounds.jsonl, the plots and config.json to `serve.out` (default
     <run_dir>/simulate). Returns the results and the folder."""
     from dspark.scheduling.calibration import load_sts_json
@@ -83,13 +84,15 @@ def simulate(config: Config, *, progress: Callable[[Any], None] | None = None,
     from dspark.evaluation.report import write_results
     from dspark.build import load_models
     from dspark.scheduling.algorithm1 import SPSTable
-    from dspark.scheduling.simulator import make_policy, simulate_grid
+    from dspark.config import SIMULATE_POLICIES
+    from dspark.scheduling.simulator import DecodeSettings, ServeSettings, make_policy, simulate_grid
 
     s, e = config.serve, config.eval
     if not s.sps:
         raise ValueError("serve.sps is empty: give the SPS table of `dspark profile-sps` (--sps FILE)")
     sps = SPSTable.from_json(s.sps)
-    for spec in s.policies:  # fail on a bad spec before loading any model
+    policies = list(s.policy) or list(SIMULATE_POLICIES)
+    for spec in policies:  # fail on a bad spec before loading any model
         make_policy(spec, sps)
     target, drafter, origin = load_models(config)
     gamma = drafter.config.block_size
@@ -106,13 +109,15 @@ def simulate(config: Config, *, progress: Callable[[Any], None] | None = None,
              f"{len(prompts)} prompts from {', '.join(f'{n} ({len(v)})' for n, v in sets.items())}; "
              f"STS {'from ' + s.sts if temps is not None else 'off (raw confidences)'}")
     results = simulate_grid(
-        target, drafter, prompts, concurrencies=s.concurrencies, policies=s.policies, progress=progress, sps=sps,
-        sts_temperatures=temps, max_new_tokens=s.max_new_tokens, temperature=e.temperature, seed=e.seed,
-        eos_token_ids=eos, cycle=s.cycle, num_requests=s.num_requests or None, draft_overhead=s.draft_overhead,
+        target, drafter, prompts, policies=policies, concurrencies=s.concurrencies,
+        decoding=DecodeSettings(max_new_tokens=s.max_new_tokens, temperature=e.temperature, seed=e.seed,
+                                eos_token_ids=eos),
+        serving=ServeSettings(sps=sps, sts_temperatures=temps, draft_overhead=s.draft_overhead),
+        cycle=s.cycle, num_requests=s.num_requests or None, progress=progress,
     )
     summary = {
         "target": config.target.name_or_path, "drafter": origin, "gamma": gamma, "sps": sps.to_dict(),
-        "sts_temperatures": None if temps is None else [float(t) for t in temps], "policies": list(s.policies),
+        "sts_temperatures": None if temps is None else [float(t) for t in temps], "policies": policies,
         "concurrencies": list(s.concurrencies), "benchmarks": {n: len(v) for n, v in sets.items()},
         "num_prompts": len(prompts), "max_new_tokens": s.max_new_tokens, "temperature": e.temperature,
         "seed": e.seed, "cycle": s.cycle, "num_requests": s.num_requests or None,

@@ -1,7 +1,7 @@
 """Export a drafter to the folder layout a serving or training stack loads (`dspark export`).
 
 Every destination's layout lives here, in one function each, with the facts it relies on
-(../shared/INTEROP.md; z-lab's from its `dflash/model.py`). The layer-id convention needs no
+(each loader's own code; z-lab's from its `dflash/model.py`). The layer-id convention needs no
 conversion anywhere: DeepSpec and z-lab use ours (id i = output of decoder layer i), and SGLang
 and vLLM add 1 to `target_layer_ids` themselves for DFlash/DSpark, so every file carries our ids.
 

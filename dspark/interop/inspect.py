@@ -5,18 +5,19 @@ Two steps, each returning data (the CLI prints it):
 - ``describe_folder(path)``: the folder's format, algorithm, block layout, γ,
   layer ids and their convention, mask token, heads, draft vocabulary,
   parameter counts and stored dtypes, read from ``config.json`` and the
-  safetensors headers only (no model is built). Formats are recognised by the
-  table ``FORMATS``: a new layout is one more ``FolderFormat`` row.
+  safetensors headers only (no model is built). The folder and its layout are
+  those ``load_drafter`` reads (``dspark.modeling.formats``: ``locate_drafter``,
+  ``detect_format``); ``FORMATS`` says how each layout is described.
 - ``check_target(...)``: the folder against a target: layer ids exist, hidden
   and vocabulary sizes match, the mask token is inside the vocabulary; then a
   short greedy speculative decode (``dspark.decoding.loop.speculative_generate`` at
   T = 0) on a few prompts. When the acceptance is low, the decode is re-run
   with the layer ids shifted by ±1, the block layout switched and other mask
   tokens, and the variant that recovers the acceptance names the likely cause.
-  The two conventions that fail silently are in ../shared/INTEROP.md: layer ids
-  (ours: id i = output of decoder layer i = HF hidden_states[i+1]; vLLM's
-  EAGLE-3 field is input-of-layer, i.e. ours + 1) and the block layout
-  (anchor-first vs anchor + γ masks; renaming across them gives τ ≈ 1).
+  The two conventions that fail silently: layer ids (ours: id i = output of
+  decoder layer i = HF hidden_states[i+1]; vLLM's EAGLE-3 field is
+  input-of-layer, i.e. ours + 1) and the block layout (anchor-first vs
+  anchor + γ masks; renaming across them gives τ ≈ 1).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from typing import Any
 
 import torch
 
-CONFIG_NAME = "config.json"
+from dspark.modeling.formats import CONFIG_NAME, detect_format, locate_drafter, read_json
+
 # Frozen copies of the target's tensors that a folder may carry (DeepSpec does, we do not by default).
 FROZEN_TENSORS = ("embed_tokens.weight", "lm_head.weight")
 SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "BF16": "bfloat16", "F16": "float16",
@@ -53,8 +55,8 @@ class ParamCounts:
 class FolderDescription:
     """What a drafter folder is. Fields a format does not state are None."""
 
-    path: Path  # the folder read (a step_latest / step_N folder resolved)
-    format: str  # a FolderFormat name, or "other"
+    path: Path  # the folder read (the drafter or checkpoint of a run folder resolved)
+    format: str  # a detect_format name, or "other"
     format_summary: str
     architecture: str
     algorithm: str  # "dspark" | "dflash" | "eagle3" | "unknown"
@@ -77,16 +79,14 @@ class FolderDescription:
 
 @dataclass(frozen=True)
 class FolderFormat:
-    """One row of the format table: how to recognise a config.json and read its fields.
+    """How a layout of `dspark.modeling.formats.detect_format` is described.
 
     `read(config, shapes)` returns the FolderDescription fields the format states
     (algorithm, block_layout, gamma, target_layer_ids, layer_convention, mask_token_id,
     num_target_layers, heads, draft_vocab_size).
     """
 
-    name: str
     summary: str
-    matches: Callable[[dict[str, Any]], bool]
     read: Callable[[dict[str, Any], dict[str, list[int]]], dict[str, Any]]
 
 
@@ -143,9 +143,10 @@ def _read_zlab(config: dict[str, Any], shapes: dict[str, list[int]]) -> dict[str
 
 
 def _read_eagle3(config: dict[str, Any], shapes: dict[str, list[int]]) -> dict[str, Any]:
-    """EAGLE-3: DeepSpec's Qwen3Eagle3Model (output-of-layer `target_layer_ids`) or the standard
-    LlamaForCausalLMEagle3, whose top-level `eagle_aux_hidden_state_layer_ids` vLLM reads as
-    input-of-layer (ours + 1) while `eagle_config`'s copy is output-of-layer (SGLang)."""
+    """EAGLE-3: an …Eagle3Model (output-of-layer `target_layer_ids`; dspark's also states γ as
+    `block_size`) or the standard LlamaForCausalLMEagle3, whose top-level
+    `eagle_aux_hidden_state_layer_ids` vLLM reads as input-of-layer (ours + 1) while
+    `eagle_config`'s copy is output-of-layer (SGLang)."""
     eagle = config.get("eagle_config") or {}
     if "target_layer_ids" in config:
         ids, convention = config["target_layer_ids"], OUR_CONVENTION
@@ -156,57 +157,22 @@ def _read_eagle3(config: dict[str, Any], shapes: dict[str, list[int]]) -> dict[s
         convention = "input of decoder layer i (HF hidden_states[i]; vLLM's top-level EAGLE-3 field)"
     d2t = shapes.get("d2t")
     return dict(
-        algorithm="eagle3", block_layout=None, gamma=None, target_layer_ids=ids,
+        algorithm="eagle3", block_layout=None, gamma=config.get("block_size"), target_layer_ids=ids,
         layer_convention=convention, mask_token_id=None, num_target_layers=config.get("num_target_layers"),
         heads=[f"none (autoregressive draft steps; trained over ttt_length = {config.get('ttt_length', '?')})"],
         draft_vocab_size=config.get("draft_vocab_size", d2t[0] if d2t else None),
     )
 
 
-FORMATS: tuple[FolderFormat, ...] = (
-    FolderFormat("dspark", "written by dspark (DeepSpec's layout + dspark_variant, block_layout)",
-                 lambda c: "dspark_variant" in c or "block_layout" in c, _read_dspark_fields),
-    FolderFormat("deepspec", "DeepSpec DSpark/DFlash checkpoint (Qwen3DSparkModel / Gemma4DSparkModel)",
-                 lambda c: any(a.endswith("DSparkModel") for a in _archs(c)), _read_dspark_fields),
-    FolderFormat("zlab", "z-lab DFlash (DFlashDraftModel, fields under dflash_config)",
-                 lambda c: "DFlashDraftModel" in _archs(c) or "dflash_config" in c, _read_zlab),
-    FolderFormat("deepspec-eagle3", "DeepSpec EAGLE-3 (Qwen3Eagle3Model)",
-                 lambda c: any(a.endswith("Eagle3Model") for a in _archs(c)), _read_eagle3),
-    FolderFormat("eagle3", "standard EAGLE-3 (LlamaForCausalLMEagle3: midlayer.*, d2t)",
-                 lambda c: any("Eagle3" in a for a in _archs(c)), _read_eagle3),
-)
-
-
-def resolve_folder(path: str | os.PathLike) -> tuple[Path, list[str]]:
-    """The folder holding config.json: PATH itself, the `drafter/` of a dspark run folder, or a
-    DeepSpec run's step_latest / highest step_N checkpoint."""
-    folder = Path(path)
-    if (folder / CONFIG_NAME).is_file():
-        return folder, []
-    if not folder.is_dir():
-        raise FileNotFoundError(f"{folder} is not a folder: give a drafter folder (config.json + model.safetensors)")
-    if (folder / "drafter" / CONFIG_NAME).is_file():  # a `dspark train` run folder
-        return folder / "drafter", [f"read the final drafter of the training run {folder}"]
-    if (folder / "step_latest" / CONFIG_NAME).is_file():
-        real = (folder / "step_latest").resolve()
-        return real, [f"read {real.name} (step_latest) inside {folder}"]
-    steps = sorted((p for p in folder.glob("step_*") if p.name[5:].isdigit() and (p / CONFIG_NAME).is_file()),
-                   key=lambda p: int(p.name[5:]))
-    if steps:
-        return steps[-1], [f"read the last checkpoint {steps[-1].name} of {len(steps)} inside {folder}"]
-    raise FileNotFoundError(f"{folder / CONFIG_NAME} not found (nor step_latest/ or step_N/ checkpoints): "
-                            "a drafter folder holds config.json and model.safetensors")
-
-
-def read_config_json(folder: Path) -> dict[str, Any]:
-    path = folder / CONFIG_NAME
-    try:
-        config = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path} is not valid JSON ({err}); re-export the drafter or repair the file") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{path} holds a {type(config).__name__}, not a JSON object of config fields")
-    return config
+FORMATS: dict[str, FolderFormat] = {
+    "dspark": FolderFormat("written by dspark (DeepSpec's layout + dspark_variant, block_layout)", _read_dspark_fields),
+    "deepspec": FolderFormat("DeepSpec DSpark/DFlash checkpoint (Qwen3DSparkModel / Gemma4DSparkModel)",
+                             _read_dspark_fields),
+    "zlab": FolderFormat("z-lab DFlash (DFlashDraftModel, fields under dflash_config)", _read_zlab),
+    "dspark-eagle3": FolderFormat("EAGLE-3 written by dspark (…Eagle3Model + eagle3_preset)", _read_eagle3),
+    "deepspec-eagle3": FolderFormat("DeepSpec EAGLE-3 (Qwen3Eagle3Model)", _read_eagle3),
+    "eagle3": FolderFormat("standard EAGLE-3 (LlamaForCausalLMEagle3: midlayer.*, d2t)", _read_eagle3),
+}
 
 
 def read_tensor_header(folder: Path) -> tuple[dict[str, list[int]], dict[str, str]]:
@@ -258,22 +224,24 @@ def _count(shapes: dict[str, list[int]], dtypes: dict[str, str]) -> tuple[ParamC
 
 def describe_folder(path: str | os.PathLike) -> FolderDescription:
     """Read a drafter folder's config.json and safetensors headers (no model is built)."""
-    folder, notes = resolve_folder(path)
-    config = read_config_json(folder)
+    folder, note = locate_drafter(path)
+    notes = [note] if note else []
+    config = read_json(folder / CONFIG_NAME)
     shapes, dtypes = read_tensor_header(folder)
-    fmt = next((f for f in FORMATS if f.matches(config)), None)
+    name = detect_format(config)
+    fmt = FORMATS.get(name) if name else None
     if fmt is None:
         fields: dict[str, Any] = dict(
             algorithm="unknown", block_layout=None, gamma=None, target_layer_ids=config.get("target_layer_ids"),
             layer_convention="unknown", mask_token_id=config.get("mask_token_id"),
             num_target_layers=config.get("num_target_layers"), heads=[], draft_vocab_size=None)
-        notes.append(f"architectures {_archs(config)} match no known drafter format ({', '.join(f.name for f in FORMATS)})")
+        notes.append(f"architectures {_archs(config)} match no known drafter format ({', '.join(FORMATS)})")
     else:
         fields = fmt.read(config, shapes)
     params, per_dtype = _count(shapes, dtypes)
     ids = fields.pop("target_layer_ids")
     return FolderDescription(
-        path=folder, format=fmt.name if fmt else "other", format_summary=fmt.summary if fmt else "unrecognised",
+        path=folder, format=name if fmt else "other", format_summary=fmt.summary if fmt else "unrecognised",
         architecture=", ".join(_archs(config)) or "(none)", block_size=config.get("block_size"),
         target_layer_ids=None if ids is None else [int(i) for i in ids],
         hidden_size=config.get("hidden_size"), vocab_size=config.get("vocab_size"),
@@ -313,7 +281,7 @@ class AcceptanceRun:
 
     @property
     def mean_accepted(self) -> float:
-        """Mean accepted drafts per round; τ = this + 1 (SPEC 5)."""
+        """Mean accepted drafts per round; τ = this + 1 (the bonus token counts)."""
         return self.accepted / max(1, self.rounds)
 
     @property

@@ -3,14 +3,11 @@
 A decoding step multiplies 1 row (target-only), 7 rows (a drafted block) or 8 rows (a
 verification forward) against every weight matrix of the model. On a CPU those products
 stream the weights from memory, and how fast depends on the kernel more than on the
-multiply-adds: with PyTorch's default (MKL for float32) a 2-core AMD EPYC (Zen 3, AVX2)
-streams SmolLM2's weights at about 10 GB/s for one row and spends 1.6x that for eight,
-where oneDNN with the weights reordered once into its own blocked layout
-(``torch.ops.mkldnn._reorder_linear_weight``) streams them at about 17 GB/s and spends
-1.2-1.3x that for eight (`bench/decode_round.py`, bench/README.md). On a Zen 4 EPYC with
-native bf16 the packed path made a target-only step 0.71x (float32) and 0.82x (bfloat16, where
-``F.linear`` already runs on oneDNN, unpacked) of a plain transformers step, and a round 1.28
-target steps in both dtypes (1.38 in bfloat16 unpacked).
+multiply-adds: PyTorch's default (MKL for float32) streams the weights more slowly than oneDNN
+with the weights reordered once into its own blocked layout
+(``torch.ops.mkldnn._reorder_linear_weight``), and its cost grows faster from one row to eight.
+The packed path also speeds up bfloat16 on a CPU with native bf16, where ``F.linear`` already
+runs on oneDNN but unpacked. The measurements are `bench/decode_round.py`'s, in bench/README.md.
 
 :func:`pack_linears` turns on that path for every ``nn.Linear`` of a module (they become
 :class:`PackedLinear`, same parameters and state dict) and :func:`register` for a bare
@@ -20,7 +17,7 @@ it for inputs of 1..``FEW_ROWS`` rows on CPU in float32 or bfloat16 without auto
 values are those of ``F.linear`` up to the summation order (float32: ~1e-6 relative).
 
 The packed copy is made on first use and costs the memory of the weights it packs
-(SmolLM2-135M float32: 0.54 GB). It is rebuilt if the weight is changed in place or
+(for SmolLM2-135M in float32, every weight matrix once more). It is rebuilt if the weight is changed in place or
 replaced (its version counter moved; a new storage is a new, unregistered weight), and freed with the weight.
 """
 
@@ -82,9 +79,8 @@ def resolve(choice: str, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether decoding on ``device`` in ``dtype`` uses packed weights under ``choice``.
 
     ``"auto"``: on a CPU in float32, and in bfloat16 on a CPU that multiplies bf16 in hardware
-    (AVX512-BF16 or AMX), where both were measured faster (bench/README.md: a target-only
-    step 0.7x / 0.8x a plain transformers step, a round 1.28 steps instead of 1.38); bfloat16
-    emulated on an older CPU stays on ``F.linear``, unmeasured. ``"onednn"``: on a CPU in float32
+    (AVX512-BF16 or AMX), where both are faster than a plain transformers step (bench/README.md);
+    bfloat16 emulated on a CPU without those instructions stays on ``F.linear``, unmeasured. ``"onednn"``: on a CPU in float32
     or bfloat16 (an error if this CPU cannot pack that dtype); ``"torch"``: never.
     """
     if choice not in CHOICES:

@@ -18,8 +18,8 @@ def vocab_logits(hidden: Tensor, weight: Tensor, *, contiguous: bool = True) -> 
     Same values as ``F.linear(hidden, weight)``, up to summation order. On CPU in
     float32 with 2-8 rows (a drafted block, a verification forward) it is computed
     as ``weight @ hiddenᵀ``: MKL's GEMM for a few rows against a 49k x 576 matrix
-    is badly blocked in the ``hidden @ weightᵀ`` orientation (7 rows took 34 ms
-    against 8 ms on this project's 2-core CPU, `bench/decode_round.py`). One row
+    is badly blocked in the ``hidden @ weightᵀ`` orientation (see `bench/decode_round.py`
+    and bench/README.md). One row
     (a GEMV) and many rows (training) are as fast either way, and bfloat16
     (oneDNN) has no such cliff, so those keep ``F.linear``.
 

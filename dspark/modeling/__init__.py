@@ -1,4 +1,4 @@
-"""Drafter modules: backbone (Eq. 2-3), sequential heads (Eq. 5-6), confidence head (Eq. 7), Eagle3 (SPEC 8)."""
+"""Drafter modules: backbone (Eq. 2-3), sequential heads (Eq. 5-6), confidence head (Eq. 7), Eagle3 (the Section 4.1 baseline)."""
 
 from dspark.modeling.checkpoint import load_drafter, make_drafter, save_drafter
 from dspark.modeling.config import DrafterConfig

@@ -1,4 +1,4 @@
-"""Drafter checkpoints: a folder with `config.json` and `model.safetensors` (SPEC 3.1 names).
+"""Drafter checkpoints: a folder with `config.json` and `model.safetensors` (DeepSpec's parameter names).
 
 A drafter with a draft vocabulary (dspark.modeling.vocab) also stores `draft_vocab_size` in
 config.json and its `d2t` / `t2d` tensors at the top level of the safetensors (vLLM's names);
@@ -125,7 +125,7 @@ def read_weights(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 
 def _with_rnn_bias_of_file(config: DrafterConfig, raw: dict[str, Any], state: dict[str, torch.Tensor]) -> DrafterConfig:
-    """Folders without an `rnn_bias` field (DeepSpec's, older dspark ones) say it by the tensor."""
+    """Folders without an `rnn_bias` field (DeepSpec's, and dspark's written without one) say it by the tensor."""
     if config.markov_head_type != "rnn" or "rnn_bias" in raw:
         return config
     return config.replace(rnn_bias="markov_head.joint_proj.bias" in state)

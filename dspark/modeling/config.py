@@ -1,4 +1,4 @@
-"""The drafter's architecture description and its config.json layout (SPEC 3.1).
+"""The drafter's architecture description and its config.json layout.
 
 A drafter's `config.json` is the target's (text) config with `num_hidden_layers`
 set to the number of draft layers, plus the DSpark fields
@@ -26,7 +26,7 @@ FAMILY_OF_MODEL_TYPE = {
     "gemma4_text": "gemma4",
 }
 VARIANTS = ("dspark", "dflash", "eagle3")
-# Eagle3 presets (SPEC 8, ../shared/INTEROP.md): "eagle3" is the standard EAGLE-3 that vLLM / SGLang
+# Eagle3 presets: "eagle3" is the standard EAGLE-3 that vLLM / SGLang
 # serve (Llama-style layer, no q/k norms, 3 fused layers, reduced draft vocabulary); "eagle3_deepspec"
 # is DeepSpec's Qwen3Eagle3Model (q/k norms, the 5 DSpark layers, full vocabulary), the paper's baseline.
 EAGLE3_PRESETS = ("eagle3", "eagle3_deepspec")
@@ -84,11 +84,14 @@ def family_of(model_type: str) -> str:
 
 @dataclass
 class DrafterConfig:
-    """Everything needed to build a drafter.
+    """Everything needed to build a drafter: the resolved architecture that config.json stores.
 
     `base_config` is the target's text config as a plain dict (it drives the
     per-family details: RoPE parameters, norm eps, activation, head sizes);
     `num_hidden_layers` there is overwritten by `num_draft_layers` on export.
+    An experiment states its choices in `dspark.config.DrafterSpec`, which
+    `dspark.build.drafter_config` maps here; the fields both carry have the same
+    defaults (the paper's Qwen3-4B recipe), kept equal by a test.
     """
 
     base_config: dict[str, Any]
@@ -98,7 +101,7 @@ class DrafterConfig:
     num_draft_layers: int = 5
     block_size: int = 7
     num_anchors: int = 512
-    variant: str = "dspark"  # "dspark" | "dflash"
+    variant: str = "dspark"  # "dspark" | "dflash" | "eagle3"
     block_layout: str = "anchor_first"  # DSpark layout | original DFlash "anchor_plus_masks"
     markov_rank: int = 256
     markov_head_type: str = "vanilla"  # "vanilla" (Markov, Eq. 5) | "gated" (DeepSpec) | "rnn" (Eq. 6)

@@ -5,8 +5,8 @@ Two entry points over one backbone:
 
 - `forward(features, input_ids, anchors, keep)` — training: many blocks per
   sequence, built at given anchor positions (anchor sampling lives in
-  `dspark.data.anchors`), all blocks of a batch in one pass under the SPEC 3.1
-  mask. Returns block hidden states; `draft_logits()` and
+  `dspark.data.anchors`), all blocks of a batch in one pass under the block
+  mask of Eq. 3. Returns block hidden states; `draft_logits()` and
   `confidence_logits()` turn them into teacher-forced logits/confidences so a
   loss can evaluate the vocabulary in chunks.
 - `propose(context, anchor_tokens, ...)` — inference: one block per running
@@ -101,7 +101,7 @@ class Drafter(nn.Module):
         eps = float(config.base_config.get("rms_norm_eps", 1e-6))
         # The target's frozen embedding table and LM head, shared by reference (attach_shared).
         # Deliberately not registered as parameters: no optimizer, `.to()` or state_dict
-        # ever touches them. Checkpoints may still carry them under SPEC 3.1 names.
+        # ever touches them. Checkpoints may still carry them under DeepSpec's names.
         self._shared: dict[str, Tensor] = {}
         self.fc = nn.Linear(m * d, d, bias=False)  # W_c of Eq. 2
         self.hidden_norm = RMSNorm(d, eps)
@@ -423,7 +423,7 @@ class Drafter(nn.Module):
                 row.add_(bias)
             if temperature > 0:
                 probs[:, k] = torch.softmax(row if temperature == 1 else row / temperature, dim=-1)
-                tok = sample_categorical(probs[:, k], generator)  # inverse CDF: 20x cheaper than multinomial
+                tok = sample_categorical(probs[:, k], generator)  # inverse CDF: much cheaper than multinomial
             else:
                 probs[:, k] = torch.softmax(row, dim=-1)
                 tok = row.argmax(dim=-1)
@@ -452,7 +452,7 @@ class Drafter(nn.Module):
 
 
 def training_mask(anchors: Tensor, keep: Tensor, seq_len: int, block_len: int, impl: str = "sdpa") -> Any:
-    """SPEC 3.1 mask for A blocks per row: query slot of block a sees context j < anchors[a]
+    """The block mask of Eq. 3 for A blocks per row: query slot of block a sees context j < anchors[a]
     and all slots of block a. Padding blocks (keep False) see only their own block (their
     outputs are never supervised; this avoids fully masked rows).
 

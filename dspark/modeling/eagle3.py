@@ -1,6 +1,6 @@
-"""Eagle3: an autoregressive drafter with one decoder layer over fused target features (SPEC 8).
+"""Eagle3: an autoregressive drafter with one decoder layer over fused target features (the paper's baseline, Section 4.1).
 
-One implementation, two presets (`DrafterConfig.eagle3_preset`, facts in ../shared/INTEROP.md):
+One implementation, two presets (`DrafterConfig.eagle3_preset`, as DeepSpec, vLLM and SGLang load them):
 
 - "eagle3_deepspec": DeepSpec's `Qwen3Eagle3Model`, the paper's baseline: the DSpark config's 5
   target layers, the full vocabulary, q/k RMSNorm in the attention;

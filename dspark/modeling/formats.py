@@ -1,6 +1,6 @@
 """The drafter folder layouts dspark reads, and how each maps onto `DrafterConfig`.
 
-Facts relied on (../shared/INTEROP.md, checked against the golden fixtures of ../shared/golden):
+Facts relied on (each checked against folders the other tools wrote; `detect_format` names the layout):
 
 - **dspark** (`save_drafter`) and **DeepSpec** (`Qwen3DSparkModel.save_pretrained`): the target's
   config plus flat fields (`block_size`, `mask_token_id`, `target_layer_ids`, `num_target_layers`,
@@ -27,8 +27,10 @@ Facts relied on (../shared/INTEROP.md, checked against the golden fixtures of ..
   default [1, N/2 − 1, N − 4]. Read as the "eagle3" preset (a Llama layer without q/k norms); the
   number of target layers is our `num_target_layers` when written, else N = max id + 4 (the default
   rule's last layer).
-- **Training output folders**: DeepSpec's checkpoint manager writes `step_<N>/` sub-folders and a
-  `step_latest` link (the link is read, else the highest N); a dspark run folder holds `drafter/`.
+- **Training run folders** (`locate_drafter`): a dspark run holds `drafter/` once training finished and
+  `checkpoints/<name>/drafter/` (`checkpoints/latest` names the newest) along the way; DeepSpec's
+  checkpoint manager writes `step_<N>/` sub-folders and a `step_latest` link. The final drafter is
+  read when there is one, else the latest checkpoint.
 
 The layout is read from `architectures`, never guessed: an unknown architecture is an error naming it.
 """
@@ -45,6 +47,10 @@ from typing import Any
 from dspark.modeling.config import DrafterConfig
 
 CONFIG_NAME = "config.json"
+# A training run folder: the drafter a run ends with, and its checkpoints (dspark.training.trainer).
+FINAL_DRAFTER = "drafter"
+CHECKPOINTS = "checkpoints"
+LATEST_POINTER = "latest"  # checkpoints/latest holds the name of the newest checkpoint
 log = logging.getLogger(__name__)
 
 # architecture -> (layout family, block layout). dspark's own names cover Llama and the DFlash variant.
@@ -61,33 +67,53 @@ REFUSED_FIELDS = {
 }
 
 
-def resolve_folder(path: str | os.PathLike) -> Path:
-    """The folder holding config.json: `path` itself; else, for a training output folder, its
-    `step_latest` (DeepSpec), else its highest `step_<N>`, else its `drafter/` (a dspark run's final
-    drafter). Which one was chosen is logged (a warning, so that the command line shows it)."""
+def locate_drafter(path: str | os.PathLike) -> tuple[Path, str]:
+    """The folder holding a drafter's config.json, and a sentence naming which one was read when
+    `path` is a training run folder ("" when `path` is itself a drafter folder).
+
+    The rule for a run folder: the final drafter when training finished, else the latest checkpoint.
+    dspark's trainer writes `drafter/` when a run ends and `checkpoints/<name>/drafter/` along the
+    way, `checkpoints/latest` naming the newest; DeepSpec writes `step_<N>/` and a `step_latest`
+    link (read, else the highest N). When none is there, `path` itself is returned: reading its
+    config.json then says what is missing."""
     folder = Path(path)
     if (folder / CONFIG_NAME).is_file() or not folder.is_dir():
-        return folder
-    latest = folder / "step_latest"
-    if (latest / CONFIG_NAME).is_file():
-        log.warning("%s is a training output folder: reading step_latest (-> %s)", folder, latest.resolve().name)
-        return latest
+        return folder, ""
+    if (folder / FINAL_DRAFTER / CONFIG_NAME).is_file():
+        return folder / FINAL_DRAFTER, f"read the final drafter of the training run {folder}"
+    pointer = folder / CHECKPOINTS / LATEST_POINTER
+    if pointer.is_file():
+        latest = folder / CHECKPOINTS / pointer.read_text().strip()
+        if (latest / FINAL_DRAFTER / CONFIG_NAME).is_file():
+            return latest / FINAL_DRAFTER, (f"read the latest checkpoint {latest.name} of the training run {folder} "
+                                            f"(no final {FINAL_DRAFTER}/: training has not finished)")
+    if (folder / "step_latest" / CONFIG_NAME).is_file():
+        real = (folder / "step_latest").resolve()
+        return real, f"read {real.name} (step_latest) inside {folder}"
     steps = [(int(m.group(1)), p) for p in folder.iterdir() if (m := re.fullmatch(r"step_(\d+)", p.name))]
-    steps = [(n, p) for n, p in steps if (p / CONFIG_NAME).is_file()]
+    steps = sorted((n, p) for n, p in steps if (p / CONFIG_NAME).is_file())
     if steps:
-        n, chosen = max(steps)
-        log.warning("%s is a training output folder without step_latest: reading its highest step, %s", folder, chosen.name)
-        return chosen
-    if (folder / "drafter" / CONFIG_NAME).is_file():
-        log.warning("%s is a dspark run folder: reading its final drafter, %s", folder, folder / "drafter")
-        return folder / "drafter"
+        return steps[-1][1], f"read the last checkpoint {steps[-1][1].name} of {len(steps)} inside {folder}"
+    return folder, ""
+
+
+def resolve_folder(path: str | os.PathLike) -> Path:
+    """`locate_drafter`'s folder; which checkpoint of a run folder was read is logged as a warning,
+    so that the command line shows it."""
+    folder, note = locate_drafter(path)
+    if note:
+        log.warning("%s", note)
     return folder
 
 
 def read_json(path: Path) -> dict[str, Any]:
-    """A JSON object from `path`, with errors naming the file and what is wrong with it."""
+    """A JSON object from `path` (a config.json, a safetensors index), with errors naming the file
+    and what is wrong with it."""
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: a drafter folder holds config.json and model.safetensors")
+        raise FileNotFoundError(
+            f"{path} not found: a drafter folder holds config.json and model.safetensors (a training run "
+            f"folder: {FINAL_DRAFTER}/, {CHECKPOINTS}/, step_latest/ or step_<N>/)"
+        )
     try:
         text = path.read_text()
     except UnicodeDecodeError as e:
@@ -97,21 +123,45 @@ def read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON (truncated or corrupted?): {e}") from None
+        raise ValueError(f"{path} is not valid JSON (truncated or corrupted?): {e}; re-export the drafter "
+                         "or repair the file") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path} holds a JSON {type(data).__name__}, not an object of config fields")
     return data
 
 
-def parse_config(d: dict[str, Any], where: str = CONFIG_NAME) -> DrafterConfig:
-    """A `DrafterConfig` from any accepted config.json; errors name the file and the field."""
+def detect_format(d: dict[str, Any]) -> str | None:
+    """The layout of a config.json, read from its `architectures` (never guessed from other fields):
+    "dspark" (ours, DSpark/DFlash), "deepspec" (DeepSpec's DSpark/DFlash), "zlab" (z-lab DFlash),
+    "dspark-eagle3" and "deepspec-eagle3" (an `…Eagle3Model` with or without `eagle3_preset`),
+    "eagle3" (the serving engines' LlamaForCausalLMEagle3); None for any other."""
     archs = d.get("architectures") or []
     if archs == [SERVING_EAGLE3_ARCHITECTURE]:
+        return "eagle3"
+    if len(archs) != 1:
+        return None
+    arch = archs[0]
+    if arch in EAGLE3_ARCHITECTURES:
+        return "dspark-eagle3" if "eagle3_preset" in d else "deepspec-eagle3"
+    if arch == ZLAB_ARCHITECTURE:
+        return "zlab"
+    if arch in OWN_ARCHITECTURES or (arch in DEEPSPEC_ARCHITECTURES and ("dspark_variant" in d or "block_layout" in d)):
+        return "dspark"
+    if arch in DEEPSPEC_ARCHITECTURES:
+        return "deepspec"
+    return None
+
+
+def parse_config(d: dict[str, Any], where: str = CONFIG_NAME) -> DrafterConfig:
+    """A `DrafterConfig` from any accepted config.json (`detect_format`); errors name the file and the field."""
+    archs = d.get("architectures") or []
+    fmt = detect_format(d)
+    if fmt == "eagle3":
         return _parse_eagle3(serving_eagle3_as_ours(d, where), where)
     for field, what in REFUSED_FIELDS.items():
         if field in d:
             raise ValueError(f"{where}: field {field!r} describes {what}, not {archs!r}; it cannot be loaded")
-    if len(archs) == 1 and archs[0] in EAGLE3_ARCHITECTURES:
+    if fmt in ("dspark-eagle3", "deepspec-eagle3"):
         return _parse_eagle3(d, where)
     if "ttt_length" in d:
         raise ValueError(f"{where}: field 'ttt_length' describes an Eagle3 drafter, but architectures={archs!r} is not "
@@ -121,18 +171,17 @@ def parse_config(d: dict[str, Any], where: str = CONFIG_NAME) -> DrafterConfig:
             f"{where}: architectures={archs!r}; expected one of {[*DEEPSPEC_ARCHITECTURES, *OWN_ARCHITECTURES, ZLAB_ARCHITECTURE]} "
             "(the block layout is read from it, never guessed)"
         )
-    arch = archs[0]
     # dspark and DeepSpec-named folders carry a draft vocabulary as `draft_vocab_size` + `d2t`
     # (dspark.modeling.vocab); the z-lab layout has no LM head of its own, so none there.
-    if arch == ZLAB_ARCHITECTURE and d.get("draft_vocab_size") not in (None, d.get("vocab_size")):
+    if fmt == "zlab" and d.get("draft_vocab_size") not in (None, d.get("vocab_size")):
         raise ValueError(
             f"{where}: draft_vocab_size={d['draft_vocab_size']} differs from vocab_size={d.get('vocab_size')}: "
             "a reduced draft vocabulary is not supported in the z-lab DFlash layout"
         )
     try:
-        if arch == ZLAB_ARCHITECTURE:
+        if fmt == "zlab":
             return _parse_zlab(d)
-        if arch in DEEPSPEC_ARCHITECTURES or arch in OWN_ARCHITECTURES:
+        if fmt in ("dspark", "deepspec"):
             # DeepSpec never writes block_layout (anchor-first); dspark writes it always.
             return DrafterConfig.from_hf_dict(d)
     except (KeyError, TypeError) as e:
@@ -140,7 +189,7 @@ def parse_config(d: dict[str, Any], where: str = CONFIG_NAME) -> DrafterConfig:
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
     raise ValueError(
-        f"{where}: unknown drafter architecture {arch!r}; dspark reads {list(DEEPSPEC_ARCHITECTURES)} (DeepSpec), "
+        f"{where}: unknown drafter architecture {archs[0]!r}; dspark reads {list(DEEPSPEC_ARCHITECTURES)} (DeepSpec), "
         f"{ZLAB_ARCHITECTURE!r} (z-lab DFlash) and its own {list(OWN_ARCHITECTURES)}"
     )
 

@@ -195,7 +195,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Any, scale: float, impl: st
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
-TILE_ROWS = 64  # query rows per tile of tiled_sdpa (64 and 128 measured best at S2/S3, bench/train_step.py)
+TILE_ROWS = 64  # query rows per tile of tiled_sdpa (among the fastest at settings S2/S3 of bench/train_step.py)
 
 
 def tiled_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
@@ -205,7 +205,7 @@ def tiled_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> T
     The training mask is sparse: block a's rows see the context before its anchor and their own
     block (`drafter.training_mask`), so a tile of consecutive rows (anchors ascending) needs a
     prefix of the context and a few block columns, not all S + A·L keys; the CPU's SDPA kernels
-    do not skip masked keys. 0.65x the attention time (fwd + bwd) at S2, 0.45x at S3 here.
+    do not skip masked keys, so skipping them shortens the attention (fwd + bwd; bench/train_step.py).
     Every layer of a forward gets the same mask: the tiles (their key columns and mask
     slices) are worked out once per mask (:func:`_tile_plan`).
     q [B, H, Q, hd]; k, v [B, Hkv, K, hd]; mask bool [B, 1, Q, K]."""

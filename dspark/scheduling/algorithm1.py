@@ -1,16 +1,16 @@
 """Verification-length scheduling: Algorithm 1, its asynchronous variant, SPS tables.
 
-Where each piece of the paper lives (SPEC section 7):
+Where each piece of the paper lives (Sections 3.2.2 and 5.2):
 
 - ``SPSTable``            profiled cost curve SPS(B), steps per second at B
-                          batch tokens (SPEC 7.4), SGLang JSON interop.
+                          batch tokens (Section 3.2.2), SGLang JSON interop.
 - ``schedule_prefix``     Algorithm 1, the hardware-aware prefix scheduler
-                          (SPEC 7.2). ``early_stop=True`` is the lossless
+                          (Section 3.2.2). ``early_stop=True`` is the lossless
                           algorithm; ``early_stop=False`` is the unconstrained
                           global search of Section 5.2, which is lossy when
                           fed the current draft's confidences (Appendix A).
 - ``capacity_from_stale``, ``admit_top_k``, ``AsyncPrefixScheduler``
-                          the production variant (SPEC 7.3): a capacity K from
+                          the production variant (Section 5.2): a capacity K from
                           confidences two steps old, then a top-K admission by
                           the current confidences.
 - ``static_lengths``, ``threshold_lengths``, ``first_below_lengths``
@@ -58,7 +58,7 @@ __all__ = [
 
 
 # ----------------------------------------------------------------------------
-# SPS(B): the profiled cost table (SPEC 7.4)
+# SPS(B): the profiled cost table (paper Section 3.2.2)
 # ----------------------------------------------------------------------------
 
 
@@ -263,7 +263,7 @@ def _lengths_from_admitted(flat_idx: np.ndarray, R: int, gamma: int) -> np.ndarr
 
 
 # ----------------------------------------------------------------------------
-# Algorithm 1 (SPEC 7.2)
+# Algorithm 1 (paper Section 3.2.2)
 # ----------------------------------------------------------------------------
 
 
@@ -319,7 +319,7 @@ def schedule_prefix(confidences: Any, sps: SPSLike, early_stop: bool = True) -> 
 
 
 # ----------------------------------------------------------------------------
-# The production variant (SPEC 7.3, paper Section 5.2)
+# The production variant (paper Section 5.2)
 # ----------------------------------------------------------------------------
 
 
@@ -349,7 +349,7 @@ def admit_top_k(confidences: Any, k: int) -> np.ndarray:
 
 
 class AsyncPrefixScheduler:
-    """Asynchronous prefix scheduler (paper Section 5.2, SPEC 7.3).
+    """Asynchronous prefix scheduler (paper Section 5.2).
 
     At step t the capacity K_t comes from ``capacity_from_stale`` over the
     confidences recorded at step t−2 for the requests of the current batch

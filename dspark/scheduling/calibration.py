@@ -2,13 +2,13 @@
 
 Where each piece of the paper lives:
 
-- ``ece``, ``roc_auc``, ``brier``   the metrics of SPEC 6 (20 equal-width ECE
+- ``ece``, ``roc_auc``, ``brier``   the metrics of paper Section 4.3.3 (20 equal-width ECE
                                     bins, rank-based ROC-AUC, Brier score).
 - ``prefix_labels``                 label 1[first k accepted] and its validity
                                     mask from accepted / verified lengths.
 - ``confidence_metrics``            per-position quality of a_k = Π_{i≤k} c_i.
 - ``apply_temperatures``, ``fit_sts``, ``fit_sts_explained``, ``save_sts_json``,
-  ``load_sts_json``                 STS (paper Section 3.2.1, SPEC 7.1; the
+  ``load_sts_json``                 STS (paper Section 3.2.1; the
                                     search and its evidence guards in
                                     ``dspark.scheduling.sts``) and its SGLang JSON
                                     (``temperatures``, ``ece_before``, ``ece_after``).
@@ -68,7 +68,7 @@ PathLike = Union[str, os.PathLike]
 
 
 # ----------------------------------------------------------------------------
-# Metrics (SPEC 6)
+# Metrics (paper Section 4.3.3, Figure 6)
 # ----------------------------------------------------------------------------
 
 
@@ -200,7 +200,7 @@ def cumulative_confidence(conf: Any) -> np.ndarray:
 def confidence_metrics(
     conf: Any, accepted: Any, proposed: Any, n_bins: int = 20
 ) -> list[dict[str, float]]:
-    """Per-position quality of the prefix-survival prediction (SPEC 6).
+    """Per-position quality of the prefix-survival prediction (paper Section 4.3.3).
 
     For each position k = 1..γ, over the rounds with k ≤ proposed: prediction
     a_k = Π_{i≤k} c_i, label 1[first k accepted]. Returns one dict per
@@ -264,7 +264,7 @@ def ece_from_sums(sums: Any) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------
-# Sequential Temperature Scaling (SPEC 7.1)
+# Sequential Temperature Scaling (paper Section 3.2.1)
 # ----------------------------------------------------------------------------
 
 

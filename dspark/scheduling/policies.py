@@ -4,7 +4,7 @@
 ``(request_ids, confidences [R, γ]) -> lengths [R]``):
 
 - ``algorithm1``        Algorithm 1 with the early-stopping break
-                        (``scheduler.schedule_prefix``), lossless;
+                        (``algorithm1.schedule_prefix``), lossless;
 - ``algorithm1+skip[:M]`` beyond the paper, off unless named: Algorithm 1, and
                         before each step a per-request decision whether to draft
                         at all (``dspark.scheduling.skipping``): a request whose recent
@@ -12,26 +12,29 @@
                         measured draft time takes a plain target step instead, and
                         re-probes after a back-off of at most M steps (default 16);
 - ``async``             the production variant of Section 5.2
-                        (``scheduler.AsyncPrefixScheduler``): capacity K from
-                        the confidences of two steps earlier by an
+                        (``algorithm1.AsyncPrefixScheduler``): capacity K from
+                        the confidences of two steps before by an
                         unconstrained search, top-K admission by the current
                         a_{r,j}; ``async:K0`` sets the capacity used while no
                         request has a two-step-old draft (default 0);
 - ``static1``           ℓ = 1 for every request (MTP-1-like);
 - ``static``            ℓ = γ (verify every draft); ``static:<ℓ>`` any fixed ℓ;
-- ``threshold:<a>``     ℓ_r = #{j : a_{r,j} ≥ a}, on the cumulative a (``scheduler.threshold_lengths``);
+- ``threshold:<a>``     ℓ_r = #{j : a_{r,j} ≥ a}, on the cumulative a (``algorithm1.threshold_lengths``);
 - ``first-below:<t>``   DeepSpec's rule: stop before the first c_{r,j} < t
-                        (``scheduler.first_below_lengths``; DeepSpec uses raw c: no STS).
+                        (``algorithm1.first_below_lengths``; DeepSpec uses raw c: no STS).
+
+``per_request_policy`` turns a one-request hook ``(confidences, round) -> ℓ`` (the
+``choose_length`` of ``dspark.decoding.loop.speculative_generate``) into a policy.
 
 Every one of them decides whether x_{r,k} is verified without looking at
-x_{r,k} itself, so decoding stays lossless (SPEC 7.2, 7.3).
+x_{r,k} itself, so decoding stays lossless (paper Section 3.2.2 and Appendix A).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Union
 
 import numpy as np
 
@@ -44,7 +47,7 @@ from dspark.scheduling.algorithm1 import (
 )
 from dspark.scheduling.skipping import DraftSkipper
 
-__all__ = ["LengthFn", "Policy", "POLICY_HELP", "make_policy", "skip_policy"]
+__all__ = ["LengthFn", "Policy", "PolicySpec", "POLICY_HELP", "make_policy", "per_request_policy", "skip_policy"]
 
 # (request ids of the R live requests, confidences [R, γ]) -> lengths int [R] in 0..γ
 LengthFn = Callable[[Sequence[Hashable], np.ndarray], Any]
@@ -69,6 +72,8 @@ class Policy:
         drafts exist, (request_ids) -> bool [R], which requests draft; the others
         take a plain target step (ℓ = 0, no draft time).
     on_draft_time: None, or called with the measured seconds of each draft (after ``plan``).
+    on_start: None, or called when a run starts: request ids restart with every run, so a
+        policy that keeps per-request history forgets it here.
     """
 
     name: str
@@ -76,9 +81,36 @@ class Policy:
     choose: LengthFn
     plan: PlanFn | None = None
     on_draft_time: Callable[[float], None] | None = None
+    on_start: Callable[[], None] | None = None
 
     def __call__(self, request_ids: Sequence[Hashable], confidences: np.ndarray) -> np.ndarray:
         return self.choose(request_ids, confidences)
+
+
+# What ``make_policy`` takes: a spec string, a Policy, or a bare LengthFn
+PolicySpec = Union[str, Policy, LengthFn]
+
+
+def per_request_policy(choose_length: Callable[[list[float] | None, int], int], name: str | None = None) -> Policy:
+    """A Policy that asks ``choose_length(confidences c_1..c_γ or None, round index) -> ℓ`` for
+    each live request on its own, as ``speculative_generate(choose_length=...)`` does.
+
+    The confidences are those the serving loop hands to every policy (STS-calibrated when
+    temperatures are given; None when the drafter has no confidence head). The round index
+    counts the rounds the policy scheduled for that request in the current run (its rounds,
+    as every request drafts at every step under this policy)."""
+    rounds: dict[Hashable, int] = {}
+
+    def choose(request_ids: Sequence[Hashable], confidences: np.ndarray) -> np.ndarray:
+        lengths = []
+        for request_id, row in zip(request_ids, confidences):
+            c = None if np.isnan(row).any() else row.tolist()
+            lengths.append(choose_length(c, rounds.get(request_id, 0)))
+            rounds[request_id] = rounds.get(request_id, 0) + 1
+        return np.asarray(lengths)  # the serving loop checks them (integers in 0..γ)
+
+    return Policy(name or getattr(choose_length, "__name__", type(choose_length).__name__), False, choose,
+                  on_start=rounds.clear)
 
 
 def skip_policy(sps: SPSTable, *, draft_time_s: float | None = None, max_backoff: int = 16,
@@ -90,7 +122,7 @@ def skip_policy(sps: SPSTable, *, draft_time_s: float | None = None, max_backoff
     return Policy(name, True, skipper.choose, plan=skipper.plan, on_draft_time=skipper.observe_draft_time)
 
 
-def make_policy(spec: str | Policy | LengthFn, sps: SPSTable | None = None) -> Policy:
+def make_policy(spec: PolicySpec, sps: SPSTable | None = None) -> Policy:
     """A fresh Policy from a spec string (see the module docstring) or a callable.
 
     Stateful policies (``async``, ``algorithm1+skip``) keep per-request history, so make

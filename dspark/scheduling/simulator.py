@@ -1,6 +1,6 @@
 """Serving simulator: R concurrent requests, a verification-length policy and a profiled clock.
 
-What it computes (SPEC 7, paper Section 3.2.2, Section 5.2 and Figure 8):
+What it computes (paper Section 3.2.2, Section 5.2 and Figure 8):
 R requests decode in lockstep. At every step each live request drafts a
 block (real drafter, ``SpeculativeRequest.draft``), a *policy* picks the
 verification lengths ℓ_r of all live requests at once from their
@@ -10,6 +10,10 @@ The target's batch at that step holds B = Σ_r (1 + ℓ_r) tokens, and the step
 is charged 1 / SPS(B) simulated seconds from a profiled ``SPSTable``
 (``dspark.scheduling.sps_profile.profile_sps``). Token throughput Θ = tokens emitted /
 simulated seconds.
+
+A run takes two settings objects, shared with ``dspark.evaluation.evaluate``:
+``DecodeSettings`` (max_new_tokens, temperature, seed, EOS ids) and
+``ServeSettings`` (policy, SPS table, concurrency R, STS temperatures, draft overhead).
 
 What is real and what is modelled:
 
@@ -58,24 +62,121 @@ The table and files of a run are written by ``dspark.evaluation.report`` (``resu
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
 import time
-from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Union
 
 import numpy as np
 import torch
 
-from dspark.scheduling.calibration import apply_temperatures
+from dspark.data.prompts import DEEPSPEC_EVAL_SEED
 from dspark.decoding.loop import PhaseClock, SpeculativeRequest
-from dspark.scheduling.policies import POLICY_HELP, LengthFn, Policy, make_policy
 from dspark.scheduling.algorithm1 import SPSTable
+from dspark.scheduling.calibration import apply_temperatures, as_temperatures
+from dspark.scheduling.policies import POLICY_HELP, Policy, PolicySpec, make_policy
 from dspark.scheduling.skipping import target_step
+from dspark.seeds import derive_seed
 
-__all__ = ["Job", "Policy", "POLICY_HELP", "SimResult", "make_policy", "run_requests", "simulate", "simulate_grid"]
+__all__ = [
+    "DecodeSettings", "Job", "Policy", "POLICY_HELP", "ServeSettings", "SimResult", "make_policy", "run_requests",
+    "simulate", "simulate_grid", "sps_table",
+]
 
 MEASURED = "measured"  # draft_overhead: charge each step the drafting time measured in it
+PathLike = Union[str, os.PathLike]
+
+# ---------------------------------------------------------------------------
+# Settings (shared with dspark.evaluation.evaluate)
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DecodeSettings:
+    """How every request is decoded. The defaults are ``dspark eval``'s protocol: T = 1, at
+    most 2048 new tokens, and DeepSpec's evaluation seed (so both tools draw the same prompts).
+
+    max_new_tokens: the most tokens generated per request (the last round is truncated).
+    temperature: T > 0 samples from softmax(logits / T), verified by rejection sampling
+        (lossless); T = 0 is greedy.
+    seed: the run's seed. Each request's generator seed is derived from it
+        (``dspark.seeds.derive_seed``), and so is an evaluation's prompt subset;
+        ``run_requests`` does not read it (every ``Job`` carries its own seed).
+    eos_token_ids: the ids that end a request; None: ``evaluate`` takes the chat template's
+        end-of-turn and the model's EOS ids, the simulator none.
+    """
+
+    max_new_tokens: int = 2048
+    temperature: float = 1.0
+    seed: int = DEEPSPEC_EVAL_SEED
+    eos_token_ids: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        n = self.max_new_tokens
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"DecodeSettings.max_new_tokens must be an int >= 1, got {n!r}")
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"DecodeSettings.temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)):
+            raise ValueError(f"DecodeSettings.seed must be an int, got {self.seed!r}")
+        if self.eos_token_ids is not None:
+            ids = self.eos_token_ids
+            if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+                raise ValueError(f"DecodeSettings.eos_token_ids must be a list of token ids or None, got {ids!r}")
+            ids = tuple(ids)
+            if any(isinstance(i, bool) or not isinstance(i, (int, np.integer)) or i < 0 for i in ids):
+                raise ValueError(f"DecodeSettings.eos_token_ids must hold token ids (ints >= 0), got {list(ids)!r}")
+            object.__setattr__(self, "eos_token_ids", tuple(int(i) for i in ids))
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """How verification lengths are chosen and how steps are charged (paper Section 3.2).
+
+    policy: the verification-length policy: a ``make_policy`` spec (``POLICY_HELP``), a
+        ``Policy`` or a callable ``(request_ids, confidences [R, γ]) -> lengths [R]``.
+        None (``evaluate`` only): every round verifies all γ drafts, one request at a
+        time, the protocol of the paper's Table 1.
+    sps: the SPS table (or the path of its JSON, ``dspark profile-sps``): for the policies
+        that need one (algorithm1, algorithm1+skip, async) and for the simulated clock.
+    concurrency: R, the requests decoded in lockstep (more than 1 needs a policy).
+    sts_temperatures: the γ STS temperatures (or the path of an STS JSON, ``dspark
+        calibrate``): the policy sees calibrated confidences, and ``evaluate`` also
+        reports the calibrated confidence quality. None: raw confidences.
+    draft_overhead: drafting on the SPS clock: a fraction f >= 0 of the verification
+        step, or "measured" (module docstring).
+    """
+
+    policy: PolicySpec | None = None
+    sps: SPSTable | PathLike | None = None
+    concurrency: int = 1
+    sts_temperatures: Sequence[float] | PathLike | None = None
+    draft_overhead: float | str = 0.0
+
+    def __post_init__(self) -> None:
+        p = self.policy
+        if p is not None and not callable(p) and not (isinstance(p, str) and p.strip()):
+            raise ValueError(f"ServeSettings.policy must be None, a non-empty spec ({POLICY_HELP}), a Policy "
+                             f"or a callable, got {p!r}")
+        if self.sps is not None and not isinstance(self.sps, (SPSTable, str, os.PathLike)):
+            raise ValueError(f"ServeSettings.sps must be an SPSTable or the path of its JSON "
+                             f"(dspark profile-sps), got {type(self.sps).__name__}")
+        r = self.concurrency
+        if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+            raise ValueError(f"ServeSettings.concurrency must be an int >= 1, got {r!r}")
+        if r > 1 and p is None:
+            raise ValueError(f"ServeSettings.concurrency={r} needs a policy: requests decode in lockstep only "
+                             "in the serving loop (policy='static' verifies all γ drafts there)")
+        _draft_clock(self.draft_overhead)
+        temps = self.sts_temperatures
+        if temps is not None and not isinstance(temps, (str, os.PathLike)):
+            checked = as_temperatures(temps, None, "ServeSettings.sts_temperatures")
+            object.__setattr__(self, "sts_temperatures", tuple(float(t) for t in checked))
+
 
 # ---------------------------------------------------------------------------
 # Results
@@ -237,43 +338,38 @@ def run_requests(
     drafter: Any,
     jobs: Iterable[Job],
     *,
-    concurrency: int,
-    policy: str | Policy | LengthFn,
-    sps: SPSTable | None,
-    sts_temperatures: Sequence[float] | None = None,
-    max_new_tokens: int,
-    temperature: float = 1.0,
-    eos_token_ids: Iterable[int] = (),
+    decoding: DecodeSettings,
+    serving: ServeSettings,
     stop_after_finished: int | None = None,
-    draft_overhead: float | str = 0.0,
     on_step: Callable[[SimResult], None] | None = None,
 ) -> SimResult:
-    """Serve ``jobs`` with ``concurrency`` slots under ``policy``; the stepping loop of the simulator.
+    """Serve ``jobs`` with ``serving.concurrency`` slots under ``serving.policy``: the stepping loop.
 
     Requests are admitted in the order of ``jobs`` whenever a slot is free
-    (prefill on admission). Each step: the requests the policy's ``plan``
+    (prefill on admission), each decoding with ``decoding`` from a generator
+    seeded with its ``Job.seed``. Each step: the requests the policy's ``plan``
     picks (all, without one) draft, the policy picks ℓ_r for all of them from
-    the confidences (calibrated with ``sts_temperatures`` when given), every
+    the confidences (calibrated with ``serving.sts_temperatures`` when given), every
     request verifies ℓ_r drafts (the others take a plain target step), the
     step is charged by the SPS clock with B = Σ_r (1 + ℓ_r) and
-    ``draft_overhead`` (a fraction, or "measured": module docstring; no charge
-    and a NaN clock without ``sps``), finished requests leave.
+    ``serving.draft_overhead`` (module docstring; no charge and a NaN clock
+    without ``serving.sps``), finished requests leave.
     Stops when ``jobs`` is exhausted and every request has finished, or as
     soon as ``stop_after_finished`` requests have finished (for an endless
     ``jobs`` iterator). ``on_step`` is called with the result after each step.
     """
-    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
-        raise ValueError(f"concurrency must be an int >= 1, got {concurrency!r}")
-    clock, overhead = _draft_clock(draft_overhead)
-    policy = make_policy(policy, sps)
-    temps = None if sts_temperatures is None else np.asarray(sts_temperatures, dtype=np.float64).ravel()
-    eos = [int(t) for t in eos_token_ids]
+    policy, sps, temps = _resolve(serving)
+    if policy.on_start is not None:
+        policy.on_start()
+    clock, overhead = _draft_clock(serving.draft_overhead)
+    concurrency = serving.concurrency
+    eos = list(decoding.eos_token_ids or ())
     device = torch.device(getattr(target, "device", "cpu"))
 
     def start(job: Job) -> SpeculativeRequest:  # the prefill; every request has its own generator and clock
         generator = torch.Generator(device=device).manual_seed(int(job.seed))
-        return SpeculativeRequest(target, drafter, job.prompt_ids, max_new_tokens=max_new_tokens,
-                                  temperature=temperature, eos_token_ids=eos, generator=generator,
+        return SpeculativeRequest(target, drafter, job.prompt_ids, max_new_tokens=decoding.max_new_tokens,
+                                  temperature=decoding.temperature, eos_token_ids=eos, generator=generator,
                                   clock=PhaseClock(device))
 
     result = SimResult(policy=policy.name, concurrency=concurrency, draft_clock=clock,
@@ -291,6 +387,22 @@ def run_requests(
             on_step(result)
     result.wall_s = time.perf_counter() - started
     return result
+
+
+def _resolve(serving: ServeSettings) -> tuple[Policy, SPSTable | None, np.ndarray | None]:
+    """(a fresh policy, the SPS table, the STS temperatures [γ]) of ``serving``, files read."""
+    if serving.policy is None:
+        raise ValueError(f"ServeSettings.policy is None; the serving loop needs a verification-length policy "
+                         f"({POLICY_HELP})")
+    sps = sps_table(serving.sps)
+    temps = None if serving.sts_temperatures is None else as_temperatures(
+        serving.sts_temperatures, None, "ServeSettings.sts_temperatures")
+    return make_policy(serving.policy, sps), sps, temps
+
+
+def sps_table(sps: SPSTable | PathLike | None) -> SPSTable | None:
+    """An SPS table given as itself or as the path of its JSON."""
+    return SPSTable.from_json(sps) if isinstance(sps, (str, os.PathLike)) else sps
 
 
 @dataclass
@@ -486,13 +598,13 @@ def _draft_clock(draft_overhead: float | str) -> tuple[str, float | str]:
     """(label, value) of a ``draft_overhead``: a fraction f >= 0 or "measured" (module docstring)."""
     if isinstance(draft_overhead, str):
         if draft_overhead.strip().lower() != MEASURED:
-            raise ValueError(f"draft_overhead must be a number >= 0 (a fraction of the step time) or "
-                             f"{MEASURED!r} (the measured drafting time), got {draft_overhead!r}")
+            raise ValueError(f"ServeSettings.draft_overhead must be a number >= 0 (a fraction of the step time) "
+                             f"or {MEASURED!r} (the measured drafting time), got {draft_overhead!r}")
         return MEASURED, MEASURED
     if isinstance(draft_overhead, bool) or not isinstance(draft_overhead, (int, float)) \
             or not math.isfinite(draft_overhead) or draft_overhead < 0:
-        raise ValueError(f"draft_overhead must be a finite number >= 0 (a fraction of the step time) or "
-                         f"{MEASURED!r}, got {draft_overhead!r}")
+        raise ValueError(f"ServeSettings.draft_overhead must be a finite number >= 0 (a fraction of the step "
+                         f"time) or {MEASURED!r}, got {draft_overhead!r}")
     return ("none" if draft_overhead == 0 else f"fraction {float(draft_overhead):g}"), float(draft_overhead)
 
 
@@ -522,7 +634,7 @@ def _step_time(sps: SPSTable | None, batch: int, draft_overhead: float | str, dr
 
 def job_seed(seed: int, index: int) -> int:
     """The generator seed of request ``index`` of a run seeded with ``seed``."""
-    return (int(seed) * 1_000_003 + 7_919 * int(index) + 1) % (2**63)
+    return derive_seed(seed, index, 1)
 
 
 def simulate(
@@ -530,32 +642,30 @@ def simulate(
     drafter: Any,
     prompts: Sequence[Sequence[int]],
     *,
-    concurrency: int,
-    policy: str | Policy | LengthFn,
-    sps: SPSTable,
-    sts_temperatures: Sequence[float] | None = None,
-    max_new_tokens: int,
-    temperature: float = 1.0,
-    seed: int = 0,
-    eos_token_ids: Iterable[int] = (),
+    decoding: DecodeSettings,
+    serving: ServeSettings,
     cycle: bool = True,
     num_requests: int | None = None,
-    draft_overhead: float | str = 0.0,
     on_step: Callable[[SimResult], None] | None = None,
 ) -> SimResult:
-    """Simulate serving ``prompts`` (token-id lists) at concurrency R under ``policy``.
+    """Simulate serving ``prompts`` (token-id lists) at concurrency R = ``serving.concurrency``
+    under ``serving.policy``, on the clock of ``serving.sps`` (required).
 
     ``cycle=True``: request i uses prompt i mod N and exactly R requests are
     live at every step; the run stops once ``num_requests`` requests have
     finished (default max(N, R)). ``cycle=False``: every prompt is served once
     (``num_requests`` must be None) and the last steps run with fewer live
-    requests. Request i draws from a generator seeded with ``job_seed(seed, i)``.
+    requests. Request i draws from a generator seeded with ``job_seed(decoding.seed, i)``.
     See ``run_requests`` for one step and the module docstring for the model.
     """
     if not prompts:
         raise ValueError("prompts is empty; give at least one prompt (a list of token ids)")
-    if not isinstance(sps, SPSTable):
-        raise ValueError(f"sps must be an SPSTable (SPSTable.from_json('sps.json')), got {type(sps).__name__}")
+    sps = sps_table(serving.sps)
+    if sps is None:
+        raise ValueError("ServeSettings.sps is None; simulate charges every step 1 / SPS(B): give the table of "
+                         "`dspark profile-sps` (its JSON path or SPSTable.from_json('sps.json'))")
+    serving = dataclasses.replace(serving, sps=sps)
+    concurrency, seed = serving.concurrency, decoding.seed
     prompts = [list(p) for p in prompts]
     if cycle:
         stop = max(len(prompts), concurrency) if num_requests is None else num_requests
@@ -574,11 +684,8 @@ def simulate(
             raise ValueError("num_requests applies to cycle=True only; without cycling every prompt runs once")
         stop = None
         jobs = [Job(p, job_seed(seed, i), i) for i, p in enumerate(prompts)]
-    return run_requests(
-        target, drafter, jobs, concurrency=concurrency, policy=policy, sps=sps, sts_temperatures=sts_temperatures,
-        max_new_tokens=max_new_tokens, temperature=temperature, eos_token_ids=eos_token_ids,
-        stop_after_finished=stop, draft_overhead=draft_overhead, on_step=on_step,
-    )
+    return run_requests(target, drafter, jobs, decoding=decoding, serving=serving, stop_after_finished=stop,
+                        on_step=on_step)
 
 
 def simulate_grid(
@@ -586,18 +693,25 @@ def simulate_grid(
     drafter: Any,
     prompts: Sequence[Sequence[int]],
     *,
+    policies: Sequence[PolicySpec],
     concurrencies: Sequence[int],
-    policies: Sequence[str],
+    decoding: DecodeSettings,
+    serving: ServeSettings,
+    cycle: bool = True,
+    num_requests: int | None = None,
     progress: Callable[[SimResult], None] | None = None,
-    **kwargs: Any,
 ) -> list[SimResult]:
-    """``simulate`` for every (policy, concurrency) pair, each with a fresh policy and the same
-    seed (so every cell serves the same requests with the same random streams).
+    """``simulate`` for every (policy, concurrency) pair of the grid, ``serving`` giving the rest
+    (SPS table, STS temperatures, draft overhead). Each cell makes a fresh policy and uses the
+    same seed, so every cell serves the same requests with the same random streams.
     ``progress`` is called with each finished result."""
+    serving = dataclasses.replace(serving, sps=sps_table(serving.sps))
     results = []
     for spec in policies:
         for concurrency in concurrencies:
-            result = simulate(target, drafter, prompts, concurrency=concurrency, policy=spec, **kwargs)
+            cell = dataclasses.replace(serving, policy=spec, concurrency=concurrency)
+            result = simulate(target, drafter, prompts, decoding=decoding, serving=cell, cycle=cycle,
+                              num_requests=num_requests)
             results.append(result)
             if progress is not None:
                 progress(result)

@@ -1,4 +1,4 @@
-"""SPS profiling: the target's verification speed SPS(B) at B batch tokens (SPEC 7.4).
+"""SPS profiling: the target's verification speed SPS(B) at B batch tokens (paper Section 3.2.2).
 
 What is measured: one verification forward of the target (``TargetModel.forward``,
 feature capture and the LM head over every new position included, exactly

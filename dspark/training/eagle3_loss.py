@@ -1,4 +1,5 @@
-"""The Eagle3 training-time-test loss (SPEC 8) and the module the trainer runs for an Eagle3 drafter.
+"""The Eagle3 training-time-test (TTT) loss (Li et al., the Eagle3 baseline of paper Section 4.1) and
+the module the trainer runs for an Eagle3 drafter.
 
 Step s at position i predicts x_{i+s+2}; its teacher is the target's distribution there,
 p_t = softmax(LMHead(h^target_{i+s+1})) (soft labels), and its term is the soft cross entropy
@@ -177,8 +178,8 @@ def eagle3_loss(
     Only supervised entries reach the LM head; each teacher position's distribution is computed
     once for all T steps, ``chunk_rows`` positions at a time, and the gradient w.r.t. the draft
     logits is taken in closed form in the forward pass (:func:`_ttt_terms`): per supervised
-    position one V-sized teacher product and 2T k-sized ones, where autograd with activation
-    checkpointing took 2T V-sized and 3T k-sized ones."""
+    position one V-sized teacher product and 2T k-sized ones (autograd with activation
+    checkpointing needs 2T V-sized and 3T k-sized ones)."""
     T = len(step_hidden)
     B, S = loss_mask.shape
     device = final_hidden.device

@@ -2,8 +2,9 @@
 
 When the draft logits are softcap(h W_lmᵀ) + latent W2ᵀ (the drafter's frozen LM
 head plus the sequential head's rank-r bias) and the target logits
-softcap(h_t W_lmᵀ), :func:`fused_dspark_loss` takes those small inputs instead
-of the logits callables of :func:`dspark.training.loss.dspark_loss`. The gradient of the
+softcap(h_t W_lmᵀ), :func:`fused_dspark_loss` takes those small factors
+(:class:`LogitFactors`) instead of the logits callables of
+:func:`dspark.training.loss.dspark_loss`. The gradient of the
 per-position terms w.r.t. the draft logits z has a closed form (p = softmax(z),
 p^t = softmax(t), s = sign(p − p^t) with sign(0) = 0, torch.abs's subgradient):
 
@@ -14,11 +15,16 @@ so one forward pass per chunk yields the terms AND the gradients w.r.t. the
 chunk's small inputs (hidden, latent, W2); no logits are recomputed and no
 [m, V] tensor outlives the call. Per supervised position that is 4
 vocabulary-sized matmuls (draft logits, target logits, grad → h, grad →
-W2/latent; the target logits once per distinct target position with ``target_rows``) and one pass of softmax/TV work, done in place in two [m, V] buffers
-(three with softcap) that every chunk of the call reuses: on a CPU a fresh
-buffer costs page faults of the order of an exp pass over it. :func:`dspark.training.loss.dspark_loss`
-stays the general path (any logits) and the reference this one is tested
-against.
+W2/latent; the target logits once per distinct target position with ``target_rows``) and
+one pass of softmax/TV work, done in place in two [m, V] buffers (three with softcap) that
+every chunk of the call reuses: on a CPU a fresh buffer costs page faults of the order of an
+exp pass over it. :func:`dspark.training.loss.dspark_loss` stays the general path (any
+logits) and the reference this one is tested against.
+
+Reading order: :func:`fused_dspark_loss` (checks, coefficients, reduction) ->
+:class:`_FusedCeTv` (the autograd op: gradients kept from forward, scaled in backward) ->
+:func:`_fused_ce_tv` (one pass over the supervised positions, chunk by chunk) ->
+:func:`_chunk_terms` (CE and TV of a chunk) and :func:`_chunk_grads` (their gradients).
 
 With a draft vocabulary of k ids (``vocab``) the draft side is k-sized (the LM head's k rows,
 W2 [k, r]) and the target side reads the full LM head once per position, without grad, for
@@ -31,6 +37,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -46,7 +53,7 @@ from dspark.training.loss import (
 )
 from dspark.modeling.vocab import DraftVocab
 
-__all__ = ["fused_dspark_loss", "release_workspace"]
+__all__ = ["LogitFactors", "fused_dspark_loss", "release_workspace"]
 
 
 def _fused_compute_dtype(hidden: Tensor, lm_head_weight: Tensor, w2: Tensor | None) -> torch.dtype:
@@ -162,8 +169,9 @@ class _Buffers:
                         empty("distinct") if target and distinct else None, empty("l1", min(rows, _L1_ROWS)))
 
     def row_l1(self, x: Tensor) -> Tensor:
-        """Σ_v |x_v| per row of x [m, V] -> [m], |x| written a few rows at a time into ``l1``:
-        torch.linalg.vector_norm(ord=1) took 3.5x as long here, x.abs().sum() allocates [m, V]."""
+        """Σ_v |x_v| per row of x [m, V] -> [m], |x| written a few rows at a time into ``l1``
+        (x.abs().sum() would allocate an [m, V] tensor; bench/README.md compares the
+        alternatives)."""
         out = torch.empty(x.shape[0], dtype=x.dtype, device=x.device)
         step = self.l1.shape[0]
         for start in range(0, x.shape[0], step):
@@ -172,12 +180,11 @@ class _Buffers:
         return out
 
 
-# Rows of |p − p^t| per pass of :meth:`_Buffers.row_l1` (a [32, V] scratch: 6 MB at V = 49k).
+# Rows of |p − p^t| per pass of :meth:`_Buffers.row_l1`: a small [32, V] scratch.
 _L1_ROWS = 32
 
 # The CPU buffers of the last call, per thread. A fresh [m, V] buffer is fresh pages from the OS:
-# writing it the first time costs page faults of the order of a matmul over it (at S2 of
-# bench/train_step.py the target logits took 5.1 ms into a fresh buffer, 3.3 ms into a used one),
+# writing it the first time costs page faults of the order of a matmul over it (bench/README.md),
 # and PyTorch keeps no CPU cache of freed memory.
 _WORKSPACE = threading.local()
 
@@ -218,6 +225,59 @@ def _logits_grad(p: Tensor, diff: Tensor, y: Tensor, a: Tensor, b: Tensor | None
     return g
 
 
+# ------------------------------------------------------------------ the inputs
+@dataclass
+class LogitFactors:
+    """The small tensors the fused loss forms both logits from, chunk by chunk, instead of
+    taking the logits: draft z = softcap(h W_lmᵀ) + latent W2ᵀ (Eq. 5-6 for the bias) and
+    target softcap(h_t W_tᵀ), W_t = W_lm without a draft vocabulary.
+
+    With a draft vocabulary of k ids (``vocab``) the draft side is k-sized (``lm_head_weight``
+    [k, d], ``w2`` [k, r]) and p^t comes from the full [V, d] ``target_lm_head_weight``
+    (restriction and dropped positions as in the dspark.training.loss docstring).
+    """
+
+    hidden: Tensor  # [N, γ, d] draft hidden states h_1..h_γ (with grad), any float dtype
+    lm_head_weight: Tensor  # [V, d] ([k, d]) the frozen shared LM head; its matmuls run in its dtype
+    target_hidden: Tensor  # [N, γ, d] the target's final hidden states at positions i+k−1 (constants)
+    latent: Tensor | None = None  # [N, γ, r] the sequential head's rank-r latents; None: DFlash
+    w2: Tensor | None = None  # [V, r] ([k, r]) the sequential head's W2, given iff ``latent`` is
+    softcap: float | None = None  # c of the final-logit soft-cap c·tanh(x/c) (Gemma), or None
+    vocab: DraftVocab | None = None  # a draft vocabulary, or None
+    target_lm_head_weight: Tensor | None = None  # [V, d] the full head p^t comes from, iff ``vocab``
+    # [N, γ] integer ids, equal where the target hidden states are equal (overlapping blocks read
+    # the same target positions): p^t is then computed once per distinct id in a chunk.
+    target_rows: Tensor | None = None
+
+
+@dataclass
+class _FixedInputs:
+    """What the autograd op reads but does not differentiate: the frozen heads, the target side,
+    the supervision, the per-position coefficients and the chunking."""
+
+    lm_head_weight: Tensor  # [V, d] ([k, d]), frozen
+    target_hidden: Tensor  # [N, γ, d], detached
+    labels: Tensor  # Long [N, γ], 0 where unsupervised
+    valid: Tensor  # Bool [N, γ]
+    ce_coef: Tensor  # [γ]: ∂objective/∂CE_k at a supervised position
+    tv_coef: Tensor  # [γ]: ∂objective/∂TV_k
+    softcap: float | None
+    chunk_rows: int
+    grad_enabled: bool  # grad mode of the caller (forward itself runs with grad off)
+    vocab: DraftVocab | None
+    target_weight: Tensor | None  # [V, d] detached, with ``vocab``; None: ``lm_head_weight``
+    target_rows: Tensor | None  # Long [N, γ]
+
+
+class _Want(NamedTuple):
+    """Which differentiable inputs of the op need a gradient."""
+
+    hidden: bool
+    latent: bool
+    w2: bool
+
+
+# ------------------------------------------------------------------- one pass
 @dataclass
 class _Pass:
     """The inputs flattened over the N·γ positions (row-major) and what the pass writes there."""
@@ -226,14 +286,82 @@ class _Pass:
     target_hidden: Tensor  # [N·γ, d]
     latent: Tensor | None  # [N·γ, r]
     labels: Tensor  # [N·γ]
+    target_rows: Tensor | None  # [N·γ] int64: equal ids have equal target hidden states
+    ce_coef: Tensor  # [γ]
+    tv_coef: Tensor | None  # [γ]; None: no TV gradient to compute
+    any_grad: bool
     ce: Tensor  # [N·γ], compute dtype
     tv: Tensor  # [N·γ]
     grad_h: Tensor | None  # [N·γ, d], only if wanted
     grad_lat: Tensor | None  # [N·γ, r]
-    grad_w2_t: Tensor | None  # [r, V]: W2's gradient transposed (latᵀ g accumulates faster than gᵀ lat)
+    grad_w2_t: Tensor | None  # [r, V]: W2's gradient transposed (accumulated as latᵀ g, the faster product order)
+    tv_full: Tensor | None  # [N·γ], TV against the full target (draft vocabulary only)
     bufs: _Buffers | None = None
-    tv_full: Tensor | None = None  # [N·γ], TV against the full target (draft vocabulary only)
-    target_rows: Tensor | None = None  # [N·γ] int64: equal ids have equal target hidden states
+
+    @staticmethod
+    def open(hidden: Tensor, latent: Tensor | None, w2: Tensor | None, fixed: _FixedInputs, want: _Want,
+             dtype: torch.dtype) -> "_Pass":
+        """The flattened inputs and zeroed outputs in ``dtype``; gradient outputs only where ``want`` asks."""
+        rows, block_size, dim = hidden.shape
+        n = rows * block_size
+        flat_lat = None if latent is None else latent.reshape(n, latent.shape[2])
+
+        def zeros(*shape: int) -> Tensor:
+            return torch.zeros(shape, dtype=dtype, device=hidden.device)
+
+        any_grad = any(want)
+        return _Pass(
+            hidden=hidden.reshape(n, dim),
+            target_hidden=fixed.target_hidden.reshape(n, dim),
+            latent=flat_lat,
+            labels=fixed.labels.reshape(-1),
+            target_rows=None if fixed.target_rows is None else fixed.target_rows.reshape(-1),
+            ce_coef=fixed.ce_coef,
+            ce=zeros(n),
+            tv=zeros(n),
+            grad_h=zeros(n, dim) if want.hidden else None,
+            grad_lat=zeros(*flat_lat.shape) if want.latent else None,
+            grad_w2_t=zeros(w2.shape[1], w2.shape[0]) if want.w2 else None,
+            tv_full=None if fixed.vocab is None else zeros(n),
+            any_grad=any_grad,
+            tv_coef=fixed.tv_coef if any_grad and bool((fixed.tv_coef != 0).any()) else None,
+        )
+
+    def result(self, hidden_shape: torch.Size, latent_shape: torch.Size | None) -> "_PassResult":
+        """The outputs reshaped to the inputs' [N, γ, ...] shapes."""
+        shape = hidden_shape[:2]
+        return _PassResult(
+            ce=self.ce.reshape(shape),
+            tv=self.tv.reshape(shape),
+            tv_c_star=(self.tv if self.tv_full is None else self.tv_full).reshape(shape),
+            grad_hidden=None if self.grad_h is None else self.grad_h.reshape(hidden_shape),
+            grad_latent=None if self.grad_lat is None else self.grad_lat.reshape(latent_shape),
+            grad_w2=None if self.grad_w2_t is None else self.grad_w2_t.T,
+        )
+
+
+@dataclass
+class _PassResult:
+    """Per-position terms and the gradients of Σ (ce_coef_k·CE + tv_coef_k·TV), in the compute dtype."""
+
+    ce: Tensor  # [N, γ]
+    tv: Tensor  # [N, γ]
+    tv_c_star: Tensor  # [N, γ], the TV c* is read from (against the full target with a draft vocabulary)
+    grad_hidden: Tensor | None  # [N, γ, d]
+    grad_latent: Tensor | None  # [N, γ, r]
+    grad_w2: Tensor | None  # [V, r] ([k, r])
+
+
+@dataclass
+class _Chunk:
+    """What the gradient of a chunk of m positions reuses from its terms."""
+
+    p: Tensor  # p^d [m, V or k], in ``bufs.draft``
+    diff: Tensor  # p^d − p^t [m, V or k]
+    y: Tensor  # [m, 1] labels (draft ids with a draft vocabulary)
+    lat: Tensor | None  # [m, r] latents in the compute dtype
+    tanh_u: Tensor | None  # [m, V or k] tanh(u/c), softcap only
+    keep: Tensor | None  # Bool [m], draft vocabulary only: label and target argmax inside it
 
 
 # Below this share of distinct target positions in a chunk, p^t is computed once per distinct
@@ -254,144 +382,123 @@ def _distinct_target_rows(run: _Pass, pos: Tensor) -> tuple[Tensor, Tensor | Non
     return first, expand
 
 
-def _fused_chunk(run: _Pass, head: _Head, pos: Tensor, ce_coef: Tensor, tv_coef: Tensor | None, any_grad: bool) -> None:
-    """CE and TV terms at the supervised positions ``pos`` [m] and, if ``any_grad``, their
-    gradients (``tv_coef`` None: no TV gradient); [m, V] work happens in ``run.bufs``."""
-    block_size = ce_coef.shape[0]
+def _chunk_labels(run: _Pass, head: _Head, pos: Tensor) -> tuple[Tensor, Tensor | None]:
+    """(labels y [m, 1] as rows of the draft head, Bool [m] label inside the draft vocabulary or
+    None without one); a label outside reads row 0 and its position is dropped."""
     y = run.labels[pos][:, None]  # [m, 1], target ids
-    if head.vocab is not None:
-        y = head.vocab.to_draft_ids(y)  # −1 outside the vocabulary
-        label_in = y.squeeze(1) >= 0
-        y = y.clamp_min(0)
+    if head.vocab is None:
+        return y, None
+    y = head.vocab.to_draft_ids(y)  # −1 outside the vocabulary
+    return y.clamp_min(0), y.squeeze(1) >= 0
+
+
+def _minus_target(run: _Pass, head: _Head, pos: Tensor, p: Tensor,
+                  label_in: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """(p^d − p^t [m, V or k], Bool [m] positions kept or None without a draft vocabulary), p^t
+    computed once per distinct target position; with a draft vocabulary p^t is restricted to it
+    and the TV against the full target (c*, Eq. 8) is written into ``run.tv_full``."""
+    t_rows, expand = _distinct_target_rows(run, pos)
+    if head.vocab is None and expand is None:
+        return head.minus_target_probs(p, run.target_hidden, pos, run.bufs.target[: pos.shape[0]]), None  # [m, V]
+    if head.vocab is None:
+        return head.minus_distinct_target_probs(p, run.target_hidden, t_rows, expand, run.bufs), None  # [m, V]
+    diff, mass_in, argmax_in = head.minus_restricted_target(p, run.target_hidden, t_rows, expand)  # [m, k]
+    keep = label_in & argmax_in
+    p_t_in = p - diff
+    run.tv_full[pos] = full_vocab_tv(p, p_t_in, mass_in)
+    return diff, keep
+
+
+def _chunk_terms(run: _Pass, head: _Head, pos: Tensor) -> _Chunk:
+    """CE (Eq. 9) and TV (Eq. 10) at the supervised positions ``pos`` [m], written into
+    ``run.ce`` and ``run.tv`` (0 at a dropped position); [m, V] work happens in ``run.bufs``."""
+    y, label_in = _chunk_labels(run, head, pos)
     lat = None if run.latent is None else run.latent[pos].to(head.dtype)  # [m, r]
     p, ce, tanh_u = head.draft_probs(run.hidden, pos, lat, y, run.bufs)  # p^d [m, V or k]
-    keep = None
-    t_rows, expand = _distinct_target_rows(run, pos)  # p^t once per distinct target position
-    if head.vocab is None and expand is None:
-        diff = head.minus_target_probs(p, run.target_hidden, pos, run.bufs.target[: pos.shape[0]])  # [m, V]
-    elif head.vocab is None:
-        diff = head.minus_distinct_target_probs(p, run.target_hidden, t_rows, expand, run.bufs)  # [m, V]
-    else:
-        diff, mass_in, argmax_in = head.minus_restricted_target(p, run.target_hidden, t_rows, expand)  # [m, k]
-        keep = label_in & argmax_in
-        p_t_in = p - diff
-        run.tv_full[pos] = full_vocab_tv(p, p_t_in, mass_in)
-        del p_t_in
+    diff, keep = _minus_target(run, head, pos, p, label_in)
     tv = run.bufs.row_l1(diff)
     run.ce[pos] = ce if keep is None else torch.where(keep, ce, 0.0)
     run.tv[pos] = tv if keep is None else torch.where(keep, tv, 0.0)
-    if not any_grad:
-        return
-    a = ce_coef[pos % block_size][:, None].to(head.dtype)  # [m, 1]
-    b = None if tv_coef is None else tv_coef[pos % block_size][:, None].to(head.dtype)  # [m, 1]
-    if keep is not None:  # a dropped position has no gradient
-        a = a * keep[:, None]
-        b = None if b is None else b * keep[:, None]
-    g = _logits_grad(p, diff, y, a, b)  # ∂objective/∂z, [m, V]
-    del p, diff
+    return _Chunk(p, diff, y, lat, tanh_u, keep)
+
+
+def _chunk_grads(run: _Pass, head: _Head, pos: Tensor, chunk: _Chunk) -> None:
+    """Gradients of Σ (ce_coef_k·CE + tv_coef_k·TV) over the chunk w.r.t. its hidden states,
+    latents and W2, through the logits gradient of :func:`_logits_grad` (which overwrites
+    ``chunk.p`` or ``chunk.diff``)."""
+    block_size = run.ce_coef.shape[0]
+    a = run.ce_coef[pos % block_size][:, None].to(head.dtype)  # [m, 1]
+    b = None if run.tv_coef is None else run.tv_coef[pos % block_size][:, None].to(head.dtype)  # [m, 1]
+    if chunk.keep is not None:  # a dropped position has no gradient
+        a = a * chunk.keep[:, None]
+        b = None if b is None else b * chunk.keep[:, None]
+    g = _logits_grad(chunk.p, chunk.diff, chunk.y, a, b)  # ∂objective/∂z, [m, V]
     if run.grad_lat is not None:
         run.grad_lat[pos] = g @ head.w2  # [m, r]
     if run.grad_w2_t is not None:
-        run.grad_w2_t.addmm_(lat.T, g)  # [r, V]
+        run.grad_w2_t.addmm_(chunk.lat.T, g)  # [r, V]
     if run.grad_h is not None:
-        if tanh_u is not None:
-            g.mul_(tanh_u.square_().neg_().add_(1))  # ∂z/∂u = 1 − tanh²(u/c)
+        if chunk.tanh_u is not None:
+            g.mul_(chunk.tanh_u.square_().neg_().add_(1))  # ∂z/∂u = 1 − tanh²(u/c)
         run.grad_h[pos] = (g.to(head.weight.dtype) @ head.weight).to(head.dtype)  # [m, d]
 
 
-def _fused_ce_tv(
-    hidden: Tensor,
-    latent: Tensor | None,
-    w2: Tensor | None,
-    lm_head_weight: Tensor,
-    target_hidden: Tensor,
-    labels: Tensor,
-    valid: Tensor,
-    ce_coef: Tensor,
-    tv_coef: Tensor,
-    softcap: float | None,
-    chunk_rows: int,
-    want: tuple[bool, bool, bool],
-    vocab: DraftVocab | None = None,
-    target_weight: Tensor | None = None,
-    target_rows: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None]:
+def _fused_chunk(run: _Pass, head: _Head, pos: Tensor) -> None:
+    """The terms at ``pos`` and, if the pass wants any gradient, theirs; nothing [m, V] outlives it."""
+    chunk = _chunk_terms(run, head, pos)
+    if run.any_grad:
+        _chunk_grads(run, head, pos, chunk)
+
+
+def _fused_ce_tv(hidden: Tensor, latent: Tensor | None, w2: Tensor | None, fixed: _FixedInputs,
+                 want: _Want) -> _PassResult:
     """Per-position CE and TV terms [N, γ], the TV c* is read from [N, γ] and, for the inputs
-    flagged in ``want`` (hidden, latent, w2), the gradients of Σ (ce_coef_k·CE + tv_coef_k·TV),
-    in the compute dtype.
+    flagged in ``want``, the gradients of Σ (ce_coef_k·CE + tv_coef_k·TV), in the compute dtype.
 
     Only supervised positions are read (``chunk_rows·γ`` of them per chunk), so
     whatever sits in unsupervised slots cannot leak into values or gradients.
     """
-    rows, block_size, dim = hidden.shape
-    dtype = _fused_compute_dtype(hidden, lm_head_weight, w2)
-    head = _Head(lm_head_weight, None if w2 is None else w2.to(dtype), softcap, dtype, vocab, target_weight)
-    flat_lat = None if latent is None else latent.reshape(rows * block_size, latent.shape[2])
-
-    def zeros(*shape: int) -> Tensor:
-        return torch.zeros(shape, dtype=dtype, device=hidden.device)
-
-    run = _Pass(
-        hidden=hidden.reshape(rows * block_size, dim),
-        target_hidden=target_hidden.reshape(rows * block_size, dim),
-        latent=flat_lat,
-        labels=labels.reshape(-1),
-        ce=zeros(rows * block_size),
-        tv=zeros(rows * block_size),
-        grad_h=zeros(rows * block_size, dim) if want[0] else None,
-        grad_lat=zeros(*flat_lat.shape) if want[1] else None,
-        grad_w2_t=zeros(w2.shape[1], w2.shape[0]) if want[2] else None,
-        tv_full=None if vocab is None else zeros(rows * block_size),
-        target_rows=None if target_rows is None else target_rows.reshape(-1),
-    )
-    any_grad = any(want)
-    tv_grad = any_grad and bool((tv_coef != 0).any())
-    positions = valid.reshape(-1).nonzero().squeeze(1)  # supervised positions, row-major
-    step = chunk_rows * block_size
-    run.bufs = _Buffers.make(min(step, positions.numel()), lm_head_weight.shape[0], dtype, hidden.device,
-                             target=vocab is None, tanh=softcap is not None, distinct=target_rows is not None)
+    dtype = _fused_compute_dtype(hidden, fixed.lm_head_weight, w2)
+    head = _Head(fixed.lm_head_weight, None if w2 is None else w2.to(dtype), fixed.softcap, dtype, fixed.vocab,
+                 fixed.target_weight)
+    run = _Pass.open(hidden, latent, w2, fixed, want, dtype)
+    positions = fixed.valid.reshape(-1).nonzero().squeeze(1)  # supervised positions, row-major
+    step = fixed.chunk_rows * hidden.shape[1]
+    run.bufs = _Buffers.make(min(step, positions.numel()), fixed.lm_head_weight.shape[0], dtype, hidden.device,
+                             target=fixed.vocab is None, tanh=fixed.softcap is not None,
+                             distinct=fixed.target_rows is not None)
     for start in range(0, positions.numel(), step):
-        _fused_chunk(run, head, positions[start : start + step], ce_coef, tv_coef if tv_grad else None, any_grad)
-    shape = (rows, block_size)
-    return (
-        run.ce.reshape(shape),
-        run.tv.reshape(shape),
-        (run.tv if run.tv_full is None else run.tv_full).reshape(shape),
-        None if run.grad_h is None else run.grad_h.reshape(hidden.shape),
-        None if run.grad_lat is None else run.grad_lat.reshape(latent.shape),
-        None if run.grad_w2_t is None else run.grad_w2_t.T,
-    )
+        _fused_chunk(run, head, positions[start : start + step])
+    return run.result(hidden.shape, None if latent is None else latent.shape)
 
 
 # ---------------------------------------------------------------- the autograd op
 class _FusedCeTv(torch.autograd.Function):
     """α_ce·L_ce + α_tv·L_tv with its gradient computed in forward; backward only scales it.
 
-    Outputs (objective, ce_terms [N, γ], tv_terms [N, γ], the TV c* reads [N, γ]); the terms
-    are non-differentiable (metrics and c*). Double backward is refused: the stored
-    gradients are constants, so a graph through them would be silently wrong.
+    Differentiable inputs (hidden, latent, w2); everything else rides in one
+    :class:`_FixedInputs`. Outputs (objective, ce_terms [N, γ], tv_terms [N, γ], the TV c*
+    reads [N, γ]); the terms are non-differentiable (metrics and c*). Double backward is
+    refused: the stored gradients are constants, so a graph through them would be silently wrong.
     """
 
     @staticmethod
-    def forward(ctx, hidden, latent, w2, lm_head_weight, target_hidden, labels, valid,
-                ce_coef, tv_coef, softcap, chunk_rows, grad_enabled, vocab, target_weight, target_rows):
-        # Inside forward grad mode is off and needs_input_grad ignores it: hence grad_enabled.
-        want = tuple(bool(grad_enabled and flag) for flag in ctx.needs_input_grad[:3])
+    def forward(ctx: Any, hidden: Tensor, latent: Tensor | None, w2: Tensor | None,
+                fixed: _FixedInputs) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        # Inside forward grad mode is off and needs_input_grad ignores it: hence fixed.grad_enabled.
+        want = _Want(*(bool(fixed.grad_enabled and flag) for flag in ctx.needs_input_grad[:3]))
         # The precision is explicit inside (vocabulary matmuls in the LM head's dtype, softmaxes
         # and accumulators in the compute dtype): an enclosing autocast must not re-type them.
         with torch.autocast(hidden.device.type, enabled=False):
-            ce_terms, tv_terms, tv_c_star, grad_h, grad_lat, grad_w2 = _fused_ce_tv(
-                hidden, latent, w2, lm_head_weight, target_hidden, labels, valid,
-                ce_coef, tv_coef, softcap, chunk_rows, want, vocab, target_weight, target_rows,
-            )
-            objective = (ce_terms * ce_coef).sum() + (tv_terms * tv_coef).sum()
-        ctx.save_for_backward(grad_h, grad_lat, grad_w2)
+            terms = _fused_ce_tv(hidden, latent, w2, fixed, want)
+            objective = (terms.ce * fixed.ce_coef).sum() + (terms.tv * fixed.tv_coef).sum()
+        ctx.save_for_backward(terms.grad_hidden, terms.grad_latent, terms.grad_w2)
         ctx.input_dtypes = tuple(None if t is None else t.dtype for t in (hidden, latent, w2))
-        ctx.mark_non_differentiable(ce_terms, tv_terms, tv_c_star)
-        return objective, ce_terms, tv_terms, tv_c_star
+        ctx.mark_non_differentiable(terms.ce, terms.tv, terms.tv_c_star)
+        return objective, terms.ce, terms.tv, terms.tv_c_star
 
     @staticmethod
-    def backward(ctx, grad_objective, _grad_ce_terms, _grad_tv_terms, _grad_tv_c_star):
+    def backward(ctx: Any, grad_objective: Tensor, *_grad_terms: Tensor) -> tuple[Tensor | None, ...]:
         if torch.is_grad_enabled():  # backward(create_graph=True)
             raise RuntimeError(
                 "fused_dspark_loss cannot be differentiated twice (create_graph=True): its gradient "
@@ -401,20 +508,13 @@ class _FusedCeTv(torch.autograd.Function):
             None if g is None else (grad_objective * g).to(dtype)
             for g, dtype in zip(ctx.saved_tensors, ctx.input_dtypes)
         ]
-        return (*grads, None, None, None, None, None, None, None, None, None, None, None, None)
+        return (*grads, None)  # None: the fixed inputs
 
 
-def _check_fused_inputs(
-    hidden: Tensor,
-    lm_head_weight: Tensor,
-    target_hidden: Tensor,
-    labels: Tensor,
-    latent: Tensor | None,
-    w2: Tensor | None,
-    softcap: float | None,
-    chunk_rows: int,
-) -> None:
-    """The fused path's own arguments: the drafter's shapes, a frozen head, softcap and chunk size."""
+# ------------------------------------------------------------------- the checks
+def _check_draft_factors(f: LogitFactors, labels: Tensor) -> None:
+    """The draft side: the drafter's shapes, a frozen head, latent and W2 together, softcap."""
+    hidden, lm_head_weight, latent, w2 = f.hidden, f.lm_head_weight, f.latent, f.w2
     if hidden.dim() != 3 or hidden.shape[:2] != labels.shape:
         raise ValueError(
             f"hidden must be [N, γ, d] with [N, γ] = {tuple(labels.shape)}, got {tuple(hidden.shape)}"
@@ -426,11 +526,7 @@ def _check_fused_inputs(
     if lm_head_weight.requires_grad and torch.is_grad_enabled():
         raise ValueError(
             "lm_head_weight requires grad, but the fused loss treats the shared LM head as frozen "
-            "(SPEC 4) and computes no gradient for it; pass lm_head_weight.detach() or use dspark_loss"
-        )
-    if target_hidden.shape != hidden.shape:
-        raise ValueError(
-            f"target_hidden shape {tuple(target_hidden.shape)} must equal hidden shape {tuple(hidden.shape)}"
+            "(paper Section 3.3) and computes no gradient for it; pass lm_head_weight.detach() or use dspark_loss"
         )
     if (latent is None) != (w2 is None):
         raise ValueError(
@@ -447,44 +543,66 @@ def _check_fused_inputs(
             raise ValueError(
                 f"w2 must be [V, r] = [{lm_head_weight.shape[0]}, {latent.shape[2]}], got {tuple(w2.shape)}"
             )
-    if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0):
-        raise ValueError(f"softcap must be None or a number > 0 (Gemma: 30.0), got {softcap!r}")
-    if not isinstance(chunk_rows, int) or chunk_rows < 1:
-        raise ValueError(f"chunk_rows must be a positive int, got {chunk_rows!r}")
+    if f.softcap is not None and not (isinstance(f.softcap, (int, float)) and f.softcap > 0):
+        raise ValueError(f"softcap must be None or a number > 0 (Gemma: 30.0), got {f.softcap!r}")
 
 
-def _check_vocab_inputs(lm_head_weight: Tensor, vocab: DraftVocab | None, target_weight: Tensor | None) -> None:
-    """With a draft vocabulary: the k-row draft head and the full target head, consistent with it."""
+def _check_target_factors(f: LogitFactors, labels: Tensor) -> None:
+    """The target side: its hidden states, the full head with a draft vocabulary, target_rows."""
+    if f.target_hidden.shape != f.hidden.shape:
+        raise ValueError(
+            f"target_hidden shape {tuple(f.target_hidden.shape)} must equal hidden shape {tuple(f.hidden.shape)}"
+        )
+    vocab, target_weight, lm_head_weight = f.vocab, f.target_lm_head_weight, f.lm_head_weight
     if (vocab is None) != (target_weight is None):
         raise ValueError("vocab and target_lm_head_weight come together (a draft vocabulary needs the full "
                          "target LM head for p^t); pass both or neither")
-    if vocab is None:
-        return
-    if lm_head_weight.shape[0] != vocab.size:
+    if vocab is not None and lm_head_weight.shape[0] != vocab.size:
         raise ValueError(f"lm_head_weight has {lm_head_weight.shape[0]} rows, the draft vocabulary {vocab.size}: "
                          "pass vocab.head_weight(target_lm_head_weight)")
-    if tuple(target_weight.shape) != (vocab.vocab_size, lm_head_weight.shape[1]):
+    if vocab is not None and tuple(target_weight.shape) != (vocab.vocab_size, lm_head_weight.shape[1]):
         raise ValueError(f"target_lm_head_weight must be [V, d] = [{vocab.vocab_size}, {lm_head_weight.shape[1]}], "
                          f"got {tuple(target_weight.shape)}")
+    rows = f.target_rows
+    if rows is not None and (rows.shape != labels.shape or rows.dtype.is_floating_point or rows.dtype == torch.bool):
+        raise ValueError(f"target_rows must be integer ids [N, γ] = {tuple(labels.shape)}, got "
+                         f"{rows.dtype} {tuple(rows.shape)}")
+
+
+# ------------------------------------------------------------------ the loss
+def _fixed_inputs(f: LogitFactors, labels: Tensor, valid: Tensor, weights: LossWeights,
+                  denominator: Tensor | None, chunk_rows: int) -> _FixedInputs:
+    """The op's non-differentiable inputs: safe labels, the coefficients α·w_k/D of CE and TV
+    (Eq. 12 over the weighted mean), detached target side, on the hidden states' device."""
+    device = f.hidden.device
+    safe_labels = torch.where(valid, labels.long(), torch.zeros_like(labels, dtype=torch.long))
+    dtype = _fused_compute_dtype(f.hidden, f.lm_head_weight, f.w2)
+    w, den = weights_and_denominator(valid, weights, denominator, dtype)
+    return _FixedInputs(
+        lm_head_weight=f.lm_head_weight,
+        target_hidden=f.target_hidden.detach(),
+        labels=safe_labels,
+        valid=valid,
+        ce_coef=weights.ce * w / den,  # [γ]
+        tv_coef=weights.tv * w / den,  # [γ]
+        softcap=None if f.softcap is None else float(f.softcap),
+        chunk_rows=chunk_rows,
+        grad_enabled=torch.is_grad_enabled(),
+        vocab=f.vocab,
+        target_weight=None if f.target_lm_head_weight is None else f.target_lm_head_weight.detach(),
+        target_rows=None if f.target_rows is None else f.target_rows.to(device=device, dtype=torch.long),
+    )
 
 
 def fused_dspark_loss(
-    hidden: Tensor,
-    lm_head_weight: Tensor,
-    target_hidden: Tensor,
+    logits: LogitFactors,
     labels: Tensor,
     valid: Tensor,
     confidence_logits: Tensor | None,
     weights: LossWeights,
     *,
-    latent: Tensor | None = None,
-    w2: Tensor | None = None,
-    softcap: float | None = None,
     chunk_rows: int = 64,
     denominator: Tensor | None = None,
-    vocab: DraftVocab | None = None,
-    target_lm_head_weight: Tensor | None = None,
-    target_rows: Tensor | None = None,
 ) -> LossOutput:
     """The DSpark loss (Eq. 8-12) fused with the LM head, for drafter-shaped logits.
 
@@ -494,46 +612,26 @@ def fused_dspark_loss(
     closed forms of the module docstring and kept; backward scales them, recomputing nothing.
 
     Args:
-        hidden: [N, γ, d] draft hidden states h_1..h_γ (with grad), any float dtype.
-        lm_head_weight: [V, d] the frozen shared LM head (must not require grad).
-            Its matmuls run in its dtype; everything vocabulary-sized after
-            them in ≥ fp32.
-        target_hidden: [N, γ, d] the target's final hidden states at positions
-            i+k−1 (treated as constants).
+        logits: the factors of the draft and target logits (:class:`LogitFactors`).
         labels, valid, confidence_logits, weights, denominator: as in :func:`dspark.training.loss.dspark_loss`.
-        latent: [N, γ, r] the sequential head's rank-r latents (Eq. 5-6), or None (DFlash).
-        w2: [V, r] the sequential head's W2, given iff ``latent`` is.
-        softcap: c of the final-logit soft-cap c·tanh(x/c) (Gemma), or None.
         chunk_rows: supervised positions are processed ``chunk_rows·γ`` at a
             time; peak memory grows with chunk_rows·γ·V (2 fp32 [chunk_rows·γ, V] buffers
             reused by every chunk, 3 with softcap, 4 with ``target_rows``, and a 32-row L1 scratch;
             + V-sized target logits with ``vocab``). On a CPU these buffers are kept for the next
             call (fresh pages cost page faults there); :func:`release_workspace` frees them.
-        vocab, target_lm_head_weight: a draft vocabulary of k ids (``lm_head_weight`` [k, d], ``w2``
-            [k, r]) and the full [V, d] head p^t comes from (dspark.training.loss docstring), or both None.
 
     Returns:
         :class:`LossOutput`; ``loss`` has gradients for hidden, latent, w2 and
         confidence_logits, in their dtypes. Double backward is not supported.
     """
     check_loss_inputs(labels, valid, confidence_logits, weights, denominator)
-    _check_fused_inputs(hidden, lm_head_weight, target_hidden, labels, latent, w2, softcap, chunk_rows)
-    _check_vocab_inputs(lm_head_weight, vocab, target_lm_head_weight)
-    if target_rows is not None and (target_rows.shape != labels.shape or target_rows.dtype.is_floating_point
-                                    or target_rows.dtype == torch.bool):
-        raise ValueError(f"target_rows must be integer ids [N, γ] = {tuple(labels.shape)}, got "
-                         f"{target_rows.dtype} {tuple(target_rows.shape)}")
-    valid = valid.to(device=hidden.device, dtype=torch.bool)
-    safe_labels = torch.where(valid, labels.long(), torch.zeros_like(labels, dtype=torch.long))
-    dtype = _fused_compute_dtype(hidden, lm_head_weight, w2)
-    w, den = weights_and_denominator(valid, weights, denominator, dtype)
-    ce_coef = weights.ce * w / den  # [γ]: ∂objective/∂CE_k at a supervised position
-    tv_coef = weights.tv * w / den  # [γ]
-    objective, ce_terms, tv_terms, tv_c_star = _FusedCeTv.apply(
-        hidden, latent, w2, lm_head_weight, target_hidden.detach(), safe_labels, valid,
-        ce_coef, tv_coef, None if softcap is None else float(softcap), chunk_rows, torch.is_grad_enabled(),
-        vocab, None if target_lm_head_weight is None else target_lm_head_weight.detach(),
-        None if target_rows is None else target_rows.to(device=hidden.device, dtype=torch.long))
+    _check_draft_factors(logits, labels)
+    _check_target_factors(logits, labels)
+    if not isinstance(chunk_rows, int) or chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be a positive int, got {chunk_rows!r}")
+    valid = valid.to(device=logits.hidden.device, dtype=torch.bool)
+    fixed = _fixed_inputs(logits, labels, valid, weights, denominator, chunk_rows)
+    objective, ce_terms, tv_terms, tv_c_star = _FusedCeTv.apply(logits.hidden, logits.latent, logits.w2, fixed)
     c_star = (1.0 - 0.5 * tv_c_star).clamp(0.0, 1.0)  # [N, γ], Eq. 8 (detached: no graph)
     return reduce_terms(ce_terms, tv_terms, c_star, confidence_logits, valid, weights, denominator,
                         ce_tv_loss=objective)

@@ -1,4 +1,4 @@
-"""The DSpark training objective: CE + TV + confidence (paper Eq. 8-12, SPEC 4 "Loss").
+"""The DSpark training objective: CE + TV + confidence (paper Eq. 8-12, Section 3.3).
 
 For N supervised blocks (rows) of γ positions, with position weights
 w_k = exp(−(k−1)/λ) and the supervision mask ``valid``:
@@ -12,8 +12,8 @@ w_k = exp(−(k−1)/λ) and the supervision mask ``valid``:
 Each term is a weighted mean: Σ w_k·valid·term / Σ w_k·valid, where the
 denominator may be supplied for the global batch (all ranks, all micro-batches).
 
-Memory. One full-vocabulary fp32 tensor for 512 anchors × 7 × 151,936 is
-2.2 GB, so :func:`dspark_loss` never materialises one for all rows. It asks
+Memory. A full-vocabulary fp32 tensor for all rows holds N·γ·V floats, so
+:func:`dspark_loss` never materialises one for all rows. It asks
 callables for the logits of ``chunk_rows`` rows at a time and wraps each chunk
 in activation checkpointing: after the forward only the per-position terms
 [n, γ] survive, and backward recomputes the chunk's logits (the draft ones and
@@ -66,7 +66,7 @@ LogitsFn = Callable[[int, int], Tensor]
 
 @dataclass
 class LossWeights:
-    """Mixing weights α of Eq. 12 and the decay λ of the position weights (SPEC 4 defaults).
+    """Mixing weights α of Eq. 12 (the paper's defaults) and the decay λ of the position weights.
 
     DFlash as DeepSpec trains it: ``LossWeights(ce=1.0, tv=0.0, conf=0.0)``.
     """
@@ -119,7 +119,8 @@ def position_weights(
 ) -> Tensor:
     """Position weights w_k = exp(−(k−1)/λ), k = 1..γ, as a [γ] tensor (float32 by default).
 
-    Paper Section 3.3 with λ = ``decay_gamma`` (the paper writes γ; SPEC 4 (conv)).
+    Paper Section 3.3 with λ = ``decay_gamma`` (the paper writes γ, the block size, for the decay too;
+    λ is a separate setting here).
     """
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")

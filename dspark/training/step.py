@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from dspark.data.anchors import block_labels, target_positions
-from dspark.training.fused_loss import fused_dspark_loss
+from dspark.training.fused_loss import LogitFactors, fused_dspark_loss
 from dspark.training.loss import LossOutput, LossWeights, dspark_loss, position_weights
 from dspark.modeling import Drafter
 
@@ -91,14 +91,16 @@ class DraftLossModule(nn.Module):
         vocab = drafter.vocab  # a draft vocabulary: k-sized draft side, p^t restricted (dspark.training.loss)
         if self.fused:
             head = drafter.markov_head
-            return fused_dspark_loss(
-                h_flat, drafter.shared_weights()["lm_head.weight"], t_hidden, labels, valid, conf, self.weights,
+            factors = LogitFactors(
+                h_flat, drafter.shared_weights()["lm_head.weight"], t_hidden,
                 latent=None if head is None else head.block_latent(prev_flat, h_flat),
                 w2=None if head is None else head.markov_w2.weight,
-                softcap=drafter.config.final_logit_softcapping, chunk_rows=self.chunk_rows, denominator=one,
+                softcap=drafter.config.final_logit_softcapping,
                 vocab=vocab, target_lm_head_weight=None if vocab is None else drafter.target_lm_head_weight(),
                 target_rows=t_rows,
             )
+            return fused_dspark_loss(factors, labels, valid, conf, self.weights, chunk_rows=self.chunk_rows,
+                                     denominator=one)
 
         def draft_logits_fn(r0: int, r1: int) -> Tensor:
             return drafter.draft_logits(h_flat[r0:r1], prev_flat[r0:r1])

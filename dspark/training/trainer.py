@@ -13,7 +13,7 @@ Exactness is the design constraint:
   supervised positions); before the optimizer step the gradients are scaled by
   1/D with D = Σ w_k over all supervised positions of the global batch
   (reduced across ranks). This is exactly the gradient of the weighted mean
-  over the global batch (SPEC 4), whatever the split. DDP and FSDP both average
+  over the global batch (Section 3.3), whatever the split. DDP and FSDP both average
   gradients over ranks, so the scale applied is world/D.
 - One integer, the optimizer step, is the source of truth for resume: it
   fixes the data position; checkpoints also hold optimizer, scheduler and
@@ -35,7 +35,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -49,6 +49,7 @@ from dspark.data.dataset import SampleSource, bucketed_order, collate, sample_le
 from dspark.io.atomic import atomic_write_text, replace_dir
 from dspark.modeling import Drafter, load_drafter, save_drafter
 from dspark.build import resolve_mixed_precision
+from dspark.seeds import derive_seed
 from dspark.training.step import METRIC_SUMS, DraftLossModule, build_loss_module, ratio_metrics
 
 log = logging.getLogger(__name__)
@@ -86,7 +87,7 @@ class Schedule:
     def epoch_perm(self, epoch: int) -> Tensor:
         if epoch in self._perms:
             return self._perms[epoch]
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        g = torch.Generator().manual_seed(derive_seed(self.seed, 0, epoch))
         perm = torch.randperm(self.num_samples, generator=g)
         if self.lengths is not None:
             # The first micro-batch boundary inside epoch e (the stream does not restart at one).
@@ -109,7 +110,7 @@ class Schedule:
 
 def anchors_for(loss_mask: Tensor, num_anchors: int, seed: int, epoch: int, index: int) -> tuple[Tensor, Tensor]:
     """Anchors of one sample, independent of batching and ranks. loss_mask [S] -> ([A], [A])."""
-    g = torch.Generator().manual_seed((seed * 7_919 + epoch) * 1_000_003 + index)
+    g = torch.Generator().manual_seed(derive_seed(derive_seed(0, seed, epoch), 0, index))
     anchors, keep = sample_anchors(loss_mask.unsqueeze(0).cpu(), num_anchors, generator=g)
     return anchors[0], keep[0]
 
@@ -186,6 +187,9 @@ class TrainResult:
 
 
 class Trainer:
+    """One rank's training run: the loss module (wrapped by DDP / FSDP when distributed), AdamW
+    with a warmup-cosine schedule, the data schedule and checkpoints; :meth:`fit` runs it."""
+
     def __init__(
         self,
         config: Config,
@@ -242,14 +246,17 @@ class Trainer:
         self.step = 0
         self.history: list[dict[str, Any]] = []
         self.wall_offset = 0.0  # training seconds spent before a resume
+        self._t0 = time.perf_counter()  # start of this process's training (fit resets it)
         self._tb = None
+        # fit() returns after this many steps as a killed job would (no end-of-run drafter, no
+        # checkpoint beyond the periodic ones); None: run to the end. Tests set it.
+        self._stop_after: int | None = None
 
     # ------------------------------------------------------------ utilities
     def _autocast(self):
         """bf16 autocast over fp32 master weights when train.mixed_precision resolves to bf16
-        (`resolve_mixed_precision`: "auto" on a GPU or a CPU with native bf16; there 1.8x the
-        anchor positions/s on the SmolLM2 demo data, with target.dtype bf16 so that the LM-head
-        matmuls of the loss run in bf16)."""
+        (`resolve_mixed_precision`: "auto" on a GPU or a CPU with native bf16; with target.dtype
+        bf16 the LM-head matmuls of the loss run in bf16 too)."""
         if self.precision == "bf16":
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return nullcontext()
@@ -295,24 +302,37 @@ class Trainer:
 
     # ----------------------------------------------------------------- step
     def train_step(self) -> dict[str, float]:
+        """One optimizer step on the global batch of ``self.step``: the micro-batches' raw
+        weighted sums backpropagated, the gradient scaled to the weighted mean over the global
+        batch, clipped and applied. Returns the step's log record."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, Tensor] = {}
         batches = self._micro_batches(self.step)
         for i, (batch, anchors, keep) in enumerate(batches):
-            last = i == len(batches) - 1
-            if self.fsdp:  # accumulate unsharded gradients locally, reduce-scatter after the last
-                self.module.set_requires_gradient_sync(last)
-            sync = self.model.no_sync() if self.distributed and not last and hasattr(self.model, "no_sync") else nullcontext()
-            with sync:
-                with self._autocast():
-                    loss, metrics = self.model(batch, anchors, keep)
-                loss.backward()
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0) + v.float()
+            _add_sums(sums, self._micro_step(batch, anchors, keep, last=i == len(batches) - 1))
         reduced = self._global_sums(sums, sorted(sums))
+        grad_norm = self._optimizer_step(reduced["weight"])
+        return self._step_record(reduced, grad_norm)
+
+    def _micro_step(self, batch: dict[str, Tensor], anchors: Tensor, keep: Tensor, last: bool) -> dict[str, Tensor]:
+        """Forward and backward of one micro-batch (its loss is a raw weighted sum); returns its
+        metric sums. Ranks reduce gradients only after the ``last`` micro-batch of the step."""
+        if self.fsdp:  # accumulate unsharded gradients locally, reduce-scatter after the last
+            self.module.set_requires_gradient_sync(last)
+        sync = self.model.no_sync() if self.distributed and not last and hasattr(self.model, "no_sync") else nullcontext()
+        with sync:
+            with self._autocast():
+                loss, metrics = self.model(batch, anchors, keep)
+            loss.backward()
+        return metrics
+
+    def _optimizer_step(self, weight: Tensor) -> float:
+        """Scale the accumulated gradients by world/D (D = ``weight``, Σ w_k over the global
+        batch's supervised positions), clip, step optimizer and scheduler; returns the pre-clip
+        gradient norm."""
         # DDP / FSDP averaged the gradients over ranks; we want Σ_ranks grad / D.
-        scale = float(self.world) / float(reduced["weight"].clamp_min(1e-12))
+        scale = float(self.world) / float(weight.clamp_min(1e-12))
         for p in self.drafter.trainable_parameters():
             if p.grad is not None:
                 p.grad.mul_(scale)
@@ -322,6 +342,10 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         self.step += 1
+        return float(grad_norm)
+
+    def _step_record(self, reduced: dict[str, Tensor], grad_norm: float) -> dict[str, Any]:
+        """The log record of the step just taken, from the metric sums reduced over the global batch."""
         m = ratio_metrics(reduced)
         lc = self.config.loss
         return {
@@ -331,7 +355,7 @@ class Trainer:
             "tv": m["tv"],
             "conf": m["conf"],
             "lr": self.scheduler.get_last_lr()[0],
-            "grad_norm": float(grad_norm),
+            "grad_norm": grad_norm,
             "accept": m["accept"],
             "tau_prob": m["tau_prob"],
             "tau_prob_pooled": m["tau_prob_pooled"],
@@ -365,10 +389,8 @@ class Trainer:
             batch, anchors, keep = self._micro_batch(self.eval_data, [(0, j) for j in idx], self.config.seed + 1)
             with self._autocast():
                 _, metrics = self.module(batch, anchors, keep)
-            if padding:
-                continue
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0) + v.float()
+            if not padding:
+                _add_sums(sums, metrics)
         reduced = self._global_sums(sums, list(METRIC_SUMS))
         return {f"eval_{k}": v for k, v in ratio_metrics(reduced).items()}
 
@@ -416,7 +438,7 @@ class Trainer:
                     "scheduler": self.scheduler.state_dict(),
                     "rng": rngs,
                     "world_size": self.world,
-                    "wall_seconds": self.wall_offset + (time.perf_counter() - self._t0),
+                    "wall_seconds": self._wall_seconds(),
                     "history": self.history,
                     "config": self.config.to_dict(),
                 }
@@ -477,57 +499,127 @@ class Trainer:
                 if isinstance(v, (int, float)) and k != "step":
                     self._tb.add_scalar(k, v, record["step"])
 
-    def fit(self, resume: bool = False, stop_after: int | None = None) -> TrainResult:
-        """Train to the configured number of steps (or `stop_after` more steps: used by tests
-        to simulate a killed job)."""
-        from tqdm.auto import tqdm
-
-        tc = self.config.train
+    def fit(self, resume: bool = False) -> TrainResult:
+        """Train to the configured number of steps (train.max_steps, else train.epochs over the
+        data), from the latest checkpoint of out_dir when ``resume``, and write the final drafter
+        to out_dir/drafter. Every train.log_every steps a log record (with a held-out evaluation
+        every train.eval_every), every train.save_every a checkpoint; a run that reaches
+        train.max_wall_minutes logs, evaluates, checkpoints and ends at that step."""
         if resume:
-            path = latest_checkpoint(self.out_dir)
-            if path is not None:
-                self.load_checkpoint(path)
-                if self.rank == 0:
-                    log.info("resumed from %s at step %d", path, self.step)
+            self._resume()
         self._t0 = time.perf_counter()
         total = self.schedule.total_steps
-        end = total if stop_after is None else min(total, self.step + stop_after)
-        bar = tqdm(total=total, initial=self.step, disable=not self.progress or self.rank != 0, desc=f"train {self.config.name}", dynamic_ncols=True)
-        window_t, window_anchors, window_tokens = time.perf_counter(), 0.0, 0.0
-        if self.step == 0 and self.eval_data is not None and len(self.eval_data) and tc.eval_every:
-            self._log({"step": 0, "wall_min": 0.0, **self.evaluate()})
-        stopped_on_time = False
-        while self.step < end:
+        end = total if self._stop_after is None else min(total, self.step + self._stop_after)
+        bar = self._progress_bar(total)
+        window = _Window()
+        self._evaluate_untrained()
+        out_of_time = False
+        while self.step < end and not out_of_time:
             rec = self.train_step()
-            window_anchors += rec["anchors"]
-            window_tokens += rec["tokens"]
-            wall = self.wall_offset + time.perf_counter() - self._t0
+            window.add(rec)
+            wall = self._wall_seconds()
             rec["wall_min"] = round(wall / 60, 4)
-            out_of_time = bool(tc.max_wall_minutes) and wall / 60 >= tc.max_wall_minutes
-            if self.step % tc.log_every == 0 or self.step == end or out_of_time:
-                dt = max(1e-9, time.perf_counter() - window_t)
-                rec["anchors_per_s"] = round(window_anchors / dt, 2)
-                rec["anchor_positions_per_s"] = round(window_anchors * self.drafter.config.block_size / dt, 2)
-                rec["tokens_per_s"] = round(window_tokens / dt, 2)
-                window_t, window_anchors, window_tokens = time.perf_counter(), 0.0, 0.0
-                if tc.eval_every and (self.step % tc.eval_every == 0 or self.step == total or out_of_time):
-                    rec.update(self.evaluate())
-                self._log(rec)
+            out_of_time = self._out_of_time(wall)
+            if self._closes_period(self.config.train.log_every, end, out_of_time):
+                self._log_step(rec, window, out_of_time)
             bar.set_postfix(loss=f"{rec['loss']:.3f}", tau=f"{rec['tau_prob']:.2f}", lr=f"{rec['lr']:.1e}")
             bar.update(1)
-            if self.step % tc.save_every == 0 or self.step == total or out_of_time:
-                self.save_checkpoint()
-            if out_of_time:
-                stopped_on_time = True
-                if self.rank == 0:
-                    log.info("stopping at step %d: train.max_wall_minutes=%s reached", self.step, tc.max_wall_minutes)
-                break
+            self._maybe_checkpoint(out_of_time)
         bar.close()
-        if self.step >= total or stopped_on_time:  # the drafter a run ends with (not a simulated kill)
-            drafter_state = self.drafter_state_dict() if self.fsdp else None
-            if self.rank == 0:
-                save_drafter(self.drafter, self.out_dir / "drafter", state_dict=drafter_state)
+        if out_of_time and self.rank == 0:
+            log.info("stopping at step %d: train.max_wall_minutes=%s reached", self.step, self.config.train.max_wall_minutes)
+        if self.step >= total or out_of_time:  # the drafter a run ends with (not a killed job's)
+            self._save_final_drafter()
         return TrainResult(self.out_dir, self.step, self.history)
+
+    def _closes_period(self, every: int, last: int, out_of_time: bool) -> bool:
+        """Whether the step just taken ends a period of ``every`` steps: a multiple of ``every``,
+        the run's ``last`` step, or the step at which the time budget ran out."""
+        return self.step % every == 0 or self.step == last or out_of_time
+
+    def _resume(self) -> None:
+        """Load the latest checkpoint of out_dir, if any: its step fixes the data position."""
+        path = latest_checkpoint(self.out_dir)
+        if path is None:
+            return
+        self.load_checkpoint(path)
+        if self.rank == 0:
+            log.info("resumed from %s at step %d", path, self.step)
+
+    def _progress_bar(self, total: int) -> Any:
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, initial=self.step, disable=not self.progress or self.rank != 0,
+                    desc=f"train {self.config.name}", dynamic_ncols=True)
+
+    def _wall_seconds(self) -> float:
+        """Training seconds of the run, resumes included."""
+        return self.wall_offset + time.perf_counter() - self._t0
+
+    def _out_of_time(self, wall_seconds: float) -> bool:
+        limit = self.config.train.max_wall_minutes
+        return bool(limit) and wall_seconds / 60 >= limit
+
+    def _evaluate_untrained(self) -> None:
+        """A fresh run with held-out data and train.eval_every logs step 0: the untrained drafter."""
+        if self.step == 0 and self.eval_data is not None and len(self.eval_data) and self.config.train.eval_every:
+            self._log({"step": 0, "wall_min": 0.0, **self.evaluate()})
+
+    def _log_step(self, rec: dict[str, Any], window: _Window, out_of_time: bool) -> None:
+        """Log the record of the step just taken, with the throughput since the last logged step
+        and, at the end of an evaluation period, the held-out metrics."""
+        rec.update(window.rates(self.drafter.config.block_size))
+        window.restart()
+        self._maybe_evaluate(rec, out_of_time)
+        self._log(rec)
+
+    def _maybe_evaluate(self, rec: dict[str, Any], out_of_time: bool) -> None:
+        """Add the held-out metrics to a logged record at the end of every train.eval_every period."""
+        every = self.config.train.eval_every
+        if every and self._closes_period(every, self.schedule.total_steps, out_of_time):
+            rec.update(self.evaluate())
+
+    def _maybe_checkpoint(self, out_of_time: bool) -> None:
+        """Checkpoint at the end of every train.save_every period (collective)."""
+        if self._closes_period(self.config.train.save_every, self.schedule.total_steps, out_of_time):
+            self.save_checkpoint()
+
+    def _save_final_drafter(self) -> None:
+        """The drafter the run ends with, as a plain folder out_dir/drafter (FSDP gathers it: collective)."""
+        drafter_state = self.drafter_state_dict() if self.fsdp else None
+        if self.rank == 0:
+            save_drafter(self.drafter, self.out_dir / "drafter", state_dict=drafter_state)
+
+
+def _add_sums(sums: dict[str, Tensor], metrics: dict[str, Tensor]) -> None:
+    """sums[k] += metrics[k] in fp32, for every metric sum of a micro-batch."""
+    for k, v in metrics.items():
+        sums[k] = sums.get(k, 0) + v.float()
+
+
+@dataclass
+class _Window:
+    """Anchors and tokens trained since the last logged step, for its throughput fields."""
+
+    start: float = field(default_factory=time.perf_counter)
+    anchors: float = 0.0
+    tokens: float = 0.0
+
+    def restart(self) -> None:
+        self.start, self.anchors, self.tokens = time.perf_counter(), 0.0, 0.0
+
+    def add(self, rec: dict[str, Any]) -> None:
+        self.anchors += rec["anchors"]
+        self.tokens += rec["tokens"]
+
+    def rates(self, block_size: int) -> dict[str, float]:
+        """Anchors, anchor positions (anchors·γ) and tokens per second since ``start``."""
+        dt = max(1e-9, time.perf_counter() - self.start)
+        return {
+            "anchors_per_s": round(self.anchors / dt, 2),
+            "anchor_positions_per_s": round(self.anchors * block_size / dt, 2),
+            "tokens_per_s": round(self.tokens / dt, 2),
+        }
 
 
 def setup_distributed() -> tuple[int, int, torch.device]:

@@ -1,13 +1,14 @@
-"""The scheduling commands: `dspark calibrate`, `dspark eval --scheduler`, `dspark simulate`, `dspark profile-sps`.
+"""The scheduling commands: `dspark calibrate`, `dspark eval --policy`, `dspark simulate`, `dspark profile-sps`.
 
 Oracles: a synthetic round log with a known miscalibration (confidences twice as
 sharp in logit space as the truth), the per-request verification-length hook of
-``speculative_generate`` (a static scheduler in the serving loop must reproduce
-it round for round), and the files each command promises.
+``speculative_generate`` (a policy in the serving loop must reproduce it round
+for round), and the files each command promises.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -16,9 +17,12 @@ import pytest
 
 from helpers.targets import make_tiny_target
 from dspark.scheduling.calibration import roc_auc, split_rounds_by_request
+import dspark.evaluation.evaluate as ev
 from dspark.cli.main import main
-from dspark.evaluation.evaluate import evaluate
+from dspark.decoding.loop import speculative_generate
+from dspark.evaluation.evaluate import DecodeSettings, ServeSettings, evaluate
 from dspark.scheduling.algorithm1 import SPSTable
+from dspark.scheduling.policies import per_request_policy
 from helpers.decoding import random_drafter
 from helpers.benchmarks import CharTokenizer, write_benchmarks
 from helpers.paths import REPO, SHARED
@@ -31,6 +35,11 @@ SPS = SPSTable(list(range(1, 33)), [100.0 / b**0.6 for b in range(1, 33)], 32)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+
+@pytest.fixture
+def no_warmup(monkeypatch):
+    monkeypatch.setattr(ev, "WARMUP_TOKENS", 0)
 
 
 # --------------------------------------------------------------------------- calibrate
@@ -97,21 +106,26 @@ def test_the_split_keeps_each_request_on_one_side():
     assert split_rounds_by_request(rows, 0.25, seed=4) == (fit, test)  # seeded
 
 
-# --------------------------------------------------------------------------- eval --scheduler
-def test_eval_through_the_serving_loop_reproduces_the_per_request_hook(tmp_path):
-    """A static ℓ = 2 scheduler at concurrency 2 gives the very rounds that
+# --------------------------------------------------------------------------- eval --policy
+DECODING = DecodeSettings(max_new_tokens=12, temperature=1.0, seed=3, eos_token_ids=[0])
+
+
+def rounds_of(folder: Path, keys=("benchmark", "request", "round", "proposed", "accepted", "confidences")):
+    return [{k: json.loads(line)[k] for k in keys} for line in (folder / "rounds.jsonl").read_text().splitlines()]
+
+
+def test_eval_through_the_serving_loop_reproduces_the_per_request_hook(tmp_path, monkeypatch, no_warmup):
+    """A static ℓ = 2 policy at concurrency 2 gives the very rounds that
     speculative_generate gives with choose_length = 2: same seeds, same code path per request."""
     target = make_tiny_target("llama")
     drafter = random_drafter(target, gamma=3)
     files = write_benchmarks(tmp_path / "data", {"gsm8k": ["g0", "g1", "g2"], "mbpp": ["m0"]})
-    common = dict(max_new_tokens=12, temperature=1.0, seed=3, progress=False, warmup=False,
-                  tokenizer=CharTokenizer(), eos_token_ids=[0])
-    plain = evaluate(target, drafter, files, choose_length=lambda c, i: 2, out_dir=tmp_path / "plain", **common)
-    served = evaluate(target, drafter, files, scheduler="static:2", concurrency=2, out_dir=tmp_path / "served",
-                      **common)
-    keys = ("benchmark", "request", "round", "proposed", "accepted", "confidences")
-    rows = [[{k: json.loads(line)[k] for k in keys} for line in (tmp_path / d / "rounds.jsonl").read_text().splitlines()]
-            for d in ("plain", "served")]
+    common = dict(decoding=DECODING, progress=False, tokenizer=CharTokenizer())
+    served = evaluate(target, drafter, files, serving=ServeSettings(policy="static:2", concurrency=2),
+                      out_dir=tmp_path / "served", **common)
+    monkeypatch.setattr(ev, "speculative_generate", functools.partial(speculative_generate, choose_length=lambda c, i: 2))
+    plain = evaluate(target, drafter, files, out_dir=tmp_path / "plain", **common)
+    rows = [rounds_of(tmp_path / d) for d in ("plain", "served")]
     assert rows[0] == rows[1] and {r["proposed"] for r in rows[1]} == {2}
     assert served["all"]["tau"] == plain["all"]["tau"]
     assert served["config"]["scheduler"] == "static:2 (serving loop, R = 2)"
@@ -119,15 +133,32 @@ def test_eval_through_the_serving_loop_reproduces_the_per_request_hook(tmp_path)
     assert all("baseline_tokens" in json.loads(line) for line in (tmp_path / "served" / "requests.jsonl").open())
 
 
-def test_eval_with_algorithm1_reads_the_sps_and_sts_files(tmp_path):
+def test_a_per_request_hook_as_a_policy_gives_the_rounds_of_speculative_generate(tmp_path, monkeypatch, no_warmup):
+    """ℓ = (round + 1) mod 4 per request, in lockstep at R = 3 through per_request_policy, and one
+    request at a time through speculative_generate's own hook: the same rounds."""
+    target = make_tiny_target("llama")
+    drafter = random_drafter(target, gamma=3)
+    files = write_benchmarks(tmp_path / "data", {"gsm8k": ["g0", "g1", "g2"], "mbpp": ["m0", "m1"]})
+    hook = lambda confidences, round_index: (round_index + 1) % 4  # noqa: E731
+    common = dict(decoding=DECODING, progress=False, tokenizer=CharTokenizer(), baseline=False)
+    evaluate(target, drafter, files, serving=ServeSettings(policy=per_request_policy(hook), concurrency=3),
+             out_dir=tmp_path / "served", **common)
+    monkeypatch.setattr(ev, "speculative_generate", functools.partial(speculative_generate, choose_length=hook))
+    evaluate(target, drafter, files, out_dir=tmp_path / "plain", **common)
+    rows = [rounds_of(tmp_path / d) for d in ("plain", "served")]
+    assert rows[0] == rows[1] and {r["proposed"] for r in rows[1]} == {0, 1, 2, 3}
+
+
+def test_eval_with_algorithm1_reads_the_sps_and_sts_files(tmp_path, no_warmup):
     target = make_tiny_target("llama")
     drafter = random_drafter(target, gamma=3)
     SPS.to_json(tmp_path / "sps.json")
     (tmp_path / "sts.json").write_text(json.dumps({"temperatures": [1.5, 1.0, 0.8]}))
+    serving = ServeSettings(policy="algorithm1", sps=tmp_path / "sps.json", sts_temperatures=tmp_path / "sts.json",
+                            concurrency=3)
     report = evaluate(target, drafter, write_benchmarks(tmp_path / "data", {"gsm8k": ["g0", "g1", "g2"]}),
-                      scheduler="algorithm1", sps=tmp_path / "sps.json", sts_temperatures=tmp_path / "sts.json",
-                      concurrency=3, max_new_tokens=16, seed=0, progress=False, warmup=False, baseline=False,
-                      tokenizer=CharTokenizer(), eos_token_ids=[0], out_dir=tmp_path / "out")
+                      decoding=DecodeSettings(max_new_tokens=16, seed=0, eos_token_ids=[0]), serving=serving,
+                      progress=False, baseline=False, tokenizer=CharTokenizer(), out_dir=tmp_path / "out")
     rows = [json.loads(line) for line in (tmp_path / "out" / "rounds.jsonl").read_text().splitlines()]
     assert len({r["proposed"] for r in rows}) >= 2 and all(0 <= r["proposed"] <= 3 for r in rows)
     assert report["config"]["sps"] == SPS.to_dict()
@@ -136,20 +167,29 @@ def test_eval_with_algorithm1_reads_the_sps_and_sts_files(tmp_path):
     for r in rows:
         steps.setdefault(r["step"], []).append(r)
     assert all(rs[0]["batch_tokens"] == sum(1 + r["proposed"] for r in rs) for rs in steps.values())
-    with pytest.raises(ValueError, match="not both"):
-        evaluate(target, drafter, tmp_path / "data", scheduler="static", choose_length=lambda c, i: 1,
-                 tokenizer=CharTokenizer())
 
 
-def test_scheduled_eval_reports_speed_mean_length_and_draft_cost_in_target_steps(tmp_path):
+def test_eval_checks_the_policy_before_decoding_anything(tmp_path, monkeypatch):
+    target = make_tiny_target("llama")
+    monkeypatch.setattr(ev, "speculative_generate", lambda *a, **k: pytest.fail("decoded before the check"))
+    files = write_benchmarks(tmp_path / "data", {"gsm8k": ["g0"]})
+    with pytest.raises(ValueError, match="'algorithm1' needs an SPS table"):
+        evaluate(target, random_drafter(target, gamma=3), files, serving=ServeSettings(policy="algorithm1"),
+                 tokenizer=CharTokenizer(), progress=False)
+    with pytest.raises(ValueError, match="unknown policy 'fastest'"):
+        evaluate(target, random_drafter(target, gamma=3), files, serving=ServeSettings(policy="fastest"),
+                 tokenizer=CharTokenizer(), progress=False)
+
+
+def test_scheduled_eval_reports_speed_mean_length_and_draft_cost_in_target_steps(tmp_path, no_warmup):
     """report["scheduled"] against the records: draft cost = draft seconds per drafted round over the
     target-only step (forward + sampling seconds per forward); skipped rounds are marked in rounds.jsonl."""
     target = make_tiny_target("llama")
     drafter = random_drafter(target, gamma=3)
     files = write_benchmarks(tmp_path / "data", {"gsm8k": ["g0", "g1", "g2"], "mbpp": ["m0", "m1"]})
-    report = evaluate(target, drafter, files, scheduler="algorithm1+skip", sps=SPS, concurrency=2,
-                      max_new_tokens=16, seed=0, progress=False, warmup=False, tokenizer=CharTokenizer(),
-                      eos_token_ids=[0], out_dir=tmp_path / "out")
+    report = evaluate(target, drafter, files, serving=ServeSettings(policy="algorithm1+skip", sps=SPS, concurrency=2),
+                      decoding=DecodeSettings(max_new_tokens=16, seed=0, eos_token_ids=[0]), progress=False,
+                      tokenizer=CharTokenizer(), out_dir=tmp_path / "out")
     records = [json.loads(line) for line in (tmp_path / "out" / "requests.jsonl").read_text().splitlines()]
     rounds = [json.loads(line) for line in (tmp_path / "out" / "rounds.jsonl").read_text().splitlines()]
     s = report["scheduled"]
@@ -190,11 +230,12 @@ def test_scheduled_summary_and_table_equal_hand_computed_costs():
         in scheduling_table([s])
 
 
-def test_scheduled_eval_without_baseline_measures_the_step_on_the_sps_table(tmp_path):
+def test_scheduled_eval_without_baseline_measures_the_step_on_the_sps_table(tmp_path, no_warmup):
     target = make_tiny_target("llama")
     report = evaluate(target, random_drafter(target, gamma=3), write_benchmarks(tmp_path / "d", {"gsm8k": ["g0"]}),
-                      scheduler="static1", sps=SPS, max_new_tokens=8, progress=False, warmup=False, baseline=False,
-                      tokenizer=CharTokenizer(), eos_token_ids=[0])
+                      serving=ServeSettings(policy="static1", sps=SPS),
+                      decoding=DecodeSettings(max_new_tokens=8, eos_token_ids=[0]), progress=False, baseline=False,
+                      tokenizer=CharTokenizer())
     assert report["scheduled"]["target_step_basis"] == "SPS(1)"
     assert report["scheduled"]["target_step_s"] == pytest.approx(1 / SPS(1))
 
@@ -227,7 +268,7 @@ def test_eval_and_simulate_commands_run_end_to_end_on_smollm2(reuse_smollm2, tmp
     common = ["--target", "smollm2-135m", "--data-dir", str(SHARED), "--benchmarks", "gsm8k", "--seed", "294",
               "--max-new-tokens", "4", "--sps", str(tmp_path / "sps.json"), "--sts", str(tmp_path / "sts.json")]
 
-    assert main(["eval", "--draft", str(tmp_path / "drafter"), "--num-samples", "2", "--scheduler", "algorithm1",
+    assert main(["eval", "--draft", str(tmp_path / "drafter"), "--num-samples", "2", "--policy", "algorithm1",
                  "--concurrency", "2", "--no-baseline", "--out", str(tmp_path / "eval"), *common]) == 0
     report = json.loads((tmp_path / "eval" / "report.json").read_text())
     assert report["config"]["scheduler"] == "algorithm1 (serving loop, R = 2)"

@@ -1,4 +1,4 @@
-"""Anchors and blocks (SPEC 4 "Anchors"): hand-written examples and sampling properties."""
+"""Anchors and blocks (paper Section 3.3): hand-written examples and sampling properties."""
 
 import itertools
 

@@ -1,4 +1,4 @@
-"""The offline target cache (SPEC 4 "Target cache"): codec, format, validation, resume, size, quality."""
+"""The offline target cache: codec, format, validation, resume, size, quality."""
 
 from __future__ import annotations
 

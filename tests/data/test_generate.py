@@ -1,4 +1,4 @@
-"""Regeneration of training answers (SPEC 4): row format, order, resume, both backends.
+"""Regeneration of training answers (paper Section 4.1): row format, order, resume, both backends.
 
 The transformers backend runs on a tiny random Llama with a small byte-level
 BPE tokenizer trained here (ChatML template, no pad token). The OpenAI backend

@@ -153,7 +153,7 @@ def test_builtin_prompts_have_at_least_70_per_domain_and_unique_ids():
     records = builtin_prompt_records()
     ids = [r[0] for r in records]
     assert len(ids) == len(set(ids))
-    for domain in prompts.BUILTIN_DOMAINS:
+    for domain in prompts.builtin_domains():
         convs = load_builtin_prompts(domain)
         assert len(convs) >= 70, domain
         assert all(id_.startswith(domain + "-") for id_, d, _ in records if d == domain)

@@ -1,4 +1,4 @@
-"""Chat rendering and loss masks (SPEC 4) on offline tokenizers with four template families.
+"""Chat rendering and loss masks on offline tokenizers with four template families.
 
 The templates below are written from the documented chat formats of each
 family; the tokenizer is a tiny byte-level BPE trained here, with the

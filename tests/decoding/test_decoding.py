@@ -1,4 +1,4 @@
-"""The speculative decoding loop (SPEC 1, 5): exactness at T = 0, losslessness at T > 0,
+"""The speculative decoding loop (paper Section 2.1): exactness at T = 0, losslessness at T > 0,
 the cache/context bookkeeping, and the verification-length hook.
 
 Oracles: greedy target-only decoding (`target_generate` at T = 0), the target's exact

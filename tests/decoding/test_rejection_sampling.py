@@ -1,4 +1,4 @@
-"""Verification primitives of SPEC section 5: lossless rejection sampling and greedy verification.
+"""Verification primitives of speculative sampling (paper Section 2.1): lossless rejection sampling and greedy verification.
 
 The distribution tests simulate many rounds in one batched call and compare
 empirical frequencies with probabilities enumerated exactly in float64, using a
@@ -83,7 +83,7 @@ def _simulate_round(
 
     Both models' probabilities go through ``logits_to_probs`` at ``temperature``;
     ``draft_sampled_at`` samples the drafts at another temperature while still
-    handing the ``temperature`` probabilities to the verifier (SPEC section 9's pitfall).
+    handing the ``temperature`` probabilities to the verifier (a pitfall of other implementations).
     Returns draft_tokens [n, ℓ], num_accepted [n], next_token [n].
     """
     gen = torch.Generator().manual_seed(seed)
@@ -224,7 +224,7 @@ def _completed_pvalue(ell: int, temperature: float, seed: int, **kwargs) -> floa
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
 @pytest.mark.parametrize("ell", [0, 1, 2, 3])
 def test_emitted_tokens_are_distributed_as_the_target(ell, temperature):
-    """SPEC 5: the emitted tokens are a prefix of a target sample.
+    """Paper Section 2.1: the emitted tokens are a prefix of a target sample.
 
     The round emits x_1..x_m, next_token (1 to ℓ+1 tokens); continuing that prefix with
     exact target samples must give the target's joint law of ℓ+1 tokens. This covers
@@ -251,7 +251,7 @@ def test_losslessness_check_rejects_a_correction_drawn_from_the_target(ell):
 
 
 def test_draft_probs_other_than_the_sampling_ones_break_losslessness():
-    """SPEC 9: drafts sampled at T = 1 but verified with their T = 0.6 probabilities are not lossless."""
+    """A pitfall of other implementations: drafts sampled at T = 1 but verified with their T = 0.6 probabilities are not lossless."""
     assert _completed_pvalue(2, 0.6, seed=40, draft_sampled_at=1.0) < P_MIN
 
 

@@ -1,6 +1,7 @@
-"""The evaluation recipe (SPEC 6): benchmark selection, the report and its files.
+"""The evaluation recipe: benchmark selection, the report and its files.
 
-Most tests inject a scripted decode function: every prompt has a fixed list of
+Most tests replace the module's decode functions (``speculative_generate``,
+``target_generate``) by scripted ones: every prompt has a fixed list of
 rounds (accepted counts), and a fake clock advances 1 s per speculative decode
 and 2 s per baseline decode that emits the same number of tokens, so every
 number in the report is known by hand. The last test runs the real
@@ -22,7 +23,7 @@ import torch
 import dspark.evaluation.evaluate as ev
 from dspark.decoding.loop import DecodeResult, RoundRecord
 from dspark.data.benchmarks import resolve_benchmarks, samples_per_benchmark
-from dspark.evaluation.evaluate import evaluate
+from dspark.evaluation.evaluate import DecodeSettings, ServeSettings, evaluate
 from dspark.evaluation.report import compare_reports
 from dspark.evaluation.metrics import BENCHMARKS
 from helpers.benchmarks import CharTokenizer, write_benchmarks
@@ -66,8 +67,19 @@ def clock(monkeypatch):
     return c
 
 
+@pytest.fixture
+def no_warmup(monkeypatch):
+    monkeypatch.setattr(ev, "WARMUP_TOKENS", 0)
+
+
+def use_decoders(monkeypatch, decode, baseline):
+    """Make ``evaluate`` decode with ``decode`` (speculative) and ``baseline`` (target alone)."""
+    monkeypatch.setattr(ev, "speculative_generate", decode)
+    monkeypatch.setattr(ev, "target_generate", baseline)
+
+
 def scripted_decoders(clock, calls=None):
-    def decode(target, drafter, prompt_ids, *, max_new_tokens, temperature, eos_token_ids, choose_length, generator):
+    def decode(target, drafter, prompt_ids, *, max_new_tokens, temperature, eos_token_ids, generator):
         assert isinstance(generator, torch.Generator)
         if calls is not None:
             calls.append(prompt_text(prompt_ids))
@@ -91,10 +103,10 @@ def fake_models():
     return target, drafter
 
 
-def run(tmp_path, clock, **kwargs):
+def run(tmp_path, clock, monkeypatch, **kwargs):
     target, drafter = fake_models()
-    decode, baseline = scripted_decoders(clock)
-    options = dict(max_new_tokens=32, out_dir=tmp_path / "out", progress=False, decode_fn=decode, baseline_fn=baseline)
+    use_decoders(monkeypatch, *scripted_decoders(clock))
+    options = dict(decoding=DecodeSettings(max_new_tokens=32), out_dir=tmp_path / "out", progress=False)
     options.update(kwargs)
     return evaluate(target, drafter, write_benchmarks(tmp_path / "data"), **options)
 
@@ -102,8 +114,8 @@ def run(tmp_path, clock, **kwargs):
 # ------------------------------------------------------------------ the report
 
 
-def test_report_holds_hand_computed_tau_per_benchmark_domain_and_macro(tmp_path, clock):
-    report = run(tmp_path, clock)
+def test_report_holds_hand_computed_tau_per_benchmark_domain_and_macro(tmp_path, clock, monkeypatch):
+    report = run(tmp_path, clock, monkeypatch)
     b = report["benchmarks"]
     assert list(b) == ["gsm8k", "mbpp", "alpaca"]
     assert b["gsm8k"]["tau"] == pytest.approx(7 / 3)
@@ -119,8 +131,8 @@ def test_report_holds_hand_computed_tau_per_benchmark_domain_and_macro(tmp_path,
     assert report["gamma"] == GAMMA and report["label"] == "DSpark"
 
 
-def test_speedup_is_the_throughput_ratio_against_the_target_alone(tmp_path, clock):
-    report = run(tmp_path, clock)
+def test_speedup_is_the_throughput_ratio_against_the_target_alone(tmp_path, clock, monkeypatch):
+    report = run(tmp_path, clock, monkeypatch)
     gsm8k = report["benchmarks"]["gsm8k"]
     assert gsm8k["tokens"] == 7 and gsm8k["wall_s"] == pytest.approx(2.0)
     assert gsm8k["baseline_tokens"] == 7 and gsm8k["baseline_wall_s"] == pytest.approx(4.0)
@@ -134,14 +146,14 @@ def test_speedup_is_the_throughput_ratio_against_the_target_alone(tmp_path, cloc
     assert report["timings"]["spec_phases_s"]["draft"] == pytest.approx(0.25 * 4)
 
 
-def test_without_baseline_no_speedup_is_reported(tmp_path, clock):
-    report = run(tmp_path, clock, baseline=False)
+def test_without_baseline_no_speedup_is_reported(tmp_path, clock, monkeypatch):
+    report = run(tmp_path, clock, monkeypatch, baseline=False)
     assert "speedup" not in report["benchmarks"]["gsm8k"]
     assert math.isnan(report["macro"]["speedup"]["avg"])
 
 
-def test_confidence_quality_uses_only_rounds_with_confidences(tmp_path, clock):
-    report = run(tmp_path, clock, sts_temperatures=[1.0, 2.0, 0.5])
+def test_confidence_quality_uses_only_rounds_with_confidences(tmp_path, clock, monkeypatch):
+    report = run(tmp_path, clock, monkeypatch, serving=ServeSettings(sts_temperatures=[1.0, 2.0, 0.5]))
     conf = report["all"]["confidence"]
     # Rounds with even m carry confidences: m = 0, 2, 2 -> position 1 labels 0, 1, 1.
     assert conf[0]["count"] == 3
@@ -162,8 +174,8 @@ DSPARK_ROW = ("| DSpark | 2.33 ± 1.00 | – | – | 3.00 ± 0.00 | – | – | 
               "| 2.00 ± 0.00 | 2.44 ± 0.33 |")
 
 
-def test_files_hold_rounds_requests_strict_json_markdown_and_plots(tmp_path, clock):
-    run(tmp_path, clock, sts_temperatures=[1.0, 1.0, 1.0])
+def test_files_hold_rounds_requests_strict_json_markdown_and_plots(tmp_path, clock, monkeypatch):
+    run(tmp_path, clock, monkeypatch, serving=ServeSettings(sts_temperatures=[1.0, 1.0, 1.0]))
     out = tmp_path / "out"
     rounds = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]
     assert len(rounds) == 6
@@ -201,8 +213,9 @@ def test_reliability_plot_is_skipped_without_confidences(tmp_path, clock, monkey
         rounds = [RoundRecord(r.proposed, r.accepted, None) for r in result.rounds]
         return DecodeResult(result.prompt_len, result.tokens, rounds, False, {})
 
+    use_decoders(monkeypatch, no_confidence, baseline)
     report = evaluate(target, drafter, write_benchmarks(tmp_path / "data"), out_dir=tmp_path / "out", progress=False,
-                      max_new_tokens=8, decode_fn=no_confidence, baseline_fn=baseline)
+                      decoding=DecodeSettings(max_new_tokens=8))
     assert report["all"]["confidence"] is None
     assert "no confidence head" in (tmp_path / "out" / "report.md").read_text()
 
@@ -210,22 +223,21 @@ def test_reliability_plot_is_skipped_without_confidences(tmp_path, clock, monkey
 # ------------------------------------------------------------------ prompts and selection
 
 
-def test_prompts_are_the_first_user_turn_rendered_without_thinking(tmp_path, clock):
+def test_prompts_are_the_first_user_turn_rendered_without_thinking(tmp_path, clock, monkeypatch, no_warmup):
     target, drafter = fake_models()
     calls = []
-    decode, baseline = scripted_decoders(clock, calls)
-    evaluate(target, drafter, write_benchmarks(tmp_path / "data"), progress=False, max_new_tokens=8,
-             warmup=False, baseline=False, decode_fn=decode, baseline_fn=baseline)
+    use_decoders(monkeypatch, *scripted_decoders(clock, calls))
+    evaluate(target, drafter, write_benchmarks(tmp_path / "data"), progress=False,
+             decoding=DecodeSettings(max_new_tokens=8), baseline=False)
     assert calls == ["g0", "g1", "m0", "a0"]  # "second turn" never reaches the target
 
 
-def test_a_data_folder_evaluates_the_files_it_has_and_warns_about_the_rest(tmp_path, clock):
+def test_a_data_folder_evaluates_the_files_it_has_and_warns_about_the_rest(tmp_path, clock, monkeypatch):
     write_benchmarks(tmp_path / "data", {"gsm8k": ["g0"]})
     target, drafter = fake_models()
-    decode, baseline = scripted_decoders(clock)
+    use_decoders(monkeypatch, *scripted_decoders(clock))
     with pytest.warns(UserWarning, match=r"skipping benchmark\(s\) \['math500', .*'arena-hard-v2'\]: no file .*math500.jsonl.*make_benchmarks.py"):
-        report = evaluate(target, drafter, tmp_path / "data", progress=False, max_new_tokens=8,
-                          decode_fn=decode, baseline_fn=baseline)
+        report = evaluate(target, drafter, tmp_path / "data", progress=False, decoding=DecodeSettings(max_new_tokens=8))
     assert list(report["benchmarks"]) == ["gsm8k"]
     assert report["skipped"] == [n for n in BENCHMARKS if n != "gsm8k"]
 
@@ -253,35 +265,35 @@ def test_sample_counts_default_to_the_protocol_and_can_be_overridden():
         samples_per_benchmark(["gsm8k"], -1)
 
 
-def test_num_samples_draws_a_seeded_subset(tmp_path, clock):
+def test_num_samples_draws_a_seeded_subset(tmp_path, clock, monkeypatch, no_warmup):
     files = {"gsm8k": ["g0", "g1"]}
     target, drafter = fake_models()
     seen = {}
     for seed in range(6):
         calls = []
-        decode, baseline = scripted_decoders(clock, calls)
-        evaluate(target, drafter, write_benchmarks(tmp_path / "data", files), num_samples=1, seed=seed,
-                 progress=False, max_new_tokens=8, warmup=False, baseline=False, decode_fn=decode, baseline_fn=baseline)
+        use_decoders(monkeypatch, *scripted_decoders(clock, calls))
+        evaluate(target, drafter, write_benchmarks(tmp_path / "data", files), num_samples=1,
+                 decoding=DecodeSettings(max_new_tokens=8, seed=seed), progress=False, baseline=False)
         seen[seed] = calls
     assert all(len(c) == 1 for c in seen.values())
     assert {c[0] for c in seen.values()} == {"g0", "g1"}  # different seeds pick different prompts
 
 
-def test_ranks_take_every_world_th_prompt_and_only_rank_zero_writes(tmp_path, clock, monkeypatch):
+def test_ranks_take_every_world_th_prompt_and_only_rank_zero_writes(tmp_path, clock, monkeypatch, no_warmup):
     files = {"gsm8k": ["g0", "g1"], "mbpp": ["m0"]}
     target, drafter = fake_models()
     calls = []
-    decode, baseline = scripted_decoders(clock, calls)
+    use_decoders(monkeypatch, *scripted_decoders(clock, calls))
     monkeypatch.setattr(ev, "_dist_info", lambda: (1, 2))
     monkeypatch.setattr(ev, "_gather", lambda records, rounds, world: (records, rounds))
     report = evaluate(target, drafter, write_benchmarks(tmp_path / "data", files), out_dir=tmp_path / "out",
-                      progress=False, max_new_tokens=8, warmup=False, decode_fn=decode, baseline_fn=baseline)
+                      progress=False, decoding=DecodeSettings(max_new_tokens=8))
     assert calls == ["g1"]  # rank 1 of 2: request 1 of gsm8k, nothing of mbpp
     assert report["config"]["world_size"] == 2
     assert not (tmp_path / "out").exists()
 
 
-def test_requests_draw_from_seeded_generators_independent_of_order(tmp_path, clock):
+def test_requests_draw_from_seeded_generators_independent_of_order(tmp_path, clock, monkeypatch, no_warmup):
     seeds = []
     target, drafter = fake_models()
     decode, baseline = scripted_decoders(clock)
@@ -290,10 +302,19 @@ def test_requests_draw_from_seeded_generators_independent_of_order(tmp_path, clo
         seeds.append(generator.initial_seed())
         return decode(*args, generator=generator, **kwargs)
 
+    use_decoders(monkeypatch, recording, baseline)
     for _ in range(2):
-        evaluate(target, drafter, write_benchmarks(tmp_path / "data"), progress=False, max_new_tokens=8,
-                 warmup=False, baseline=False, decode_fn=recording, baseline_fn=baseline)
+        evaluate(target, drafter, write_benchmarks(tmp_path / "data"), progress=False,
+                 decoding=DecodeSettings(max_new_tokens=8), baseline=False)
     assert seeds[:4] == seeds[4:] and len(set(seeds[:4])) == 4
+
+
+def test_a_request_seed_is_derived_from_the_run_seed_the_benchmark_and_the_request():
+    import zlib
+
+    for seed, benchmark, request in ((0, "gsm8k", 0), (980406, "mt-bench", 17), (2**40 + 3, "aime25", 5)):
+        by_hand = (seed * 1_000_003 + zlib.crc32(benchmark.encode("utf-8")) * 7_919 + request) % 2**63
+        assert ev._request_seed(seed, benchmark, request) == by_hand
 
 
 def test_without_a_tokenizer_evaluate_says_how_to_fix_it(tmp_path):
@@ -305,8 +326,8 @@ def test_without_a_tokenizer_evaluate_says_how_to_fix_it(tmp_path):
 # ------------------------------------------------------------------ comparing drafters
 
 
-def test_compare_reports_puts_one_row_per_drafter_in_table_1_order(tmp_path, clock):
-    dspark = run(tmp_path, clock)
+def test_compare_reports_puts_one_row_per_drafter_in_table_1_order(tmp_path, clock, monkeypatch):
+    dspark = run(tmp_path, clock, monkeypatch)
     dflash = {"benchmarks": {"gsm8k": {"tau": 2.0}, "humaneval": {"tau": 1.5}}}
     table = compare_reports({"DSpark": dspark, "DFlash": dflash}).splitlines()
     assert table[0] == TABLE1_HEADER
@@ -319,7 +340,7 @@ def test_compare_reports_puts_one_row_per_drafter_in_table_1_order(tmp_path, clo
 
 
 @pytest.mark.skipif(not SHARED.is_dir(), reason="needs ../shared/eval_datasets")
-def test_smollm2_with_a_fresh_drafter_runs_all_nine_benchmarks(smollm2_target, tmp_path):
+def test_smollm2_with_a_fresh_drafter_runs_all_nine_benchmarks(smollm2_target, tmp_path, no_warmup):
     from dspark.build import build_drafter
     from dspark.config import load_config
 
@@ -330,8 +351,9 @@ def test_smollm2_with_a_fresh_drafter_runs_all_nine_benchmarks(smollm2_target, t
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        report = evaluate(smollm2_target, drafter, SHARED, num_samples=1, max_new_tokens=4, temperature=1.0,
-                          seed=294, out_dir=tmp_path, progress=False, warmup=False, run_config=config)
+        report = evaluate(smollm2_target, drafter, SHARED, num_samples=1,
+                          decoding=DecodeSettings(max_new_tokens=4, temperature=1.0, seed=294), out_dir=tmp_path,
+                          progress=False, run_config=config)
     finally:
         torch.set_num_threads(threads)
     assert list(report["benchmarks"]) == list(BENCHMARKS)
@@ -475,7 +497,7 @@ def test_gather_collects_records_through_all_gather_object(tmp_path):
     assert records == [{"request": 0}] and rounds == [{"round": 0}, {"round": 1}]
 
 
-def test_evaluate_from_config_reads_the_eval_section_and_writes_a_config_that_loads_back(tmp_path, clock):
+def test_evaluate_from_config_reads_the_eval_section_and_writes_a_config_that_loads_back(tmp_path, clock, monkeypatch):
     from dspark.config import Config, EvalConfig, load_config
 
     write_benchmarks(tmp_path / "data")
@@ -483,8 +505,8 @@ def test_evaluate_from_config_reads_the_eval_section_and_writes_a_config_that_lo
                     eval=EvalConfig(benchmarks=["mbpp", "alpaca"], data_dir=str(tmp_path / "data"), num_samples=0,
                                     max_new_tokens=16, temperature=0.5, seed=3, label="mine"))
     target, drafter = fake_models()
-    decode, baseline = scripted_decoders(clock)
-    report = ev.evaluate_from_config(target, drafter, config, progress=False, decode_fn=decode, baseline_fn=baseline)
+    use_decoders(monkeypatch, *scripted_decoders(clock))
+    report = ev.evaluate_from_config(target, drafter, config, progress=False)
     assert list(report["benchmarks"]) == ["mbpp", "alpaca"]
     assert report["config"]["max_new_tokens"] == 16 and report["config"]["temperature"] == 0.5
     assert report["config"]["num_samples"] == {"mbpp": 256, "alpaca": 500}
@@ -501,7 +523,15 @@ def test_evaluate_from_config_wants_a_policy_for_sps_and_concurrency(tmp_path):
         ev.evaluate_from_config(target, drafter, Config(serve=ServeConfig(concurrency=2)))
 
 
-def test_prompts_given_in_memory_draw_the_same_seeded_subset_as_their_file(tmp_path, clock):
+def test_evaluate_from_config_runs_one_policy_and_says_where_several_go():
+    from dspark.config import Config, ServeConfig
+
+    target, drafter = fake_models()
+    with pytest.raises(ValueError, match=r"serve.policy=\['static', 'static1'\] names 2 policies.*dspark simulate"):
+        ev.evaluate_from_config(target, drafter, Config(serve=ServeConfig(policy=["static", "static1"])))
+
+
+def test_prompts_given_in_memory_draw_the_same_seeded_subset_as_their_file(tmp_path, clock, monkeypatch, no_warmup):
     prompts = ["g0", "g1", "m0", "a0"]
     path = write_benchmarks(tmp_path / "data", {"gsm8k": prompts})["gsm8k"]
     in_memory = [[{"role": "system", "content": "be brief"}, {"role": "user", "content": p},
@@ -510,8 +540,8 @@ def test_prompts_given_in_memory_draw_the_same_seeded_subset_as_their_file(tmp_p
     picked = []
     for source in (path, in_memory):
         calls = []
-        decode, baseline = scripted_decoders(clock, calls)
-        evaluate(target, drafter, {"gsm8k": source}, num_samples=2, seed=5, progress=False, max_new_tokens=8,
-                 warmup=False, baseline=False, decode_fn=decode, baseline_fn=baseline)
+        use_decoders(monkeypatch, *scripted_decoders(clock, calls))
+        evaluate(target, drafter, {"gsm8k": source}, num_samples=2, decoding=DecodeSettings(max_new_tokens=8, seed=5),
+                 progress=False, baseline=False)
         picked.append(calls)
     assert picked[0] == picked[1] and len(picked[0]) == 2

@@ -1,4 +1,4 @@
-"""Draft-quality metrics over round logs (SPEC 6), against hand-computed values.
+"""Draft-quality metrics over round logs, against hand-computed values.
 
 The synthetic log, γ = 3 (m accepted, ℓ verified, τ = m + 1):
 
@@ -16,15 +16,14 @@ import numpy as np
 import pytest
 
 from dspark.scheduling.calibration import apply_temperatures, confidence_metrics
+from dspark.data.benchmarks import BENCHMARKS
 from dspark.evaluation.metrics import (
-    BENCHMARKS,
-    DEFAULT_NUM_SAMPLES,
-    DOMAINS,
+    MACRO_COLUMNS,
+    MACRO_KEYS,
     acceptance_rate,
     conditional_acceptance,
     conditional_acceptance_counts,
     confidence_quality,
-    domain_of,
     macro_average,
     prefix_survival,
     round_tau,
@@ -158,15 +157,9 @@ def test_summarize_rounds_tells_requests_of_different_benchmarks_apart():
     assert summarize_rounds(log, GAMMA)["num_requests"] == 2
 
 
-def test_domains_group_the_nine_benchmarks_three_by_three():
-    assert DOMAINS == {
-        "math": ("gsm8k", "math500", "aime25"),
-        "code": ("humaneval", "mbpp", "livecodebench"),
-        "chat": ("mt-bench", "alpaca", "arena-hard-v2"),
-    }
-    assert [domain_of(n) for n in ("aime25", "mbpp", "alpaca", "custom")] == ["math", "code", "chat", None]
-    assert sorted(DEFAULT_NUM_SAMPLES) == sorted(BENCHMARKS)
-    assert DEFAULT_NUM_SAMPLES["aime25"] == 30 and DEFAULT_NUM_SAMPLES["mbpp"] == 256
+def test_macro_columns_are_table_1s_domain_headers_then_avg():
+    assert MACRO_KEYS == ("math", "code", "chat", "avg")
+    assert list(MACRO_COLUMNS.values()) == ["Math", "Code", "Chat", "Avg"]
 
 
 def test_macro_average_means_per_domain_and_over_present_benchmarks():

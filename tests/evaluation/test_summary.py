@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from dspark.cli.main import main
-from dspark.evaluation.demo_page import fmt_ci, load_run, metric, sched_row, summary_markdown, write_summary
+from dspark.evaluation.demo_page import (fmt_ci, load_run, metric, results_table, sched_row, summary_markdown,
+                                          write_summary)
 
 SPS = {"sample_batch_tokens": [1, 4], "sample_steps_per_sec": [10.0, 8.0], "max_batch_tokens": 512}
 
@@ -163,3 +164,25 @@ def test_the_headline_names_the_trained_drafters_and_stages_get_a_description():
     assert _drafters_trained({"training": {}}) == "drafters"
     assert _stage_name("train-eagle3_x") == "training" and _stage_name("sched-algorithm1+skip-R1") == "scheduled evaluation"
     assert _stage_name("vocab").startswith("draft vocabulary") and _stage_name("other") == ""
+
+
+def test_the_results_table_has_a_row_per_drafter_per_policy_and_target_only(run_dir):
+    rows = results_table(run_dir).splitlines()  # a folder, read with load_run
+    assert rows[0] == ("|  | τ, T = 1 | τ, greedy | speed vs target-only (T = 1, R = 1, wall clock) "
+                       "| speed vs static γ (paired, R = 1) | throughput vs target-only (R = 4, SPS clock) |")
+    # macro τ at T = 1 with [1.09, 1.19] → ± 0.05; greedy without an interval; macro speedup 0.8
+    assert rows[2] == "| DSpark (γ = 4) | 1.14 ± 0.05 | 1.05 | 0.80 | – | – |"
+    # scheduled: τ 1.2 in [1.1, 1.3], speed 0.75; R = 4 on the SPS clock: Θ 20 over 4 · SPS(4) = 32 → 0.625
+    assert rows[3] == "| DSpark, static γ = 4 | 1.20 ± 0.10 | – | 0.75 | 1 (baseline) | 0.62 |"
+    # no round logs in the folder: the paired ratio cannot be computed and is left blank
+    assert rows[4] == "| DSpark, Algorithm 1 | 1.20 ± 0.10 | – | 0.75 | – | 0.62 |"
+    assert rows[5] == "| target-only decoding | 1 | 1 | 1 | – | 1 |" and len(rows) == 6
+
+
+def test_the_results_table_is_empty_without_evaluations_and_leads_the_page(run_dir, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert results_table(empty) == ""
+    page = summary_markdown(load_run(run_dir))
+    assert page.index("## Results") < page.index("## 1. What was trained")
+    assert results_table(load_run(run_dir)) in page

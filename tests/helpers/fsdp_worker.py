@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, __file__.rsplit("/", 2)[0])  # tests/, where the helpers package lives
 
 from helpers.targets import make_tiny_target  # noqa: E402
-from helpers.training import synthetic_samples, tiny_trainer  # noqa: E402
+from helpers.training import fit_killed_after, synthetic_samples, tiny_trainer  # noqa: E402
 
 from dspark.data.dataset import RenderedSource  # noqa: E402
 from dspark.training.trainer import setup_distributed  # noqa: E402
@@ -59,7 +59,7 @@ def main(out_root: str) -> None:
     evaluation = full.evaluate()
 
     killed = fsdp_trainer(target, f"{out_root}/killed")
-    killed.fit(stop_after=3)
+    fit_killed_after(killed, 3)
     resumed = fsdp_trainer(target, f"{out_root}/killed")
     resumed.fit(resume=True)
     resumed_params = resumed.drafter_state_dict()

@@ -1,10 +1,10 @@
-"""A slow, float64, one-block-at-a-time re-implementation of the drafter (SPEC 3, Eq. 2-7).
+"""A slow, float64, one-block-at-a-time re-implementation of the drafter (paper Eq. 2-7).
 
 Written from the equations, not from `dspark.modeling`: it shares no code with
-it and reads only parameter tensors (by their SPEC 3.1 names), the target's
+it and reads only parameter tensors (by DeepSpec's parameter names), the target's
 transformers config and the drafter's plain settings (block size, layout, head
 type; no derived property of its config). Every block is computed on its own, with the context cut
-to the positions the SPEC mask allows (strictly before the anchor), so the
+to the positions the block mask of Eq. 3 allows (strictly before the anchor), so the
 reference has no mask tensor that could share a bug with the one under test.
 
     ref = ReferenceDrafter.from_drafter(drafter, target_config)
@@ -103,7 +103,7 @@ def rotate(x: Tensor, positions: Tensor, omega: Tensor) -> Tensor:
 
 
 class ReferenceDrafter:
-    """Float64 reference. `params` maps SPEC 3.1 names (as in `Drafter.state_dict()`) to tensors."""
+    """Float64 reference. `params` maps DeepSpec's parameter names (as in `Drafter.state_dict()`) to tensors."""
 
     def __init__(
         self,
@@ -235,7 +235,7 @@ class ReferenceDrafter:
     def backbone(self, features: Tensor, anchor_pos: int, anchor_token: int) -> Tensor:
         """h_1..h_γ [γ, d] of the block whose anchor sits at `anchor_pos`.
 
-        features [S, m·d] of one sequence; only rows 0..anchor_pos−1 are read (SPEC 3.1 mask).
+        features [S, m·d] of one sequence; only rows 0..anchor_pos−1 are read (the block mask of Eq. 3).
         """
         p = int(anchor_pos)
         ctx = features[:p].to(F64)

@@ -51,6 +51,13 @@ def tiny_trainer(target, out_dir: str, samples=None, **train_overrides):
     return Trainer(config, target, drafter, data, progress=False)
 
 
+def fit_killed_after(trainer, steps: int):
+    """``trainer.fit()`` ended after ``steps`` more steps as a killed job ends: the periodic
+    checkpoints written up to there, no final checkpoint and no final drafter."""
+    trainer._stop_after = steps
+    return trainer.fit()
+
+
 def run_torchrun(worker, args, timeout: float = 150.0, attempts: int = 2) -> None:
     """Run `worker args` on 2 local ranks (gloo). A launch that hangs (seen once on a loaded
     sandbox: one rank orphaned while the other waited) is killed as a process group and

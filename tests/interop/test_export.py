@@ -1,5 +1,5 @@
 """`dspark export`: each destination's folder loads back bit-identically, carries the config.json
-fields INTEROP.md lists for that destination (spelled out here, not taken from dspark.interop.export), and
+fields that destination reads (spelled out here, not taken from dspark.interop.export), and
 what a destination cannot serve is refused with the reason."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Golden fixtures: dspark reproduces the numbers the reference implementations computed.
 
-The fixtures live in ../shared/golden (or $DSPARK_GOLDEN): checkpoints written by DeepSpec
+The fixtures live in the shared golden folder (helpers.paths.SHARED, or $DSPARK_GOLDEN): checkpoints written by DeepSpec
 (`Qwen3DSparkModel.save_pretrained`) and by z-lab (`DFlashDraftModel.save_pretrained`), plus the
 tensors those implementations computed from them (see the folder's README.md). Each test loads a
 checkpoint with `load_drafter`, exactly as a user would, and compares:
@@ -36,7 +36,7 @@ GOLDEN = Path(os.environ.get("DSPARK_GOLDEN", SHARED / "golden"))
 DEEPSPEC_FIXTURES = ("dspark_vanilla", "dspark_rnn", "dflash")
 pytestmark = pytest.mark.skipif(
     not (GOLDEN / "deepspec" / "target").is_dir(),
-    reason=f"needs the golden fixtures in {GOLDEN} (../shared/golden; or set DSPARK_GOLDEN)",
+    reason=f"needs the golden fixtures in {GOLDEN} (the shared golden folder; or set DSPARK_GOLDEN)",
 )
 
 

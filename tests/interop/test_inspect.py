@@ -27,7 +27,7 @@ from dspark.interop.inspect import (
     inspect_drafter,
     problems,
 )
-from dspark.modeling import Drafter, save_drafter
+from dspark.modeling import Drafter, load_drafter, save_drafter
 from dspark.evaluation.proposals import greedy_continuation
 from tests.helpers.targets import build_tiny_model, make_tiny_target, tiny_drafter_config
 from helpers.paths import SHARED
@@ -177,7 +177,7 @@ def test_description_of_our_folder(trained):
 def test_description_of_a_deepspec_folder():
     folder = GOLDEN / "deepspec" / "dspark_vanilla" / "checkpoint"
     if not folder.is_dir():
-        pytest.skip(f"{folder} is absent (the golden fixtures live in ../shared/golden)")
+        pytest.skip(f"{folder} is absent (the golden fixtures live in the shared golden folder)")
     desc = describe_folder(folder)
     assert (desc.format, desc.algorithm, desc.block_layout, desc.gamma) == ("deepspec", "dspark", "anchor_first", 7)
     assert desc.target_layer_ids == [-1, 1, 4] and desc.mask_token_id == 999
@@ -191,12 +191,22 @@ def test_description_of_a_deepspec_folder():
 def test_description_of_a_zlab_folder():
     folder = GOLDEN / "zlab_dflash" / "checkpoint"
     if not folder.is_dir():
-        pytest.skip(f"{folder} is absent (the golden fixtures live in ../shared/golden)")
+        pytest.skip(f"{folder} is absent (the golden fixtures live in the shared golden folder)")
     desc = describe_folder(folder)
     # golden README: block_size 8 = anchor + 7 masks, dflash_config {mask 999, ids [1, 3]}, no embedding/LM head
     assert (desc.format, desc.algorithm, desc.block_layout, desc.gamma) == ("zlab", "dflash", "anchor_plus_masks", 7)
     assert desc.target_layer_ids == [1, 3] and desc.mask_token_id == 999
     assert desc.params.frozen == 0
+
+
+def test_description_of_our_eagle3_folder_states_its_gamma(tmp_path):
+    from helpers.eagle3 import tiny_eagle3
+
+    target = make_tiny_target("llama", target_layer_ids=LAYER_IDS)
+    folder = save_drafter(tiny_eagle3(target, preset="eagle3"), tmp_path / "eagle3")  # γ = 4
+    desc = describe_folder(folder)
+    assert (desc.format, desc.algorithm, desc.block_layout, desc.gamma) == ("dspark-eagle3", "eagle3", None, GAMMA)
+    assert desc.target_layer_ids == list(LAYER_IDS)
 
 
 def test_a_corrupted_safetensors_header_names_the_file(trained, tmp_path):
@@ -224,6 +234,17 @@ def test_a_deepspec_run_folder_reads_its_last_step(trained, tmp_path):
     assert desc.notes == [f"read the last checkpoint step_100 of 3 inside {tmp_path / 'run'}"]
 
 
+def test_inspect_and_load_drafter_read_the_same_checkpoint_of_a_run_folder(trained, tmp_path):
+    _, _, folder = trained
+    run = tmp_path / "run"
+    shutil.copytree(folder, run / "drafter")  # the final drafter, γ = 4
+    _corrupt(folder, run / "step_3", block_size=GAMMA - 1)  # a checkpoint told apart by its γ
+    (run / "step_latest").symlink_to("step_3")
+    desc = describe_folder(run)
+    assert desc.path == run / "drafter" and desc.notes == [f"read the final drafter of the training run {run}"]
+    assert load_drafter(run).config.block_size == desc.gamma == GAMMA
+
+
 def test_cli_inspect_prints_the_cause(trained, tmp_path, capsys):
     _, target_dir, folder = trained
     shifted = _corrupt(folder, tmp_path / "shifted", target_layer_ids=[i + 1 for i in LAYER_IDS])
@@ -244,7 +265,7 @@ def test_cli_inspect_without_target_describes(trained, capsys):
 def test_a_deepspec_folder_is_checked_against_its_target():
     folder, target_dir = GOLDEN / "deepspec" / "dspark_vanilla" / "checkpoint", GOLDEN / "deepspec" / "target"
     if not folder.is_dir() or not target_dir.is_dir():
-        pytest.skip(f"{folder} or {target_dir} is absent (the golden fixtures live in ../shared/golden)")
+        pytest.skip(f"{folder} or {target_dir} is absent (the golden fixtures live in the shared golden folder)")
     inspection = inspect_drafter(folder, str(target_dir), dtype="float32", num_prompts=1, max_new_tokens=8,
                                  diagnose="never")
     structure = [f for f in inspection.check.findings if f.code != "acceptance"]

@@ -1,4 +1,4 @@
-"""Drafter checkpoints (SPEC 3.1): our own save/load round trip, and folders written by hand in
+"""Drafter checkpoints: our own save/load round trip, and folders written by hand in
 DeepSpec's layout (names, shapes and config.json fields spelled out here, not taken from our
 modules), plain, sharded and DFlash."""
 
@@ -536,3 +536,17 @@ def test_a_dspark_run_folder_loads_its_final_drafter(tmp_path):
     save_drafter(drafter, tmp_path / "run" / "drafter")
     loaded = load_drafter(tmp_path / "run", _target("qwen3"))
     _assert_same_proposal(_proposal(loaded, "qwen3"), _proposal(drafter, "qwen3"))
+
+
+def test_a_dspark_run_folder_loads_its_latest_checkpoint_until_training_finished(tiny_qwen3, tmp_path):
+    from helpers.training import fit_killed_after, tiny_trainer
+
+    run = tmp_path / "run"
+    fit_killed_after(tiny_trainer(tiny_qwen3, str(run)), 3)  # the latest checkpoint is step 2
+    latest = run / "checkpoints" / "step-0000002" / "drafter"
+    assert not (run / "drafter").exists()
+    assert checkpoint.resolve_folder(run) == latest
+    loaded, written = load_drafter(run, tiny_qwen3).state_dict(), read_weights(latest)
+    assert set(loaded) == set(written) and all(torch.equal(loaded[n], t) for n, t in written.items())
+    save_drafter(load_drafter(latest, tiny_qwen3), run / "drafter")  # what the trainer writes when a run ends
+    assert checkpoint.resolve_folder(run) == run / "drafter"

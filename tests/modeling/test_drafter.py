@@ -1,4 +1,4 @@
-"""The drafter (SPEC 3, Eq. 2-7) against a float64 reference written from the equations.
+"""The drafter (paper Eq. 2-7) against a float64 reference written from the equations.
 
 Every drafter here has *all* of its parameters randomised (norm weights away from
 1, the Markov W2 away from its zero init, a non-zero confidence bias, Gemma's

@@ -1,7 +1,7 @@
-"""Eagle3 (SPEC 8): DeepSpec's golden numbers, the TTT unroll, the loss, propose(), checkpoints,
+"""Eagle3 (the paper's baseline, Section 4.1): DeepSpec's golden numbers, the TTT unroll, the loss, propose(), checkpoints,
 training through the real trainer and decoding.
 
-Oracles: DeepSpec's stored tensors (../shared/golden/deepspec/eagle3, its README gives the
+Oracles: DeepSpec's stored tensors (deepspec/eagle3 of the golden folder, $DSPARK_GOLDEN; its README gives the
 tolerance), the drafter's own step-by-step inference (the TTT unroll must equal it), a float64
 re-derivation of the loss from its definition, and target-only greedy decoding (lossless).
 """
@@ -34,7 +34,7 @@ EAGLE3 = GOLDEN / "deepspec" / "eagle3"
 # tiny models are dispatch-bound: one thread (see conftest.one_thread) is many times faster on a shared CPU
 pytestmark = pytest.mark.usefixtures("one_thread")
 needs_golden = pytest.mark.skipif(not (EAGLE3 / "cases.json").is_file(),
-                                  reason=f"needs the golden fixture {EAGLE3} (../shared/golden; or set DSPARK_GOLDEN)")
+                                  reason=f"needs the golden fixture {EAGLE3} (the shared golden folder; or set DSPARK_GOLDEN)")
 
 
 def assert_close(got: torch.Tensor, ref: torch.Tensor, what: str) -> None:
@@ -407,8 +407,11 @@ def test_cached_features_give_the_online_loss():
     assert torch.equal(m1["count"], m2["count"])
 
 
-def test_eval_runs_an_eagle3_drafter_on_a_tiny_target(tmp_path):
-    from dspark.evaluation.evaluate import evaluate
+def test_eval_runs_an_eagle3_drafter_on_a_tiny_target(tmp_path, monkeypatch):
+    import dspark.evaluation.evaluate as ev
+    from dspark.evaluation.evaluate import DecodeSettings, evaluate
+
+    monkeypatch.setattr(ev, "WARMUP_TOKENS", 0)
 
     target = make_tiny_target("llama")
 
@@ -426,8 +429,9 @@ def test_eval_runs_an_eagle3_drafter_on_a_tiny_target(tmp_path):
     drafter = tiny_eagle3(target, "eagle3")
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "gsm8k.jsonl").write_text(json.dumps({"turns": ["two plus two"]}) + "\n")
-    report = evaluate(target, drafter, tmp_path / "data", names=["gsm8k"], max_new_tokens=12, temperature=0.0,
-                      out_dir=tmp_path / "out", progress=False, warmup=False)
+    report = evaluate(target, drafter, tmp_path / "data", names=["gsm8k"],
+                      decoding=DecodeSettings(max_new_tokens=12, temperature=0.0), out_dir=tmp_path / "out",
+                      progress=False)
     text = json.dumps(report)
     assert "Eagle3" in text and (tmp_path / "out" / "report.json").is_file()
 

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from helpers.targets import make_tiny_target, tiny_drafter_config
 from dspark.decoding.loop import speculative_generate
-from dspark.training.fused_loss import fused_dspark_loss
+from dspark.training.fused_loss import LogitFactors, fused_dspark_loss
 from dspark.training.loss import LossWeights, dspark_loss
 from dspark.modeling import Drafter, load_drafter, save_drafter
 from dspark.modeling.vocab import DraftVocab
@@ -120,8 +120,9 @@ def test_restricted_loss_and_gradients_equal_a_float64_reference(path):
     ours = [x.clone().requires_grad_() for x in (h, lat, w2, conf)]
     ho, lato, w2o, confo = ours
     if path == "fused":
-        out = fused_dspark_loss(ho, vocab.head_weight(w_lm), t, labels, valid, confo, weights, latent=lato, w2=w2o,
-                                chunk_rows=2, vocab=vocab, target_lm_head_weight=w_lm)
+        factors = LogitFactors(ho, vocab.head_weight(w_lm), t, latent=lato, w2=w2o, vocab=vocab,
+                               target_lm_head_weight=w_lm)
+        out = fused_dspark_loss(factors, labels, valid, confo, weights, chunk_rows=2)
     else:
         out = dspark_loss(lambda a, b: ho[a:b] @ w_lm[ids].T + lato[a:b] @ w2o.T, lambda a, b: t[a:b] @ w_lm.T,
                           labels, valid, confo, weights, chunk_rows=2, vocab=vocab)
@@ -139,9 +140,10 @@ def test_full_vocabulary_as_draft_vocabulary_is_the_plain_loss():
     V = w_lm.shape[0]
     w2 = torch.randn(V, lat.shape[-1], dtype=torch.float64)
     weights = LossWeights()
-    plain = fused_dspark_loss(h, w_lm, t, labels, valid, conf, weights, latent=lat, w2=w2)
+    plain = fused_dspark_loss(LogitFactors(h, w_lm, t, latent=lat, w2=w2), labels, valid, conf, weights)
     vocab = DraftVocab(torch.arange(V), V)
-    full = fused_dspark_loss(h, w_lm, t, labels, valid, conf, weights, latent=lat, w2=w2, vocab=vocab, target_lm_head_weight=w_lm)
+    full = fused_dspark_loss(LogitFactors(h, w_lm, t, latent=lat, w2=w2, vocab=vocab, target_lm_head_weight=w_lm),
+                             labels, valid, conf, weights)
     assert full.loss.item() == pytest.approx(plain.loss.item(), rel=1e-12)
     assert torch.allclose(full.accept_sum, plain.accept_sum)
 
@@ -292,8 +294,9 @@ def test_fused_and_chunked_restricted_losses_agree_with_a_softcap():
     vocab, cap, weights = DraftVocab(ids, w_lm.shape[0]), 2.0, LossWeights()
     softcap = lambda x: torch.tanh(x / cap) * cap  # noqa: E731
     ours = [x.clone().requires_grad_() for x in (h, lat, w2)]
-    fused = fused_dspark_loss(ours[0], vocab.head_weight(w_lm), t, labels, valid, conf, weights, latent=ours[1],
-                              w2=ours[2], softcap=cap, vocab=vocab, target_lm_head_weight=w_lm)
+    factors = LogitFactors(ours[0], vocab.head_weight(w_lm), t, latent=ours[1], w2=ours[2], softcap=cap, vocab=vocab,
+                           target_lm_head_weight=w_lm)
+    fused = fused_dspark_loss(factors, labels, valid, conf, weights)
     theirs = [x.clone().requires_grad_() for x in (h, lat, w2)]
     chunked = dspark_loss(lambda a, b: softcap(theirs[0][a:b] @ w_lm[ids].T) + theirs[1][a:b] @ theirs[2].T,
                           lambda a, b: softcap(t[a:b] @ w_lm.T), labels, valid, conf, weights, vocab=vocab)

@@ -1,4 +1,4 @@
-"""Confidence metrics and Sequential Temperature Scaling (SPEC 6, 7.1)."""
+"""Confidence metrics and Sequential Temperature Scaling (paper Sections 3.2.1 and 4.3.3)."""
 
 import itertools
 import json

@@ -1,4 +1,4 @@
-"""Algorithm 1, its asynchronous variant and SPS tables (SPEC 7.2-7.4)."""
+"""Algorithm 1, its asynchronous variant and SPS tables (paper Section 3.2.2, Algorithm 1, Section 5.2)."""
 
 import itertools
 import json
@@ -29,7 +29,7 @@ CONF_AFTER_B = [[0.8, 0.0]]  # x1 = B gives c2 = 0
 
 
 def literal_algorithm_1(conf, sps, early_stop=True):
-    """Line-by-line Python transcription of Algorithm 1 (SPEC 7.2)."""
+    """Line-by-line Python transcription of Algorithm 1 (paper Section 3.2.2)."""
     R, gamma = len(conf), len(conf[0])
     a = [[0.0] * gamma for _ in range(R)]
     for r in range(R):
@@ -71,7 +71,7 @@ def throughput(a, ell, sps):
 
 
 def emitted_first_token(x1, ell, rng, p_t, p_d):
-    """First token emitted by one verification round per trial (SPEC 5), for a
+    """First token emitted by one verification round per trial (paper Section 2.1), for a
     vocabulary of size 2. x1 [N] draft tokens, ell [N] verified lengths."""
     n = x1.shape[0]
     from_target = (rng.random(n) < p_t[1]).astype(np.int64)  # fresh token ~ p_t

@@ -1,4 +1,4 @@
-"""The serving simulator (SPEC 7, paper Fig. 8) and the per-request stepper it drives.
+"""The serving simulator (paper Section 5.2, Fig. 8) and the per-request stepper it drives.
 
 Oracles: ``speculative_generate`` (the one-request loop), greedy target-only
 decoding (any verification-length schedule is exact at T = 0), the target's
@@ -22,7 +22,16 @@ from dspark.decoding.loop import PhaseClock, SpeculativeRequest, speculative_gen
 from dspark.modeling import Proposal
 from dspark.scheduling.algorithm1 import SPSTable, schedule_prefix
 from dspark.evaluation.report import write_results
-from dspark.scheduling.simulator import Job, Policy, job_seed, make_policy, run_requests, simulate
+from dspark.scheduling.simulator import (
+    DecodeSettings,
+    Job,
+    Policy,
+    ServeSettings,
+    job_seed,
+    make_policy,
+    run_requests,
+    simulate,
+)
 from helpers.serving import PROMPTS, greedy, joint_counts, scripted
 from helpers.decoding import chi_square_pvalue, exact_joint, random_drafter
 
@@ -82,8 +91,9 @@ def test_an_eos_accepted_in_the_serving_loop_ends_the_round_with_tau_equal_to_ac
     drafter = scripted(target, prompt, gamma=6, correct=5, confidences=[0.9] * 6)
     x = greedy(target, prompt, 8).tokens  # x[0] from the prefill, round 1 drafts x[1..6]
     k = next(i for i in range(2, 5) if x[i] not in x[:i])  # the first new token: the EOS
-    sim = run_requests(target, drafter, [Job(prompt, seed=0, tag="r")], concurrency=1, policy="static", sps=None,
-                       max_new_tokens=20, temperature=0.0, eos_token_ids=(x[k],))
+    sim = run_requests(target, drafter, [Job(prompt, seed=0, tag="r")],
+                       decoding=DecodeSettings(max_new_tokens=20, temperature=0.0, eos_token_ids=(x[k],)),
+                       serving=ServeSettings(policy="static"))
     (row,) = sim.rounds
     assert (row["proposed"], row["accepted"], row["eos_accepted"], row["emitted"]) == (k, k, True, k)
     assert sim.tau == k and sim.tokens == k and sim.requests[0]["finished_by_eos"]
@@ -107,8 +117,8 @@ def test_each_served_request_is_speculative_generate_with_its_own_seed():
     R = 3 produces exactly what speculative_generate produces alone with seed job_seed(seed, i)."""
     target = make_tiny_target("qwen3")
     drafter = random_drafter(target, gamma=3)
-    sim = simulate(target, drafter, PROMPTS, concurrency=3, policy="static", sps=DECAYING, max_new_tokens=20,
-                   temperature=1.0, seed=4, cycle=False)
+    sim = simulate(target, drafter, PROMPTS, decoding=DecodeSettings(max_new_tokens=20, temperature=1.0, seed=4),
+                   serving=ServeSettings(policy="static", sps=DECAYING, concurrency=3), cycle=False)
     assert [r["index"] for r in sim.requests] == [0, 1, 2] and all(r["finished"] for r in sim.requests)
     for i, prompt in enumerate(PROMPTS):
         alone = speculative_generate(target, drafter, prompt, max_new_tokens=20, temperature=1.0,
@@ -126,8 +136,9 @@ def test_greedy_serving_reproduces_greedy_target_decoding_under_every_policy(pol
     target = make_tiny_target("llama")
     drafter = random_drafter(target, gamma=4)
     sts = np.random.default_rng(0).uniform(0.5, 2.0, size=4)  # any calibration: T = 0 is exact for every ℓ
-    sim = simulate(target, drafter, PROMPTS, concurrency=2, policy=policy, sps=DECAYING, sts_temperatures=sts,
-                   max_new_tokens=24, temperature=0.0, seed=0, cycle=False)
+    sim = simulate(target, drafter, PROMPTS, decoding=DecodeSettings(max_new_tokens=24, temperature=0.0, seed=0),
+                   serving=ServeSettings(policy=policy, sps=DECAYING, concurrency=2, sts_temperatures=sts),
+                   cycle=False)
     for i, prompt in enumerate(PROMPTS):
         assert sim.requests[i]["result"].tokens == greedy(target, prompt, 24).tokens
     if policy in ("algorithm1", "threshold:0.5"):  # the schedule really varied
@@ -145,8 +156,8 @@ def test_sampled_serving_keeps_the_targets_distribution(policy):
         drafter.norm.weight.mul_(0.3)
     prompt, V = [1, 3, 2, 0], target.vocab_size
     # Requests live up to three rounds, so async's capacity from two steps back is often > 0.
-    sim = simulate(target, drafter, [prompt], concurrency=4, policy=policy, sps=DECAYING, max_new_tokens=4,
-                   temperature=1.0, seed=5, num_requests=800)
+    sim = simulate(target, drafter, [prompt], decoding=DecodeSettings(max_new_tokens=4, temperature=1.0, seed=5),
+                   serving=ServeSettings(policy=policy, sps=DECAYING, concurrency=4), num_requests=800)
     counts = joint_counts(sim, V)
     lengths = np.bincount([r["proposed"] for r in sim.rounds], minlength=3)
     assert counts.sum() >= 800 and (lengths > 100).all()  # a few more finish in the last step
@@ -188,8 +199,8 @@ def test_the_appendix_a_leak_is_caught_and_algorithm1_is_not_leaky():
     leaky = Policy("no break", True, lambda ids, c: schedule_prefix(c, sps, early_stop=False))
     pvalues, lengths = {}, {}
     for name, policy in (("algorithm1", "algorithm1"), ("no break", leaky)):
-        sim = simulate(target, drafter, [prompt], concurrency=1, policy=policy, sps=sps, max_new_tokens=2,
-                       temperature=1.0, seed=1, num_requests=1000)
+        sim = simulate(target, drafter, [prompt], decoding=DecodeSettings(max_new_tokens=2, temperature=1.0, seed=1),
+                       serving=ServeSettings(policy=policy, sps=sps, concurrency=1), num_requests=1000)
         counts = torch.zeros(V, V)
         for request in sim.requests:
             counts[tuple(request["result"].tokens)] += 1
@@ -218,8 +229,11 @@ def test_throughput_tau_and_budget_equal_the_hand_computed_values():
     sps = SPSTable([2, 6], [50.0, 20.0], 8)
     sts = [2.0, 0.5, 1.0]
     for overhead in (0.0, 0.5):
-        sim = simulate(target, drafter, [prompt, prompt], concurrency=2, policy=script, sps=sps, sts_temperatures=sts,
-                       max_new_tokens=7, temperature=0.0, cycle=False, draft_overhead=overhead)
+        sim = simulate(target, drafter, [prompt, prompt],
+                       decoding=DecodeSettings(max_new_tokens=7, temperature=0.0, seed=0),
+                       serving=ServeSettings(policy=script, sps=sps, concurrency=2, sts_temperatures=sts,
+                                             draft_overhead=overhead),
+                       cycle=False)
         assert [s["batch_tokens"] for s in sim.step_log] == [6, 6, 2]
         assert [s["tokens"] for s in sim.step_log] == [5, 5, 2]
         assert [(r["request"], r["proposed"], r["accepted"], r["emitted"]) for r in sim.rounds] == [
@@ -241,8 +255,9 @@ def test_throughput_tau_and_budget_equal_the_hand_computed_values():
 
 def test_verifying_nothing_gives_tau_one_and_a_batch_of_one_token_per_request():
     target = make_tiny_target("llama")
-    sim = simulate(target, random_drafter(target, gamma=4), PROMPTS, concurrency=3, policy="static:0", sps=DECAYING,
-                   max_new_tokens=6, temperature=1.0, num_requests=5)
+    sim = simulate(target, random_drafter(target, gamma=4), PROMPTS,
+                   decoding=DecodeSettings(max_new_tokens=6, temperature=1.0, seed=0),
+                   serving=ServeSettings(policy="static:0", sps=DECAYING, concurrency=3), num_requests=5)
     assert sim.tau == 1.0 and sim.mean_ell == 0.0 and sim.budget_tokens == 1.0
     assert all(s["batch_tokens"] == s["live"] == 3 for s in sim.step_log)
     assert sim.throughput == pytest.approx(3 * DECAYING(3))  # one token per request per step
@@ -250,8 +265,9 @@ def test_verifying_nothing_gives_tau_one_and_a_batch_of_one_token_per_request():
 
 def test_cycling_keeps_r_requests_live_and_stops_after_num_requests_finished():
     target = make_tiny_target("llama")
-    sim = simulate(target, random_drafter(target, gamma=4), PROMPTS, concurrency=4, policy="algorithm1",
-                   sps=DECAYING, max_new_tokens=10, temperature=1.0, num_requests=6)
+    sim = simulate(target, random_drafter(target, gamma=4), PROMPTS,
+                   decoding=DecodeSettings(max_new_tokens=10, temperature=1.0, seed=0),
+                   serving=ServeSettings(policy="algorithm1", sps=DECAYING, concurrency=4), num_requests=6)
     assert all(s["live"] == 4 for s in sim.step_log)
     assert sim.requests_finished == 6 and len(sim.requests) >= 6 + 4 - 1
     assert [r["tag"] for r in sim.requests] == [i % 3 for i in range(len(sim.requests))]  # prompt i mod N
@@ -277,14 +293,15 @@ def test_policy_specs_and_their_errors():
     target = make_tiny_target("llama")
     drafter = random_drafter(target, gamma=4)
     with pytest.raises(ValueError, match="max_batch_tokens"):
-        simulate(target, drafter, PROMPTS, concurrency=2, policy="static", sps=SPSTable([1, 4], [10.0, 5.0], 4),
-                 max_new_tokens=4)
+        simulate(target, drafter, PROMPTS, decoding=DecodeSettings(max_new_tokens=4, seed=0),
+                 serving=ServeSettings(policy="static", sps=SPSTable([1, 4], [10.0, 5.0], 4), concurrency=2))
 
 
 def test_results_files_hold_the_table_the_rounds_and_figure_8(tmp_path):
     target = make_tiny_target("llama")
     drafter = random_drafter(target, gamma=4)
-    results = [simulate(target, drafter, PROMPTS, concurrency=r, policy=p, sps=DECAYING, max_new_tokens=6)
+    results = [simulate(target, drafter, PROMPTS, decoding=DecodeSettings(max_new_tokens=6, seed=0),
+                        serving=ServeSettings(policy=p, sps=DECAYING, concurrency=r))
                for p in ("algorithm1", "static1") for r in (1, 2)]
     write_results(tmp_path, results, {"note": "test"})
     import json
@@ -306,9 +323,62 @@ def test_run_requests_serves_given_jobs_with_their_seeds_and_tags():
     target = make_tiny_target("llama")
     drafter = random_drafter(target, gamma=4)
     jobs = [Job(PROMPTS[0], 123, ("gsm8k", 7)), Job(PROMPTS[1], 456, ("gsm8k", 9))]
-    sim = run_requests(target, drafter, jobs, concurrency=2, policy="static", sps=None, max_new_tokens=8)
+    sim = run_requests(target, drafter, jobs, decoding=DecodeSettings(max_new_tokens=8),
+                       serving=ServeSettings(policy="static", concurrency=2))
     assert [r["tag"] for r in sim.requests] == [("gsm8k", 7), ("gsm8k", 9)]
     assert np.isnan(sim.throughput)  # no SPS table: no simulated clock
     alone = speculative_generate(target, drafter, PROMPTS[1], max_new_tokens=8,
                                  generator=torch.Generator().manual_seed(456))
     assert sim.requests[1]["result"].tokens == alone.tokens
+
+
+# --------------------------------------------------------------------------- settings
+@pytest.mark.parametrize("field, value, message", [
+    ("max_new_tokens", 0, r"DecodeSettings.max_new_tokens must be an int >= 1, got 0"),
+    ("max_new_tokens", 8.0, r"DecodeSettings.max_new_tokens must be an int >= 1, got 8.0"),
+    ("temperature", -0.5, r"DecodeSettings.temperature must be a finite number >= 0 \(0 = greedy\), got -0.5"),
+    ("temperature", float("nan"), r"DecodeSettings.temperature .* got nan"),
+    ("seed", "3", r"DecodeSettings.seed must be an int, got '3'"),
+    ("eos_token_ids", 2, r"DecodeSettings.eos_token_ids must be a list of token ids or None, got 2"),
+    ("eos_token_ids", [2, -1], r"DecodeSettings.eos_token_ids must hold token ids \(ints >= 0\), got \[2, -1\]"),
+])
+def test_decode_settings_name_the_bad_field_and_value(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        DecodeSettings(**{field: value})
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(policy=""), r"ServeSettings.policy must be None, a non-empty spec"),
+    (dict(policy=3), r"ServeSettings.policy must be None, .* got 3"),
+    (dict(sps=[1, 2]), r"ServeSettings.sps must be an SPSTable or the path of its JSON .* got list"),
+    (dict(policy="static", concurrency=0), r"ServeSettings.concurrency must be an int >= 1, got 0"),
+    (dict(concurrency=4), r"ServeSettings.concurrency=4 needs a policy"),
+    (dict(draft_overhead="sometimes"), r"ServeSettings.draft_overhead must be .* got 'sometimes'"),
+    (dict(sts_temperatures=[1.0, 0.0]), r"ServeSettings.sts_temperatures must be finite and > 0"),
+])
+def test_serve_settings_name_the_bad_field_and_value(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ServeSettings(**kwargs)
+
+
+def test_settings_hold_their_values_in_a_canonical_form():
+    assert DecodeSettings(eos_token_ids=[np.int64(2), 7]).eos_token_ids == (2, 7)
+    assert ServeSettings(sts_temperatures=np.array([1.5, 0.5])).sts_temperatures == (1.5, 0.5)
+    assert ServeSettings(sts_temperatures="sts.json").sts_temperatures == "sts.json"  # a path is read when used
+
+
+def test_the_serving_loop_needs_a_policy_and_the_simulator_a_clock():
+    target = make_tiny_target("llama")
+    drafter = random_drafter(target, gamma=4)
+    with pytest.raises(ValueError, match="ServeSettings.policy is None; the serving loop needs"):
+        run_requests(target, drafter, [Job(PROMPTS[0], 0)], decoding=DecodeSettings(max_new_tokens=4),
+                     serving=ServeSettings())
+    with pytest.raises(ValueError, match="ServeSettings.sps is None; simulate charges every step"):
+        simulate(target, drafter, PROMPTS, decoding=DecodeSettings(max_new_tokens=4),
+                 serving=ServeSettings(policy="static"))
+
+
+def test_a_job_seed_is_derived_from_the_run_seed_and_the_request_index():
+    for seed, index in ((0, 0), (4, 2), (980406, 1234), (2**62, 7)):
+        assert job_seed(seed, index) == (seed * 1_000_003 + 7_919 * index + 1) % 2**63
+

@@ -16,7 +16,7 @@ import torch
 from helpers.targets import make_tiny_target
 from dspark.scheduling.policies import make_policy, skip_policy
 from dspark.scheduling.algorithm1 import SPSTable
-from dspark.scheduling.simulator import simulate
+from dspark.scheduling.simulator import DecodeSettings, ServeSettings, simulate
 from dspark.scheduling.skipping import DraftSkipper, block_pays, expected_survival
 from helpers.decoding import chi_square_pvalue, exact_joint, random_drafter
 from helpers.serving import PROMPTS, greedy, joint_counts, scripted
@@ -141,8 +141,9 @@ def test_greedy_serving_with_skips_reproduces_greedy_target_decoding():
     target = make_tiny_target("llama")
     drafter = random_drafter(target, gamma=4)
     policy = skip_policy(DECAYING, draft_time_s=0.004)
-    sim = simulate(target, drafter, PROMPTS, concurrency=2, policy=policy, sps=DECAYING, max_new_tokens=24,
-                   temperature=0.0, seed=0, cycle=False, draft_overhead="measured")
+    sim = simulate(target, drafter, PROMPTS, decoding=DecodeSettings(max_new_tokens=24, temperature=0.0, seed=0),
+                   serving=ServeSettings(policy=policy, sps=DECAYING, concurrency=2, draft_overhead="measured"),
+                   cycle=False)
     for i, prompt in enumerate(PROMPTS):
         assert sim.requests[i]["result"].tokens == greedy(target, prompt, 24).tokens
     assert sim.skipped > 0 and sim.drafted > 0
@@ -157,8 +158,8 @@ def test_sampled_serving_with_skips_keeps_the_targets_distribution():
         drafter.norm.weight.mul_(0.3)
     prompt, V = [1, 3, 2, 0], target.vocab_size
     policy = skip_policy(DECAYING, draft_time_s=0.0035, window=1, max_backoff=1)
-    sim = simulate(target, drafter, [prompt], concurrency=4, policy=policy, sps=DECAYING, max_new_tokens=4,
-                   temperature=1.0, seed=5, num_requests=800)
+    sim = simulate(target, drafter, [prompt], decoding=DecodeSettings(max_new_tokens=4, temperature=1.0, seed=5),
+                   serving=ServeSettings(policy=policy, sps=DECAYING, concurrency=4), num_requests=800)
     counts = joint_counts(sim, V)
     skipped = sum(1 for r in sim.rounds if not r["drafted"])
     assert counts.sum() >= 800 and skipped > 150 and len(sim.rounds) - skipped > 150
@@ -178,8 +179,10 @@ def test_a_skipped_request_adds_one_token_to_the_batch_and_no_draft_time():
     drafter = scripted(target, prompt)
     plan = lambda ids: np.array([i == 0 for i in ids])  # noqa: E731
     policy = Policy("plan", True, lambda ids, c: np.array([3 if i == 0 else 0 for i in ids]), plan=plan)
-    sim = simulate(target, drafter, [prompt, prompt], concurrency=2, policy=policy, sps=DECAYING,
-                   max_new_tokens=7, temperature=0.0, cycle=False, draft_overhead="measured")
+    sim = simulate(target, drafter, [prompt, prompt],
+                   decoding=DecodeSettings(max_new_tokens=7, temperature=0.0, seed=0),
+                   serving=ServeSettings(policy=policy, sps=DECAYING, concurrency=2, draft_overhead="measured"),
+                   cycle=False)
     assert [s["batch_tokens"] for s in sim.step_log[:2]] == [5, 5]
     assert [(r["request"], r["drafted"], r["proposed"], r["emitted"]) for r in sim.rounds[:2]] == [
         (0, True, 3, 3), (1, False, 0, 1)]
@@ -201,8 +204,10 @@ def test_a_step_in_which_nobody_drafts_pays_no_draft_overhead():
     target = make_tiny_target("llama")
     policy = Policy("never", True, lambda ids, c: np.zeros(len(ids), dtype=np.int64),
                     plan=lambda ids: np.zeros(len(ids), dtype=bool))
-    sim = simulate(target, random_drafter(target, gamma=4), PROMPTS, concurrency=3, policy=policy, sps=DECAYING,
-                   max_new_tokens=6, temperature=1.0, num_requests=3, draft_overhead=0.5)
+    sim = simulate(target, random_drafter(target, gamma=4), PROMPTS,
+                   decoding=DecodeSettings(max_new_tokens=6, temperature=1.0, seed=0),
+                   serving=ServeSettings(policy=policy, sps=DECAYING, concurrency=3, draft_overhead=0.5),
+                   num_requests=3)
     assert sim.drafted == 0 and sim.draft_s == 0 and sim.tau == 1.0
     assert sim.throughput == pytest.approx(3 * DECAYING(3))  # plain steps, no (1 + 0.5) factor
     assert sim.summary()["vs_target_only"] == pytest.approx(1.0)
@@ -210,9 +215,6 @@ def test_a_step_in_which_nobody_drafts_pays_no_draft_overhead():
 
 
 def test_draft_overhead_must_be_a_fraction_or_measured():
-    target = make_tiny_target("llama")
-    drafter = random_drafter(target, gamma=4)
     for bad in (-0.1, "sometimes", float("inf")):
-        with pytest.raises(ValueError, match="draft_overhead"):
-            simulate(target, drafter, PROMPTS, concurrency=1, policy="static", sps=DECAYING, max_new_tokens=4,
-                     draft_overhead=bad)
+        with pytest.raises(ValueError, match="ServeSettings.draft_overhead"):
+            ServeSettings(policy="static", sps=DECAYING, draft_overhead=bad)

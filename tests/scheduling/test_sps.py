@@ -1,4 +1,4 @@
-"""SPS profiling (SPEC 7.4): what is timed, the table, its JSON and its plot."""
+"""SPS profiling (paper Section 3.2.2): what is timed, the table, its JSON and its plot."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.training import synthetic_samples, tiny_trainer
+from helpers.training import fit_killed_after, synthetic_samples, tiny_trainer
 
 from dspark.data.dataset import RenderedSource, bucketed_order, collate, padding_share, sample_lengths
 from dspark.data.render import RenderedSample
@@ -148,7 +148,7 @@ def test_resume_mid_epoch_is_exact_with_bucketing(tiny_qwen3, tmp_path):
     full = tiny_trainer(tiny_qwen3, str(tmp_path / "full"), **kw)
     full.fit()
     killed = tiny_trainer(tiny_qwen3, str(tmp_path / "killed"), **kw)
-    killed.fit(stop_after=3)
+    fit_killed_after(killed, 3)
     assert latest_checkpoint(tmp_path / "killed").name == "step-0000002"
     resumed = tiny_trainer(tiny_qwen3, str(tmp_path / "killed"), **kw)
     resumed.fit(resume=True)

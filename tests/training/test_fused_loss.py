@@ -1,4 +1,4 @@
-"""fused_dspark_loss (SPEC 4 "Loss", Eq. 8-12) against dspark_loss fed the equivalent logits callables.
+"""fused_dspark_loss (Eq. 8-12) against dspark_loss fed the equivalent logits callables.
 
 The fused path computes the gradient w.r.t. the logits in closed form during
 forward; these tests check that it is the same function with the same
@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from helpers.memory import LiveStorages
 
-from dspark.training.fused_loss import fused_dspark_loss, release_workspace
+from dspark.training.fused_loss import LogitFactors, fused_dspark_loss, release_workspace
 from dspark.training.loss import LossWeights, dspark_loss, naive_dspark_loss, position_weights
 
 N, GAMMA, DIM, VOCAB, RANK = 5, 4, 6, 17, 3
@@ -54,8 +54,8 @@ def _run(case, weights, *, fused, markov=True, softcap=None, chunk_rows=64, deno
     latent, w2, conf = leaves.get("latent"), leaves.get("w2"), leaves.get("conf")
     if fused:
         out = fused_dspark_loss(
-            leaves["hidden"], head, target_hidden, case["labels"], case["valid"], conf, weights,
-            latent=latent, w2=w2, softcap=softcap, chunk_rows=chunk_rows, denominator=denominator,
+            LogitFactors(leaves["hidden"], head, target_hidden, latent=latent, w2=w2, softcap=softcap),
+            case["labels"], case["valid"], conf, weights, chunk_rows=chunk_rows, denominator=denominator,
         )
     else:
         def cap(x):
@@ -176,7 +176,7 @@ def test_tv_gradient_closed_form_is_torch_autograd_including_ties():
     # Through the fused loss: W_lm = I makes z = h and t = h_t; only the TV term, raw sum.
     hidden = z[:, None, :].clone().requires_grad_(True)  # [7, γ=1, V]
     out = fused_dspark_loss(
-        hidden, torch.eye(vocab, dtype=torch.float64), t[:, None, :],
+        LogitFactors(hidden, torch.eye(vocab, dtype=torch.float64), t[:, None, :]),
         torch.zeros(7, 1, dtype=torch.long), torch.ones(7, 1, dtype=torch.bool), None,
         LossWeights(ce=0.0, tv=1.0, conf=0.0), chunk_rows=2, denominator=torch.tensor(1.0),
     )
@@ -201,9 +201,9 @@ def _memory_case():
 
 def _fused_loss(case, chunk_rows, softcap=None):
     return fused_dspark_loss(
-        case["hidden"], case["lm_head"], case["target_hidden"], case["labels"], case["valid"],
-        case["conf"], LossWeights(), latent=case["latent"], w2=case["w2"], softcap=softcap,
-        chunk_rows=chunk_rows,
+        LogitFactors(case["hidden"], case["lm_head"], case["target_hidden"], latent=case["latent"], w2=case["w2"],
+                     softcap=softcap),
+        case["labels"], case["valid"], case["conf"], LossWeights(), chunk_rows=chunk_rows,
     )
 
 
@@ -304,9 +304,10 @@ def test_lm_head_runs_three_times_per_chunk_in_training_and_twice_in_eval():
         mode = _RecordOps()
         with mode, torch.set_grad_enabled(grad_mode):
             hidden = case["hidden"].clone().requires_grad_(True)
-            out = fused_dspark_loss(hidden, case["lm_head"], case["target_hidden"], case["labels"],
-                                    case["valid"], case["conf"], LossWeights(), latent=case["latent"],
-                                    w2=case["w2"], chunk_rows=2)
+            factors = LogitFactors(hidden, case["lm_head"], case["target_hidden"], latent=case["latent"],
+                                   w2=case["w2"])
+            out = fused_dspark_loss(factors, case["labels"], case["valid"], case["conf"], LossWeights(),
+                                    chunk_rows=2)
         assert _lm_head_matmuls(mode.ops, VOCAB, DIM) == 2 * per_chunk
         assert out.loss.requires_grad == grad_mode
 
@@ -335,8 +336,8 @@ def test_eval_mode_returns_the_same_values():
 def test_double_backward_is_refused():
     case = _case(seed=9)
     hidden = case["hidden"].clone().requires_grad_(True)
-    out = fused_dspark_loss(hidden, case["lm_head"], case["target_hidden"], case["labels"], case["valid"],
-                            None, DFLASH)
+    out = fused_dspark_loss(LogitFactors(hidden, case["lm_head"], case["target_hidden"]), case["labels"],
+                            case["valid"], None, DFLASH)
     with pytest.raises(RuntimeError, match="differentiated twice"):
         torch.autograd.grad(out.loss, hidden, create_graph=True)
 
@@ -357,20 +358,21 @@ def test_bfloat16_inputs_get_bfloat16_gradients_from_fp32_math():
 
 def test_argument_errors_name_the_argument():
     case = _case()
-    args = (case["hidden"], case["lm_head"], case["target_hidden"], case["labels"], case["valid"],
-            case["conf"], LossWeights())
+    factor_tensors = (case["hidden"], case["lm_head"], case["target_hidden"])
+    args = (case["labels"], case["valid"], case["conf"], LossWeights())
     with pytest.raises(ValueError, match="latent and w2"):
-        fused_dspark_loss(*args, latent=case["latent"])
+        fused_dspark_loss(LogitFactors(*factor_tensors, latent=case["latent"]), *args)
     with pytest.raises(ValueError, match="w2 must be"):
-        fused_dspark_loss(*args, latent=case["latent"], w2=case["w2"][:, :2])
+        fused_dspark_loss(LogitFactors(*factor_tensors, latent=case["latent"], w2=case["w2"][:, :2]), *args)
     with pytest.raises(ValueError, match="target_hidden"):
-        fused_dspark_loss(case["hidden"], case["lm_head"], case["target_hidden"][:2], *args[3:])
+        fused_dspark_loss(LogitFactors(case["hidden"], case["lm_head"], case["target_hidden"][:2]), *args)
     with pytest.raises(ValueError, match="lm_head_weight requires grad"):
-        fused_dspark_loss(case["hidden"], case["lm_head"].clone().requires_grad_(True), *args[2:])
+        fused_dspark_loss(LogitFactors(case["hidden"], case["lm_head"].clone().requires_grad_(True),
+                                       case["target_hidden"]), *args)
     with pytest.raises(ValueError, match="softcap"):
-        fused_dspark_loss(*args, softcap=0.0)
+        fused_dspark_loss(LogitFactors(*factor_tensors, softcap=0.0), *args)
     with pytest.raises(ValueError, match="chunk_rows"):
-        fused_dspark_loss(*args, chunk_rows=0)
+        fused_dspark_loss(LogitFactors(*factor_tensors), *args, chunk_rows=0)
 
 
 @pytest.mark.parametrize("setup", SETUPS)
@@ -378,7 +380,7 @@ def test_argument_errors_name_the_argument():
 def test_an_enclosing_autocast_changes_nothing(setup, dtype):
     """Training runs the loss under bf16 autocast (GPU recipe, CPUs with native bf16). The fused
     loss sets its own precision, so autocast must not re-type its matmuls: same bits with and
-    without it (before this was enforced, autocast made an fp32 gradient buffer receive bf16)."""
+    without it (under autocast an fp32 gradient buffer would otherwise receive bf16 products)."""
     case = _case(dtype, seed=11)
     plain = _run(case, fused=True, chunk_rows=2, **SETUPS[setup])
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -421,9 +423,10 @@ def test_target_rows_compute_each_target_position_once_with_the_same_loss_and_gr
 
     def run(target_rows):
         leaves = [x.clone().requires_grad_(True) for x in (case["hidden"], case["latent"], w2, case["conf"])]
-        out = fused_dspark_loss(leaves[0], head, case["target_hidden"], case["labels"], valid, leaves[3], weights,
-                                latent=leaves[1], w2=leaves[2], chunk_rows=chunk_rows, vocab=vocab,
-                                target_lm_head_weight=case["lm_head"] if draft_vocab else None, target_rows=target_rows)
+        factors = LogitFactors(leaves[0], head, case["target_hidden"], latent=leaves[1], w2=leaves[2], vocab=vocab,
+                               target_lm_head_weight=case["lm_head"] if draft_vocab else None,
+                               target_rows=target_rows)
+        out = fused_dspark_loss(factors, case["labels"], valid, leaves[3], weights, chunk_rows=chunk_rows)
         return out, torch.autograd.grad(out.loss, leaves)
 
     plain, plain_grads = run(None)
@@ -439,8 +442,9 @@ def test_target_rows_compute_each_target_position_once_with_the_same_loss_and_gr
 
 def test_target_rows_must_be_integer_ids_of_the_labels_shape():
     case = _case()
-    args = (case["hidden"], case["lm_head"], case["target_hidden"], case["labels"], case["valid"], None, DFLASH)
+    factor_tensors = (case["hidden"], case["lm_head"], case["target_hidden"])
+    args = (case["labels"], case["valid"], None, DFLASH)
     with pytest.raises(ValueError, match="target_rows"):
-        fused_dspark_loss(*args, target_rows=torch.zeros(N, GAMMA))
+        fused_dspark_loss(LogitFactors(*factor_tensors, target_rows=torch.zeros(N, GAMMA)), *args)
     with pytest.raises(ValueError, match="target_rows"):
-        fused_dspark_loss(*args, target_rows=torch.zeros(N, GAMMA + 1, dtype=torch.long))
+        fused_dspark_loss(LogitFactors(*factor_tensors, target_rows=torch.zeros(N, GAMMA + 1, dtype=torch.long)), *args)

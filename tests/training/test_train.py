@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.targets import make_tiny_target
-from helpers.training import run_torchrun, synthetic_samples, tiny_trainer
+from helpers.training import fit_killed_after, run_torchrun, synthetic_samples, tiny_trainer
 
 from dspark.training.trainer import latest_checkpoint, lr_lambda
 from dspark.training.loss import LossWeights, reduce_terms
@@ -28,7 +28,7 @@ def test_resume_reproduces_uninterrupted_run(tiny_qwen3, tmp_path):
     full.fit()
     # A job killed after step 3: the last checkpoint is step 2, work of step 3 is lost.
     killed = tiny_trainer(tiny_qwen3, str(tmp_path / "killed"))
-    killed.fit(stop_after=3)
+    fit_killed_after(killed, 3)
     assert latest_checkpoint(tmp_path / "killed").name == "step-0000002"
     resumed = tiny_trainer(tiny_qwen3, str(tmp_path / "killed"))
     resumed.fit(resume=True)
@@ -43,9 +43,9 @@ def test_resume_reproduces_uninterrupted_run(tiny_qwen3, tmp_path):
 def test_resume_changes_nothing_when_a_parameter_differs(tiny_qwen3, tmp_path):
     """Power check for the resume test: a different seed gives different parameters."""
     a = tiny_trainer(tiny_qwen3, str(tmp_path / "a"))
-    a.fit(stop_after=2)
+    fit_killed_after(a, 2)
     b = tiny_trainer(tiny_qwen3, str(tmp_path / "b"), lr=2e-3)
-    b.fit(stop_after=2)
+    fit_killed_after(b, 2)
     assert any(not torch.equal(x, y) for x, y in zip(_params(a).values(), _params(b).values()))
 
 
@@ -213,3 +213,21 @@ def test_compiled_step_equals_the_eager_step(tiny_qwen3, tmp_path, monkeypatch):
     assert runs[True][0] == pytest.approx(runs[False][0], rel=1e-5)
     for name, value in runs[False][1].items():
         torch.testing.assert_close(runs[True][1][name], value, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_sample_order_and_anchor_streams_are_seeded_by_hand_computed_seeds():
+    """Epoch e's permutation draws from seed·1000003 + e; the anchors of sample i in epoch e
+    from (seed·7919 + e)·1000003 + i (dspark.seeds.derive_seed, nested): a resumed run draws what
+    the interrupted one would have, whichever version of the code wrote its checkpoint."""
+    from dspark.data.anchors import sample_anchors
+    from dspark.training.trainer import Schedule, anchors_for
+
+    seed, epoch, index = 7, 3, 5
+    schedule = Schedule(num_samples=10, global_batch=2, world=1, rank=0, seed=seed, total_steps=1)
+    expected = torch.randperm(10, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+    assert torch.equal(schedule.epoch_perm(epoch), expected)
+    mask = torch.tensor([0, 0, 1, 1, 1, 1, 1, 1, 0, 1, 1, 1])
+    anchors, keep = anchors_for(mask, 3, seed, epoch, index)
+    g = torch.Generator().manual_seed((seed * 7_919 + epoch) * 1_000_003 + index)
+    ref_anchors, ref_keep = sample_anchors(mask.unsqueeze(0), 3, generator=g)
+    assert torch.equal(anchors, ref_anchors[0]) and torch.equal(keep, ref_keep[0])

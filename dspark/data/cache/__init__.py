@@ -1,4 +1,4 @@
-"""Offline target cache: the target's features, written once, read every epoch (SPEC 4 "Target cache").
+"""Offline target cache: the target's features, written once, read every epoch (DeepSpec's offline mode).
 
 Training needs, per sample, the token ids, the loss mask, the captured target
 layers H^{l_1..l_m} at every position (the drafter's context, Eq. 2) and the
@@ -18,18 +18,17 @@ that are candidates)::
     fp32       4              0              51,204 + 10,240 f
 
 plus, per sample, 24 index bytes and up to 7 bytes padding the record to 8.
-DeepSpec stores 30,726 bytes/token at these sizes (SPEC 4: int32 id, u8 mask,
+DeepSpec stores 30,726 bytes/token at these sizes (int32 id, u8 mask,
 bf16 layers, bf16 final hidden at every token). fp8 is at most 15,370 (f = 1,
 which no real sample reaches: prompts are outside the loss mask and the last
 token is never a candidate), 7 bytes over half of DeepSpec (15,363); it stays
-within the half while f <= 2554/2561 = 0.9973. SmolLM2's greedy answers to the
-built-in prompts give f = 0.67, i.e. 14,534 B/token at Qwen3-4B sizes (0.47 of
-DeepSpec). ``bench/cache_size.py`` prints the table and measures f.
+within the half while f <= 2554/2561 = 0.9973. ``bench/cache_size.py`` prints the
+table and measures f on SmolLM2's greedy answers to the built-in prompts.
 
-Precision (bench/cache_size.py, SmolLM2-135M, against fp32): fp8 features
-have 1.4 % relative L2 error (1.1-2.8 % per layer), the final hidden 2.7 %, and
-p^t from it is off by a mean total variation of 0.020 at the candidate positions
-(0.035 on a hand-written chat); running the target itself in bf16 gives 0.009.
+Precision: ``bench/cache_size.py`` also measures, on SmolLM2-135M against fp32, the
+relative L2 error of fp8 features and of the final hidden, and the total variation
+it puts on p^t at the candidate positions, next to that of running the target
+itself in bf16 (results in bench/README.md).
 
 Modules: ``codec`` (the fp8 / bf16 / fp32 row encodings and byte sizes),
 ``format`` (files, manifest, index, validation on open), ``writer``

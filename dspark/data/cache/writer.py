@@ -213,7 +213,7 @@ def _remove_cache_files(folder: Path, keep_shards: int) -> None:
     """Delete temp files and shard/index files numbered >= keep_shards (left by a killed build)."""
     for p in folder.iterdir():
         m = SHARD_RE.match(p.name)
-        leftover = is_leftover(p.name) or p.name == MANIFEST + ".tmp"  # the latter: older versions
+        leftover = is_leftover(p.name) or p.name == MANIFEST + ".tmp"  # the latter: a manifest write cut short
         if leftover or (m and (m.group(3) or int(m.group(2)) >= keep_shards)):
             p.unlink()
 
