@@ -397,7 +397,7 @@ def build_parser() -> argparse.ArgumentParser:
     from dspark.build import DTYPE_CHOICES
 
     p = sub.add_parser("inspect", help="what a drafter folder is; with --target, whether it fits that target")
-    p.add_argument("path", help="a drafter folder (ours, DeepSpec's, z-lab's; or a run folder with step_N/)")
+    p.add_argument("path", help="a drafter folder (ours, DeepSpec's, z-lab's) or a training run folder: its final drafter/, else its latest checkpoint (the folder `dspark eval --draft` reads)")
     p.add_argument("--target", default="", help="target name or folder: check sizes and decode a few prompts")
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="dtype of the target for the decode check")
     p.add_argument("--num-prompts", type=int, default=3, help="built-in prompts decoded greedily")

@@ -404,7 +404,7 @@ def _run_baseline(session: _Session, prompt_ids: Sequence[int], request_seed: in
 def _scheduled_benchmark(
     session: _Session, name: str, conversations: list[Conversation]
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
-    """One benchmark's prompts ``rank::world`` through the serving loop under the session's policy:
+    """One benchmark's prompts ``rank::world`` through the serving loop under the evaluation's policy:
     records, rounds (plus step and batch_tokens) and the run's summary (``SimResult.summary``)."""
     mine = list(range(session.rank, len(conversations), session.world))
     prompts = [render_prompt(session.tokenizer, conversations[i], enable_thinking=False) for i in mine]

@@ -10,6 +10,7 @@ mask token, the block layout), and the check must name that corruption.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -32,7 +33,7 @@ from dspark.evaluation.proposals import greedy_continuation
 from tests.helpers.targets import build_tiny_model, make_tiny_target, tiny_drafter_config
 from helpers.paths import SHARED
 
-GOLDEN = SHARED / "golden"
+GOLDEN = Path(os.environ.get("DSPARK_GOLDEN", SHARED / "golden"))
 LAYER_IDS = (0, 2)  # shiftable both ways in a 4-layer target: (-1, 1) and (1, 3)
 GAMMA = 4
 NEW_TOKENS = 32
