@@ -33,7 +33,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
-from dspark.data.benchmarks import BENCHMARKS
 
 
 @dataclass
@@ -168,7 +167,9 @@ class EvalConfig:
     out: str = ""  # "" = <out_dir>/eval
     data_dir: str = "eval_datasets"  # folder with the nine <benchmark>.jsonl files ($DSPARK_EVAL_DATA when left at the default)
     builtin_prompts: bool = False  # the built-in evaluation prompts (held out of training) instead of files
-    benchmarks: list[str] = field(default_factory=lambda: list(BENCHMARKS))  # the nine, in evaluation order
+    # the nine of dspark.data.benchmarks, in evaluation order (spelled out: config.py imports no library module)
+    benchmarks: list[str] = field(default_factory=lambda: [
+        "gsm8k", "math500", "aime25", "humaneval", "mbpp", "livecodebench", "mt-bench", "alpaca", "arena-hard-v2"])
     num_samples: int = 0  # prompts per benchmark; 0 = the protocol counts (dspark.data.benchmarks)
     max_new_tokens: int = 2048
     temperature: float = 1.0  # 0 = greedy

@@ -10,7 +10,7 @@ import pytest
 from dspark.config import Config, apply_overrides, config_from_dict, dflash_of, load_config, set_values
 
 ROOT = Path(__file__).resolve().parents[1]
-SPEC4_LAYERS = {
+PAPER_LAYERS = {
     "qwen3_4b": [1, 9, 17, 25, 33],
     "qwen3_8b": [1, 9, 17, 25, 33],
     "qwen3_14b": [1, 10, 19, 28, 37],
@@ -19,12 +19,12 @@ SPEC4_LAYERS = {
 MASK = {"qwen3_4b": 151669, "qwen3_8b": 151669, "qwen3_14b": 151669, "gemma4_12b": 4}
 
 
-@pytest.mark.parametrize("target", sorted(SPEC4_LAYERS))
+@pytest.mark.parametrize("target", sorted(PAPER_LAYERS))
 @pytest.mark.parametrize("variant", ["dspark", "dflash"])
-def test_reference_configs_reproduce_spec4(variant, target):
+def test_reference_configs_reproduce_the_paper_recipe(variant, target):
     c = load_config(ROOT / "config" / variant / f"{variant}_{target}.py")
     assert c.drafter.variant == variant
-    assert c.drafter.target_layer_ids == SPEC4_LAYERS[target]
+    assert c.drafter.target_layer_ids == PAPER_LAYERS[target]
     assert c.drafter.mask_token_id == MASK[target]
     assert (c.drafter.block_size, c.drafter.num_draft_layers, c.data.num_anchors, c.data.max_length) == (7, 5, 512, 4096)
     t = c.train
@@ -162,3 +162,9 @@ def test_bad_values_of_the_run_sections_name_the_key(values, words):
 def test_paper_configs_cache_in_bf16_as_deepspec_and_the_smollm2_demo_in_fp8(path):
     expected = "fp8" if "smollm2" in path.stem else "bf16"
     assert load_config(path).data.cache_precision == expected
+
+
+def test_default_eval_benchmarks_are_the_table_in_evaluation_order():
+    from dspark.data.benchmarks import BENCHMARKS
+
+    assert Config().eval.benchmarks == list(BENCHMARKS)

@@ -59,7 +59,7 @@ def test_features_are_concatenated_in_id_order(tiny_target, layer_ids):
 
 
 def test_last_layer_id_is_the_final_normed_state(tiny_target):
-    # transformers' hidden_states[L] is after the final norm; SPEC 2 keeps that.
+    # transformers' hidden_states[L] is after the final norm; the target features keep that.
     target = TargetModel(tiny_target.model, [target_last := tiny_target.num_layers - 1])
     out = target(_ids(target, 1, 7))
     assert target_last == 3

@@ -167,7 +167,7 @@ def test_an_accepted_eos_ends_the_round_without_a_bonus():
     assert out.tokens == free_run[: at + 1] and out.finished_by_eos
     # One round: drafts x_1..x_6 all match the target; the EOS at draft `at` ends the sequence.
     # It is accepted (m = at), nothing follows it (τ = m: the round emitted x_1..x_at), and the
-    # drafts after it were never verified, so the round's ℓ stops at the EOS (SPEC 5).
+    # drafts after it were never verified, so the round's ℓ stops at the EOS (paper Section 2.1).
     assert out.rounds == [RoundRecord(proposed=at, accepted=at, confidences=None, eos_accepted=True)]
     assert out.rounds[0].tau == at == len(out.tokens) - 1
 

@@ -1,4 +1,4 @@
-"""DSpark loss (Eq. 8-12, SPEC 4 "Loss") against float64 oracles written from the formulas."""
+"""DSpark loss (paper Eq. 8-12) against float64 oracles written from the formulas."""
 
 import math
 
@@ -31,7 +31,7 @@ def _loss_on_tensors(draft, target, labels, valid, conf, weights, **kwargs):
 
 
 def _oracle_terms(draft, target, labels, valid, conf, lam):
-    """Explicit loops over rows, positions and vocabulary in Python floats (SPEC 4 formulas)."""
+    """Explicit loops over rows, positions and vocabulary in Python floats (the paper's formulas)."""
     ce = tv = bce = den = 0.0
     accept = [0.0] * GAMMA
     for n in range(draft.shape[0]):
