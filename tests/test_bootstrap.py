@@ -18,7 +18,10 @@ from dspark.bootstrap import (
     intervals_overlap,
     percentile_interval,
     resample_counts,
+    satterthwaite_df,
+    small_sample_factors,
     stratified_ci,
+    student_t_quantile,
 )
 from dspark.scheduling.calibration import calibrate_rounds, confidence_metrics, ece, ece_from_sums, ece_sums, prefix_labels
 from dspark.evaluation.intervals import add_intervals
@@ -40,17 +43,17 @@ def test_interval_of_a_fixed_resample_set_is_its_hand_computed_percentiles():
     indices = [[0, 0, 0], [1, 1, 1], [2, 2, 2], [0, 1, 2], [0, 0, 1]]
     # Resampled τ: 18/6 = 3, 1, 4, 11/4, 13/5 -> sorted 1, 2.6, 2.75, 3, 4. The 2.5 % quantile sits at
     # position 0.025 · 4 = 0.1: 1 + 0.1 · (2.6 − 1); the 97.5 % one at 3.9: 3 + 0.9 · (4 − 3).
-    estimate, lo, hi = bootstrap_ci_from_indices(aggregates, ratio, indices)
+    estimate, lo, hi = bootstrap_ci_from_indices(aggregates, ratio, indices, small_sample=False)
     assert (estimate, lo, hi) == pytest.approx((2.75, 1.16, 3.9))
     # level 0.5: quartiles at positions 1 and 3 exactly.
-    assert bootstrap_ci_from_indices(aggregates, ratio, indices, level=0.5)[1:] == pytest.approx((2.6, 3.0))
+    assert bootstrap_ci_from_indices(aggregates, ratio, indices, level=0.5, small_sample=False)[1:] == pytest.approx((2.6, 3.0))
 
 
 def test_resamples_where_the_statistic_is_undefined_are_left_out():
     # Request 1 never reached position 2 (denominator 0): a resample of it alone has no value there.
     aggregates = [[[1, 1], [1, 2]], [[0, 1], [0, 0]]]  # [request, position, (passed, reached)]
     indices = [[0, 0], [1, 1], [0, 1]]
-    _, lo, hi = bootstrap_ci_from_indices(aggregates, ratio, indices, level=0.5)
+    _, lo, hi = bootstrap_ci_from_indices(aggregates, ratio, indices, level=0.5, small_sample=False)
     # Position 1: resampled 1, 0, 1/2 -> quartiles 1/4, 3/4. Position 2: only 1/2, 1/2 are defined.
     assert lo == pytest.approx([0.25, 0.5]) and hi == pytest.approx([0.75, 0.5])
     assert all(math.isnan(x) for x in percentile_interval([math.nan, math.nan]))  # no defined resample
@@ -77,7 +80,7 @@ def test_stratified_resampling_keeps_each_group_and_its_size():
     # Group A has one request: every resample redraws it, so only group B's two requests vary.
     a, b = [[3, 1]], [[2, 1], [4, 1]]
     counts = [np.array([[1], [1], [1]]), np.array([[2, 0], [0, 2], [1, 1]])]
-    macro = stratified_ci([a, b], lambda s: ratio(s).mean(axis=-1), counts=counts, level=0.5)
+    macro = stratified_ci([a, b], lambda s: ratio(s).mean(axis=-1), counts=counts, level=0.5, small_sample=False)
     # Per resample: (3 + 2) / 2, (3 + 4) / 2, (3 + 3) / 2 -> 2.5, 3.5, 3; quartiles 2.75, 3.25.
     assert tuple(macro) == pytest.approx((3.0, 2.75, 3.25))
     with pytest.raises(ValueError, match="cover 1 requests but a group has 2"):
@@ -155,7 +158,7 @@ def brute_force(records, rounds, resamples, seed, metric):
     return np.percentile(values, [2.5, 97.5])
 
 
-def test_report_intervals_match_a_brute_force_bootstrap_of_the_plain_metrics():
+def test_report_intervals_match_a_brute_force_bootstrap_of_the_plain_metrics(plain_bootstrap):
     records, rounds = synthetic_run(np.random.default_rng(5))
     report = build_report(records, rounds, gamma=3, label="x", bootstrap_resamples=60, bootstrap_seed=11)
 
@@ -243,7 +246,7 @@ def test_95_percent_intervals_cover_the_true_tau_about_95_percent_of_the_time():
 # ------------------------------------------------------------------ the STS report
 
 
-def test_calibration_report_carries_ece_intervals_over_the_test_requests():
+def test_calibration_report_carries_ece_intervals_over_the_test_requests(plain_bootstrap):
     rng = np.random.default_rng(0)
     rounds = [{"benchmark": "gsm8k", "request": q, "proposed": 3, "accepted": int(rng.integers(0, 4)),
                "confidences": rng.uniform(0.5, 1.0, 3).tolist()} for q in range(30) for _ in range(4)]
@@ -259,3 +262,103 @@ def test_calibration_report_carries_ece_intervals_over_the_test_requests():
         picked = [r for i in draw for r in rows if r["request"] == requests[i]]
         values.append(ece(np.array([r["confidences"][0] for r in picked]), [r["accepted"] >= 1 for r in picked]))
     assert report["ece_before_ci"][0] == pytest.approx(np.percentile(values, [2.5, 97.5]))
+
+
+# ------------------------------------------------------------------ small strata
+
+
+def test_student_t_quantiles_match_the_tables():
+    # Two-sided 95 % critical values of Student's t (any statistics table) and the normal's limit.
+    table = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 9: 2.262, 18: 2.101, 30: 2.042, 1000: 1.962}
+    for df, value in table.items():
+        assert student_t_quantile(0.975, df) == pytest.approx(value, abs=1e-3), df
+    # A fractional ν (Satterthwaite's): the t density integrated independently up to the quantile gives p.
+    nu, q = 2.5, student_t_quantile(0.95, 2.5)
+    x = np.linspace(0.0, q, 200_001)
+    density = math.gamma((nu + 1) / 2) / (math.sqrt(nu * math.pi) * math.gamma(nu / 2)) * (1 + x * x / nu) ** (-(nu + 1) / 2)
+    assert 0.5 + float(np.sum((density[1:] + density[:-1]) / 2 * np.diff(x))) == pytest.approx(0.95, abs=1e-6)
+    assert student_t_quantile(0.5, 7) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_small_sample_factors_and_satterthwaite_df_by_hand():
+    assert small_sample_factors([2, 4, 1]) == pytest.approx([math.sqrt(2), math.sqrt(4 / 3), 0.0])
+    # Equal shares: ν = Σ (n_g − 1); one group carrying everything: ν = its n_g − 1.
+    assert satterthwaite_df([1.0, 1.0, 1.0], [2, 4, 3]) == pytest.approx((3.0**2) / (1 / 1 + 1 / 3 + 1 / 2))
+    assert satterthwaite_df([0.0, 5.0, 0.0], [2, 4, 3]) == pytest.approx(3.0)
+    assert satterthwaite_df([0.0, 0.0], [2, 4]) == pytest.approx(4.0)  # no spread: the plain count
+    assert math.isnan(float(satterthwaite_df([1.0, 2.0], [1, 1])))  # no group of two: no interval
+
+
+def test_corrected_interval_of_a_fixed_resample_set_by_hand():
+    # Group A: requests (2 over 1), (4 over 1); group B: (3 over 1), (5 over 1), (7 over 1). Statistic: pooled ratio.
+    a, b = np.array([[2.0, 1], [4, 1]]), np.array([[3.0, 1], [5, 1], [7, 1]])
+    counts = [np.array([[2, 0], [0, 2], [1, 1]]), np.array([[3, 0, 0], [1, 1, 1], [0, 0, 3]])]
+    estimate, lo, hi = stratified_ci([a, b], lambda s: ratio(s.sum(axis=-2)), counts=counts, level=0.5)
+    fa, fb = math.sqrt(2), math.sqrt(3 / 2)
+    # Resampled sums rescaled about the observed (6, 2) and (15, 3): numerators only move (rounds are 1 each).
+    da, db = [fa * (4 - 6), fa * (8 - 6), 0.0], [fb * (9 - 15), 0.0, fb * (21 - 15)]
+    values = sorted((21 + x + y) / 5 for x, y in zip(da, db))
+    q_lo, q_hi = np.percentile(values, [25, 75])
+    # Each group's share: the variance of the statistic with it alone resampled; ν by Satterthwaite.
+    va, vb = np.var([x / 5 for x in da]), np.var([y / 5 for y in db])
+    nu = (va + vb) ** 2 / (va**2 / 1 + vb**2 / 2)
+    w = student_t_quantile(0.75, nu) / 0.6744897501960817  # z at 0.75
+    assert estimate == pytest.approx(21 / 5)
+    assert (lo, hi) == pytest.approx((21 / 5 - w * (21 / 5 - q_lo), 21 / 5 + w * (q_hi - 21 / 5)))
+    plain = stratified_ci([a, b], lambda s: ratio(s.sum(axis=-2)), counts=counts, level=0.5, small_sample=False)
+    assert plain.hi - plain.lo < hi - lo
+
+
+def test_an_interval_from_single_request_groups_is_refused_as_nan():
+    _, lo, hi = stratified_ci([[[2.0, 1]], [[3.0, 1]]], lambda s: ratio(s.sum(axis=-2)), resamples=50)
+    assert math.isnan(lo) and math.isnan(hi)
+
+
+def _synthetic_benchmarks(rng, per_benchmark, paired):
+    """9 benchmarks of requests with a benchmark effect and a request effect; per request (tokens,
+    rounds), and for ``paired`` a second evaluation B of the same requests (sharing the request
+    effect, its τ 0.9 of A's in expectation). Returns groups [n, 2] or [n, 4] (A's then B's)."""
+    groups = []
+    for g in range(9):
+        tau = 1.1 + 0.1 * g
+        rounds_a = rng.integers(5, 40, per_benchmark).astype(float)
+        effect = np.clip(rng.normal(0.0, 0.3, per_benchmark), -0.5, None)
+        tokens_a = rounds_a * (tau + effect) + rng.normal(0, 1.0, per_benchmark) * np.sqrt(rounds_a)
+        if not paired:
+            groups.append(np.c_[tokens_a, rounds_a])
+            continue
+        rounds_b = rng.integers(5, 40, per_benchmark).astype(float)
+        tokens_b = rounds_b * 0.9 * (tau + effect) + rng.normal(0, 1.0, per_benchmark) * np.sqrt(rounds_b)
+        groups.append(np.c_[tokens_a, rounds_a, tokens_b, rounds_b])
+    return groups
+
+
+def _pooled(s):
+    s = s.sum(axis=-2)
+    return s[..., 0] / s[..., 1]
+
+
+def _paired(s):  # the statistic of dspark.evaluation.paired: τ_A / τ_B over jointly resampled requests
+    s = s.sum(axis=-2)
+    return (s[..., 0] / s[..., 1]) / (s[..., 2] / s[..., 3])
+
+
+@pytest.mark.parametrize("paired", [False, True], ids=["pooled-ratio", "paired-ratio"])
+def test_95_percent_intervals_cover_at_the_designs_evaluations_use(paired):
+    statistic = _paired if paired else _pooled
+    truth_groups = _synthetic_benchmarks(np.random.default_rng(99), 100_000, paired)  # the truth, to ~1e-3
+    truth = float(statistic(np.stack([g.sum(axis=0) for g in truth_groups])))
+    rng = np.random.default_rng(7)
+    reps = 1000  # Monte Carlo error of a coverage near 0.95: about 0.007
+    for per_benchmark in (2, 4, 8):
+        hits = plain_hits = 0
+        for rep in range(reps):
+            groups = _synthetic_benchmarks(rng, per_benchmark, paired)
+            _, lo, hi = stratified_ci(groups, statistic, resamples=400, seed=rep)
+            hits += lo <= truth <= hi
+            if per_benchmark == 2:
+                _, lo, hi = stratified_ci(groups, statistic, resamples=400, seed=rep, small_sample=False)
+                plain_hits += lo <= truth <= hi
+        assert hits / reps >= 0.93, (per_benchmark, hits / reps)
+        if per_benchmark == 2:
+            assert plain_hits / reps < 0.90  # what the correction is for: n of n resampling undercovers

@@ -384,6 +384,8 @@ def _fmt_ratio(interval: Any) -> tuple[str, str]:
     """("1.04 ± 0.04", "[1.01, 1.08]") of an Interval, "–" without one."""
     if interval is None:
         return "–", "–"
+    if not (math.isfinite(interval.lo) and math.isfinite(interval.hi)):
+        return fmt_ci(interval.estimate, [interval.lo, interval.hi]), "(no interval)"
     return fmt_ci(interval.estimate, [interval.lo, interval.hi]), f"[{interval.lo:.2f}, {interval.hi:.2f}]"
 
 
@@ -449,7 +451,7 @@ def sched_section(run: Mapping[str, Any]) -> str:
 DRAFTER_NAMES = {"dspark": "DSpark", "dflash": "DFlash", "eagle3": "Eagle3"}
 POLICY_NAMES = {"static": "static γ = {gamma}", "static1": "static ℓ = 1", "algorithm1": "Algorithm 1",
                 "async": "async (Section 5.2)", "algorithm1+skip": "Algorithm 1 + skip"}
-RESULTS_HEADER = ("", "τ, T = 1", "τ, greedy", "speed vs target-only (T = 1, R = 1, wall clock)",
+RESULTS_HEADER = ("", "requests", "τ, T = 1", "τ, greedy", "speed vs target-only (T = 1, R = 1, wall clock)",
                   f"speed vs {PAIRED_BASELINE} γ (paired, R = 1)", "throughput vs target-only (R = {r}, SPS clock)")
 
 
@@ -465,9 +467,17 @@ def _policy_name(policy: str, gamma: Any) -> str:
     return POLICY_NAMES.get(policy, policy).replace("{gamma}", fmt_number(gamma) if gamma else "γ")
 
 
+def _requests(report: Mapping[str, Any]) -> str:
+    """How many requests a report's intervals rest on ("–" when unknown)."""
+    n = (report.get("all") or {}).get("num_requests")
+    return str(int(n)) if isinstance(n, (int, float)) else "–"
+
+
 def results_table(run: Mapping[str, Any] | str | os.PathLike) -> str:
     """The results table of a demo run (a folder, or ``load_run``'s dict): the README's table.
 
+    Each row says how many requests its intervals rest on (requests at T = 1 for a drafter, the
+    scheduled evaluation's for a policy; the paired ratio uses the requests both policies decoded).
     One row per drafter evaluated at T = 1 (every draft verified): its macro-average τ at T = 1
     and greedily, with half the 95 % interval over requests, and its wall-clock speed against
     target-only decoding. One row per verification policy of the scheduled evaluations (DSpark,
@@ -491,7 +501,7 @@ def results_table(run: Mapping[str, Any] | str | os.PathLike) -> str:
         report = hot or greedy or {}
         gamma = report.get("gamma")
         label = _drafter_name(run, name, report) + (f" (γ = {gamma})" if gamma else "")
-        rows.append([label, fmt_ci(*metric((hot or {}).get("macro"), TAU_KEYS, "avg")),
+        rows.append([label, _requests(report), fmt_ci(*metric((hot or {}).get("macro"), TAU_KEYS, "avg")),
                      fmt_ci(*metric((greedy or {}).get("macro"), TAU_KEYS, "avg")),
                      fmt_ci(*metric((hot or {}).get("macro"), "speedup", "avg")), "–", "–"])
     paired = {x["policy"]: x["paired"] for x in paired_rows(run)}
@@ -505,9 +515,10 @@ def results_table(run: Mapping[str, Any] | str | os.PathLike) -> str:
             vs = f"{p.speedup.estimate:.2f} {_fmt_ratio(p.speedup)[1]}"
         else:
             vs = "–"
-        rows.append([f"DSpark, {_policy_name(x['policy'], gamma)}", fmt_ci(x["tau"], x["tau_ci"]), "–",
+        sched_report = run["sched"].get((x["policy"], 1)) or {}
+        rows.append([f"DSpark, {_policy_name(x['policy'], gamma)}", _requests(sched_report), fmt_ci(x["tau"], x["tau_ci"]), "–",
                      fmt_ci(x["speedup"], x["speedup_ci"]), vs, fmt_number(at_r.get(x["policy"]))])
-    rows.append(["target-only decoding", "1", "1", "1", "–", "1"])
+    rows.append(["target-only decoding", "–", "1", "1", "1", "–", "1"])
     header = [h.replace("{r}", str(r) if r else "> 1") for h in RESULTS_HEADER]
     return markdown_table(header, rows)
 

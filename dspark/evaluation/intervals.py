@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from dspark.bootstrap import DEFAULT_LEVEL, check_settings, resample_counts, stratified_ci
+from dspark.data.benchmarks import domain_of
 from dspark.scheduling.calibration import apply_temperatures, ece_from_sums, ece_sums
 from dspark.evaluation.metrics import ECE_BINS, MACRO_KEYS, conditional_acceptance_counts, macro_average_array, round_tau
 
@@ -205,18 +206,28 @@ class _Intervals:
                     position["ece_ci"] = pair
 
     def macro(self, names: Sequence[str], aggregate: str, statistic: Callable[[np.ndarray], np.ndarray]) -> Any:
-        """{math, code, chat, avg: [lo, hi]} of the macro average of the per-benchmark statistic."""
+        """{math, code, chat, avg: [lo, hi]} of the macro average of the per-benchmark statistic.
+
+        Each column is resampled over the benchmarks it averages (a domain's, or all of them for
+        avg), so that its small-sample correction counts the requests it rests on."""
         present = [n for n in names if aggregate in self.aggregates[n].arrays]
         if not present:
             return None
+        out = {}
+        for column, key in enumerate(MACRO_KEYS):
+            members = [n for n in present if domain_of(n) is not None and (key == "avg" or domain_of(n) == key)]
+            if not members:
+                out[key] = [float("nan"), float("nan")]
+                continue
 
-        def macro_stat(s: np.ndarray) -> np.ndarray:
-            per_benchmark = statistic(s[..., None, :])  # [..., G]: each benchmark alone
-            return macro_average_array(per_benchmark, present)
+            def macro_stat(s: np.ndarray, members: list[str] = members, column: int = column) -> np.ndarray:
+                per_benchmark = statistic(s[..., None, :])  # [..., G]: each benchmark alone
+                return macro_average_array(per_benchmark, members)[..., column]
 
-        _, lo, hi = stratified_ci([self.aggregates[n].arrays[aggregate] for n in present], macro_stat,
-                                  counts=[self.counts[n] for n in present])
-        return {key: [float(a), float(b)] for key, a, b in zip(MACRO_KEYS, lo, hi)}
+            _, lo, hi = stratified_ci([self.aggregates[n].arrays[aggregate] for n in members], macro_stat,
+                                      counts=[self.counts[n] for n in members])
+            out[key] = _pair(lo, hi)
+        return out
 
 
 def add_intervals(

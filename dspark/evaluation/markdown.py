@@ -30,13 +30,15 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 def fmt_ci(x: Any, ci: Any = None, digits: int = 2) -> str:
     """A number with its interval as "1.14 ± 0.05": ± the half-width (hi − lo)/2 of
     ``ci`` = [lo, hi], in ``fmt_number``'s format; the plain number when ``ci`` is
-    missing or not finite. An interval narrower than the last digit gets one more decimal."""
+    missing (a report written without intervals), and "1.14 (no interval)" when the
+    interval is not finite (it rests on too few requests, ``dspark.bootstrap``). An
+    interval narrower than the last digit gets one more decimal."""
     cell = fmt_number(x, digits)
     if cell == "–" or ci is None or len(ci) != 2 or any(v is None for v in ci):
         return cell
     lo, hi = float(ci[0]), float(ci[1])
     if not (math.isfinite(lo) and math.isfinite(hi)):
-        return cell
+        return f"{cell} (no interval)"
     half = (hi - lo) / 2
     if 0 < half < 0.5 * 10**-digits:  # an interval narrower than the last digit: one more decimal
         digits += 1

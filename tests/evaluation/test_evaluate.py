@@ -174,7 +174,7 @@ DSPARK_ROW = ("| DSpark | 2.33 ± 1.00 | – | – | 3.00 ± 0.00 | – | – | 
               "| 2.00 ± 0.00 | 2.44 ± 0.33 |")
 
 
-def test_files_hold_rounds_requests_strict_json_markdown_and_plots(tmp_path, clock, monkeypatch):
+def test_files_hold_rounds_requests_strict_json_markdown_and_plots(tmp_path, clock, monkeypatch, plain_bootstrap):
     run(tmp_path, clock, monkeypatch, serving=ServeSettings(sts_temperatures=[1.0, 1.0, 1.0]))
     out = tmp_path / "out"
     rounds = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]
@@ -326,7 +326,7 @@ def test_without_a_tokenizer_evaluate_says_how_to_fix_it(tmp_path):
 # ------------------------------------------------------------------ comparing drafters
 
 
-def test_compare_reports_puts_one_row_per_drafter_in_table_1_order(tmp_path, clock, monkeypatch):
+def test_compare_reports_puts_one_row_per_drafter_in_table_1_order(tmp_path, clock, monkeypatch, plain_bootstrap):
     dspark = run(tmp_path, clock, monkeypatch)
     dflash = {"benchmarks": {"gsm8k": {"tau": 2.0}, "humaneval": {"tau": 1.5}}}
     table = compare_reports({"DSpark": dspark, "DFlash": dflash}).splitlines()

@@ -41,7 +41,7 @@ def _hand_case(**kw):
     return paired_ratio_from_records(RECORDS_A, ROUNDS_A, RECORDS_B, ROUNDS_B, gamma_a=3, gamma_b=3, **kw)
 
 
-def test_the_ratios_of_a_fixed_resample_set_are_their_hand_computed_percentiles():
+def test_the_ratios_of_a_fixed_resample_set_are_their_hand_computed_percentiles(plain_bootstrap):
     p = _hand_case(counts=COUNTS, level=0.5)
     # Speedup A pooled (40 / 11) / (40 / 7) = 7/11, B (40 / 5) / (40 / 7) = 7/5: ratio 5/11. Resampled:
     # 0.5 / 1, 0.5 / 1, 0.8 / 2, 5/11, (30 / 8)/(30 / 4) over (30 / 4)/(30 / 4) = 0.5 -> sorted 0.4, 5/11, 0.5, 0.5,
@@ -57,7 +57,7 @@ def test_the_ratios_of_a_fixed_resample_set_are_their_hand_computed_percentiles(
     assert (wide.tau.lo, wide.tau.hi) == pytest.approx((0.5 + 0.1 * (8 / 7 - 0.5), 1.5 + 0.9 * 0.5))
 
 
-def test_requests_are_matched_on_benchmark_and_request_whatever_their_order():
+def test_requests_are_matched_on_benchmark_and_request_whatever_their_order(plain_bootstrap):
     # B's rows shuffled and an extra request in A that B lacks: the same ratios on the three common requests.
     extra = [_record(7, 10, 9.0, 10, 1.0)]
     p = paired_ratio_from_records(RECORDS_A + extra, ROUNDS_A + _rounds(7, [0, 0]), RECORDS_B[::-1], ROUNDS_B[::-1],

@@ -29,7 +29,7 @@ def _eval_report(tau, tau_ci=None, macro_ci=None):
     if macro_ci:
         macro[f"{key}_ci"] = {"avg": macro_ci}
     return {"label": "dspark", "gamma": 4, "benchmarks": {"gsm8k": dict(bench), "mt-bench": dict(bench)},
-            "macro": macro, "config": {"num_samples": {"gsm8k": 3, "mt-bench": 3}, "max_new_tokens": 16,
+            "all": {"num_requests": 6}, "macro": macro, "config": {"num_samples": {"gsm8k": 3, "mt-bench": 3}, "max_new_tokens": 16,
                                        "dtype": "float32"}}
 
 
@@ -168,15 +168,15 @@ def test_the_headline_names_the_trained_drafters_and_stages_get_a_description():
 
 def test_the_results_table_has_a_row_per_drafter_per_policy_and_target_only(run_dir):
     rows = results_table(run_dir).splitlines()  # a folder, read with load_run
-    assert rows[0] == ("|  | τ, T = 1 | τ, greedy | speed vs target-only (T = 1, R = 1, wall clock) "
+    assert rows[0] == ("|  | requests | τ, T = 1 | τ, greedy | speed vs target-only (T = 1, R = 1, wall clock) "
                        "| speed vs static γ (paired, R = 1) | throughput vs target-only (R = 4, SPS clock) |")
     # macro τ at T = 1 with [1.09, 1.19] → ± 0.05; greedy without an interval; macro speedup 0.8
-    assert rows[2] == "| DSpark (γ = 4) | 1.14 ± 0.05 | 1.05 | 0.80 | – | – |"
+    assert rows[2] == "| DSpark (γ = 4) | 6 | 1.14 ± 0.05 | 1.05 | 0.80 | – | – |"  # 3 + 3 requests
     # scheduled: τ 1.2 in [1.1, 1.3], speed 0.75; R = 4 on the SPS clock: Θ 20 over 4 · SPS(4) = 32 → 0.625
-    assert rows[3] == "| DSpark, static γ = 4 | 1.20 ± 0.10 | – | 0.75 | 1 (baseline) | 0.62 |"
+    assert rows[3] == "| DSpark, static γ = 4 | 2 | 1.20 ± 0.10 | – | 0.75 | 1 (baseline) | 0.62 |"
     # no round logs in the folder: the paired ratio cannot be computed and is left blank
-    assert rows[4] == "| DSpark, Algorithm 1 | 1.20 ± 0.10 | – | 0.75 | – | 0.62 |"
-    assert rows[5] == "| target-only decoding | 1 | 1 | 1 | – | 1 |" and len(rows) == 6
+    assert rows[4] == "| DSpark, Algorithm 1 | 2 | 1.20 ± 0.10 | – | 0.75 | – | 0.62 |"
+    assert rows[5] == "| target-only decoding | – | 1 | 1 | 1 | – | 1 |" and len(rows) == 6
 
 
 def test_the_results_table_is_empty_without_evaluations_and_leads_the_page(run_dir, tmp_path):
