@@ -19,7 +19,9 @@ Training (EAGLE-3's rule, :meth:`DraftVocab.restrict`): the target distribution 
 restricted to the k ids and renormalised; a position whose target argmax (over the full
 vocabulary) lies outside the vocabulary is dropped from the CE and TV terms. Ours adds one
 case EAGLE-3 has no need for: the CE term of DSpark reads the data token x*_k, so a position
-whose label lies outside is dropped too (its CE is undefined).
+whose label lies outside drops its CE (undefined there) and keeps its TV, taken against the full
+target distribution (``dspark.training.loss``). Acceptance metrics (c*, τ_prob) of every drafter
+are against the full target distribution, every supervised position counted.
 
 Decoding: the drafter samples over the k ids; :meth:`DraftVocab.to_target` puts its
 probabilities back on the full vocabulary with zeros outside, so rejection sampling against

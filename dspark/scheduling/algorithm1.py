@@ -368,19 +368,28 @@ class AsyncPrefixScheduler:
     here, and steps over the cliffs of step-shaped SPS curves.
 
     Fallback: when no request of the batch has a draft from two steps earlier
-    (the first two steps, or a batch of new requests), K = ``default_capacity``
-    (default 0: plain target decoding for that step), a constant that does not
-    depend on any draft.
+    (the first two steps, a batch of new requests, or two steps after a step
+    without drafts), K = ``default_capacity``, which depends on no draft:
+    an int, or None (the default) for one token per live request (K = R, what
+    a static MTP-1 schedule verifies).
 
-    Usage per decoding step: ``lengths = sched.step(request_ids, confidences)``.
-    ``capacity(request_ids)`` gives K for the upcoming step before its draft
-    exists (what zero-overhead scheduling needs).
+    Skipping the draft: K is known before the step's draft exists, so a step
+    with K = 0 verifies nothing and need not draft at all. ``plan(request_ids)``
+    says whether the step drafts (K > 0) and records a K = 0 step as one
+    without drafts, whose requests then have no confidences two steps later
+    (the fallback K probes again there, so a positive ``default_capacity``
+    keeps the scheduler from never drafting again).
+
+    Usage per decoding step: ``if sched.plan(ids): lengths = sched.step(ids, confidences)``
+    (``step`` alone drafts at every step). ``capacity(request_ids)`` gives K for the
+    upcoming step before its draft exists (what zero-overhead scheduling needs).
     """
 
-    def __init__(self, sps: SPSLike, default_capacity: int = 0) -> None:
-        default_capacity = _int_value(default_capacity, "default_capacity")
-        if default_capacity < 0:
-            raise ValueError(f"default_capacity must be >= 0, got {default_capacity}")
+    def __init__(self, sps: SPSLike, default_capacity: int | None = None) -> None:
+        if default_capacity is not None:
+            default_capacity = _int_value(default_capacity, "default_capacity")
+            if default_capacity < 0:
+                raise ValueError(f"default_capacity must be >= 0, got {default_capacity}")
         self.sps = sps
         self.default_capacity = default_capacity
         # confidences by request id at step t-1 and t-2 (index 0 = most recent)
@@ -393,7 +402,7 @@ class AsyncPrefixScheduler:
         rows = [stale.get(rid) for rid in request_ids]
         known = [row for row in rows if row is not None]
         if not known:
-            return self.default_capacity
+            return len(rows) if self.default_capacity is None else self.default_capacity
         gamma = known[0].shape[0]
         zeros = np.zeros(gamma, dtype=np.float64)
         stacked = np.stack([zeros if row is None else row for row in rows])  # [R, γ]
@@ -415,6 +424,14 @@ class AsyncPrefixScheduler:
         lengths = admit_top_k(c, k)
         self._history = [{rid: c[i].copy() for i, rid in enumerate(ids)}, self._history[0]]
         return lengths
+
+    def plan(self, request_ids: Sequence[Hashable]) -> bool:
+        """Whether the upcoming step drafts: K > 0. A K = 0 step is recorded here as a step
+        without drafts (call ``step`` only when this returns True)."""
+        if self.capacity(list(request_ids)) > 0:
+            return True
+        self._history = [{}, self._history[0]]
+        return False
 
     def reset(self) -> None:
         self._history = [{}, {}]

@@ -15,8 +15,11 @@
                         (``algorithm1.AsyncPrefixScheduler``): capacity K from
                         the confidences of two steps before by an
                         unconstrained search, top-K admission by the current
-                        a_{r,j}; ``async:K0`` sets the capacity used while no
-                        request has a two-step-old draft (default 0);
+                        a_{r,j}; K is known before the draft, so a step with
+                        K = 0 drafts nothing (a plain target step for every
+                        request); ``async:K0`` sets the capacity used while no
+                        request has a two-step-old draft (K0 >= 1; default one
+                        token per live request);
 - ``static1``           ℓ = 1 for every request (MTP-1-like);
 - ``static``            ℓ = γ (verify every draft); ``static:<ℓ>`` any fixed ℓ;
 - ``threshold:<a>``     ℓ_r = #{j : a_{r,j} ≥ a}, on the cumulative a (``algorithm1.threshold_lengths``);
@@ -151,11 +154,16 @@ def make_policy(spec: PolicySpec, sps: SPSTable | None = None) -> Policy:
             raise ValueError(f"policy {name!r}: the longest back-off M must be >= 1 step")
         return skip_policy(needs_sps(), max_backoff=backoff, name=name)
     if kind == "async":
-        default = _parse_number(arg, name, int) if arg else 0
-        if default < 0:
-            raise ValueError(f"policy {name!r}: the default capacity K0 must be >= 0")
+        default = _parse_number(arg, name, int) if arg else None
+        if default is not None and default < 1:
+            raise ValueError(f"policy {name!r}: the default capacity K0 must be >= 1 (with K0 = 0 a step without "
+                             "drafts leaves no confidences to size the next ones, and no request drafts again)")
         scheduler = AsyncPrefixScheduler(needs_sps(), default_capacity=default)
-        return Policy(name, True, lambda ids, c: scheduler.step(ids, c))
+
+        def plan(ids: Sequence[Hashable]) -> np.ndarray:  # K is known before the draft: K = 0 draws none
+            return np.full(len(ids), scheduler.plan(ids), dtype=bool)
+
+        return Policy(name, True, lambda ids, c: scheduler.step(ids, c), plan=plan, on_start=scheduler.reset)
     if kind == "static1" and not arg:
         return Policy(name, False, lambda ids, c: np.full(c.shape[0], min(1, c.shape[1]), dtype=np.int64))
     if kind == "static":

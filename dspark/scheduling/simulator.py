@@ -29,7 +29,7 @@ What is real and what is modelled:
   process drafts them one at a time at batch 1, so at R > 1 this is the cost
   of unbatched drafting, an upper bound for a batched drafter; at R = 1 it is
   exactly what a round costs). A step in which no request drafted (every one
-  skipped, ``algorithm1+skip``) is a plain target step: 1 / SPS(B). Prefills
+  skipped, ``algorithm1+skip``, or ``async`` at K = 0) is a plain target step: 1 / SPS(B). Prefills
   are not charged (as in decode-throughput measurements), and the tokens they
   emit (x_0) are not counted in Θ. Verification runs per request here (batch
   1), so the wall clock of the simulation says nothing about serving speed;
@@ -48,7 +48,7 @@ depend on the order in which requests are stepped.
 Policies: ``dspark.scheduling.policies.make_policy`` (re-exported here) makes one from a
 spec string (algorithm1, algorithm1+skip, async, static1, static, threshold,
 first-below) or a callable ``(request_ids, confidences [R, γ]) -> lengths [R]``.
-A policy with a ``plan`` (``algorithm1+skip``) first says which requests draft
+A policy with a ``plan`` (``algorithm1+skip``; ``async``, at K = 0) first says which requests draft
 at this step; the others take a plain target step (``dspark.scheduling.skipping.target_step``:
 ℓ = 0, one token, no draft time) and add 1 token to B.
 
@@ -466,13 +466,24 @@ def _step(
 ) -> None:
     """One lockstep step: the requests ``policy.plan`` picks (every one without a plan) draft,
     ``policy`` picks the lengths ℓ_r of all of them at once, every request verifies its ℓ_r
-    drafts (the others take a plain target step); the step goes into ``result``."""
+    drafts (the others take a plain target step); the step goes into ``result``.
+
+    The policy's decision time (its ``plan`` and the lengths, confidences calibrated) is a
+    "schedule" phase of every live request's clock: each of them waits for it, so it is part of
+    the request's wall time as everything is part of a target-only request's."""
     ids = [entry.index for entry in live]
+    started = time.perf_counter()
     drafting = np.ones(len(live), dtype=bool) if policy.plan is None else np.asarray(policy.plan(ids), dtype=bool)
+    schedule_s = time.perf_counter() - started
     if drafting.shape != (len(live),):
         raise ValueError(f"policy {policy.name!r}: plan must return {len(live)} booleans, got {drafting!r}")
     draft_times = [_timed_draft(entry.request, policy) for entry, d in zip(live, drafting) if d]
+    started = time.perf_counter()
     lengths, a, raw = _lengths(live, drafting, policy, temps)
+    schedule_s += time.perf_counter() - started
+    for entry in live:
+        totals = entry.request.clock.totals
+        totals["schedule"] = totals.get("schedule", 0.0) + schedule_s
     batch = int(len(live) + lengths.sum())
     step_time = _step_time(sps, batch, draft_overhead, draft_times)
 

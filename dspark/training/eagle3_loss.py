@@ -11,15 +11,25 @@ Two conventions (`parity`):
 
 - default (ours): (b, i) is supervised at step s when the predicted token's own loss mask is 1,
   loss_mask[i+s+2] (as DSpark reads its labels' mask), and D = Σ_s decay^s · n_s, the weighted
-  number of supervised entries (a weighted mean);
+  number of supervised entries (a weighted mean over the tokens of the global batch);
 - parity=True (DeepSpec's `compute_eagle3_loss`): supervised when loss_mask[i+s] = 1, two positions
-  before the predicted token, with the last valid position's mask cleared, and every step divided
-  by all B·S positions, D = B·S (DeepSpec's local_mean); the total is not divided by Σ decay^s.
+  before the predicted token, with the last valid position's mask cleared; DeepSpec divides every
+  step by all B·S positions of its micro-batch (its local_mean, not divided by Σ decay^s), i.e.
+  each sequence's sum by the padded length S, and averages those per-sequence means over the
+  sequences of the global batch. A micro-batch therefore returns the numerator
+  Σ_s decay^s Σ CE / S and D = B (its sequences), so that the trainer's Σ numerators / Σ D over
+  micro-batches and ranks is DeepSpec's mean of per-sequence means whatever the split.
 
 With a draft vocabulary (`drafter.vocab`, k ids) the drafter's logits are over the k ids and the
-teacher is restricted to them and renormalised, p_t|k(v) = p_t(v) / Σ_{u in vocab} p_t(u); positions
-whose target argmax (over all V ids) lies outside are dropped from the sums and from the count n_s,
-as EAGLE-3 does (`DraftVocab.restrict`).
+loss's teacher is restricted to them and renormalised, p_t|k(v) = p_t(v) / Σ_{u in vocab} p_t(u);
+positions whose target argmax (over all V ids) lies outside are dropped from the CE sums and from
+the count n_s of D, as EAGLE-3 does (`DraftVocab.restrict`).
+
+The metrics are on the scale verification sees, as DSpark's c* (paper Eq. 8,
+`dspark.training.loss`): the acceptance of an entry is c* = clamp(1 − ½ Σ_v |p_d(v) − p_t(v)|, 0, 1)
+with p_d the draft distribution on the full vocabulary (zero outside a draft vocabulary) and p_t
+the full target softmax, i.e. Σ_v min(p_d(v), p_t(v)); every supervised entry counts, including
+those the loss drops, and τ_prob is DeepSpec's mean over chains of 1 + Σ_s Π_{s' ≤ s} c*_{s'}.
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from dspark.kernels.lm_head import vocab_logits
+from dspark.training.loss import full_vocab_tv
 
 
 def supervision_mask(loss_mask: Tensor, steps: int, *, parity: bool = False, lengths: Tensor | None = None) -> Tensor:
@@ -62,17 +73,36 @@ class Eagle3LossOutput:
     loss: Tensor  # Σ_s decay^s Σ CE (the numerator; divide by `denominator`)
     denominator: Tensor  # D of the convention
     ce_sum: Tensor  # [T] Σ CE per step
-    count: Tensor  # [T] supervised entries per step
-    accept_sum: Tensor  # [T] Σ Σ_v min(p_draft, p_target): the expected acceptance per step
-    correct: Tensor  # [T] entries whose draft argmax equals the teacher's
-    prefix_sum: Tensor  # Σ over chains of Σ_s Π_{s' ≤ s} accept_{s'} · mask_{s'}
+    count: Tensor  # [T] supervised entries per step (the acceptance metrics' denominator)
+    accept_sum: Tensor  # [T] Σ c*: the expected acceptance against the full target per step
+    correct: Tensor  # [T] entries whose draft argmax (a target id) equals the full target's argmax
+    prefix_sum: Tensor  # Σ over chains of Σ_s Π_{s' ≤ s} c*_{s'} · mask_{s'}
     chains: Tensor  # chains (positions) supervised at step 0
+    kept: Tensor  # [T] supervised entries in the loss (count less those a draft vocabulary drops)
 
 
 def teacher_logits(final_hidden: Tensor, lm_head: Tensor, softcap: float | None) -> Tensor:
     """The target's logits from its final (normed) hidden states: [..., d] -> [..., V]."""
     logits = vocab_logits(final_hidden.to(lm_head.dtype), lm_head)
     return torch.tanh(logits / softcap) * softcap if softcap else logits
+
+
+def full_acceptance(p_draft: Tensor, p_full: Tensor, p_in: Tensor | None, vocab: Any) -> Tensor:
+    """c* = clamp(1 − ½ Σ_v |p_d(v) − p_t(v)|, 0, 1) over all V ids (paper Eq. 8), per row, as DSpark's
+    (`dspark.training.loss.full_vocab_tv`): p_draft [n, k or V] is zero outside a draft vocabulary,
+    p_full [n, V] the target softmax, p_in [n, k] its restriction renormalised (with a vocabulary)."""
+    if vocab is None:
+        tv = (p_draft - p_full).abs().sum(-1)
+    else:
+        mass_in = p_full.index_select(-1, vocab.draft_ids.to(p_full.device)).sum(-1)
+        tv = full_vocab_tv(p_draft, p_in, mass_in)
+    return (1.0 - 0.5 * tv).clamp(0.0, 1.0)
+
+
+def _draft_argmax(logp: Tensor, vocab: Any) -> Tensor:
+    """The draft's argmax as target ids."""
+    arg = logp.argmax(-1)
+    return arg if vocab is None else vocab.to_target_ids(arg)
 
 
 def _softcapped(u: Tensor, softcap: float | None) -> tuple[Tensor, Tensor | None]:
@@ -86,7 +116,7 @@ def _softcapped(u: Tensor, softcap: float | None) -> tuple[Tensor, Tensor | None
 def _ttt_terms(normed: tuple[Tensor, ...], final_hidden: Tensor, sup: Tensor, head: Tensor, full_head: Tensor,
                vocab: Any, softcap: float | None, decay: float, chunk_rows: int, want_grad: bool
                ) -> tuple[Tensor, Tensor, Tensor, Tensor, list[Tensor | None]]:
-    """Per-entry CE, accept, correct and keep maps [T, B, S] of the TTT loss, and (``want_grad``)
+    """Per-entry CE, accept (c*), correct and keep maps [T, B, S] of the TTT loss, and (``want_grad``)
     ∂(Σ_s decay^s Σ CE_s)/∂normed_s [B, S, d] for every step.
 
     The teacher p_t at position j serves step s at position i = j − s − 1 for every s, so it is
@@ -94,7 +124,8 @@ def _ttt_terms(normed: tuple[Tensor, ...], final_hidden: Tensor, sup: Tensor, he
     time, and every step's rows that read it are handled against it: the draft logits z =
     softcap(norm(h) W_kᵀ), log p = log_softmax(z), CE = −⟨p_t, log p⟩, and the closed-form
     gradient ∂CE/∂z = p − p_t (p_t sums to 1 over the draft ids), so nothing is recomputed in
-    backward. Entries whose teacher argmax lies outside a draft vocabulary are dropped (keep)."""
+    backward. Entries whose teacher argmax lies outside a draft vocabulary are dropped from CE and
+    its gradient (keep); accept and correct are against the full target for every entry."""
     T, B, S = sup.shape
     device = final_hidden.device
     dt = torch.promote_types(head.dtype, torch.float32)  # at least fp32 (fp64 for an fp64 head)
@@ -108,25 +139,25 @@ def _ttt_terms(normed: tuple[Tensor, ...], final_hidden: Tensor, sup: Tensor, he
     tb, tj = need.nonzero(as_tuple=True)
     for c0 in range(0, tb.numel(), chunk_rows):
         b, j = tb[c0 : c0 + chunk_rows], tj[c0 : c0 + chunk_rows]
-        p_t = torch.softmax(teacher_logits(final_hidden[b, j], full_head, softcap).to(dt), -1)
-        keep = torch.ones(p_t.shape[0], dtype=torch.bool, device=device)
+        p_full = torch.softmax(teacher_logits(final_hidden[b, j], full_head, softcap).to(dt), -1)
+        p_t, keep = p_full, torch.ones(p_full.shape[0], dtype=torch.bool, device=device)
         if vocab is not None:
-            p_t, keep = vocab.restrict(p_t)
-        t_arg = p_t.argmax(-1)
+            p_t, keep = vocab.restrict(p_full)
+        t_arg = p_full.argmax(-1)
         for s in range(T):
             i = j - s - 1
             on = i >= 0
             on[on.clone()] = sup[s, b[on], i[on]]
             if not bool(on.any()):
                 continue
-            rb, ri, pt, kp = b[on], i[on], p_t[on], keep[on].to(dt)
+            rb, ri, pt, kp, pf = b[on], i[on], p_t[on], keep[on].to(dt), p_full[on]
             u = vocab_logits(normed[s][rb, ri].to(head.dtype), head).to(dt)
             z, tanh_u = _softcapped(u, softcap)
             logp = torch.log_softmax(z, -1)
             p = logp.exp()
             maps[0][s, rb, ri] = -(pt * logp).sum(-1) * kp
-            maps[1][s, rb, ri] = torch.minimum(p, pt).sum(-1) * kp
-            maps[2][s, rb, ri] = (logp.argmax(-1) == t_arg[on]).to(dt) * kp
+            maps[1][s, rb, ri] = full_acceptance(p, pf, pt, vocab)
+            maps[2][s, rb, ri] = (_draft_argmax(logp, vocab) == t_arg[on]).to(dt)
             maps[3][s, rb, ri] = kp
             if want_grad:
                 g = p.sub_(pt).mul_(kp[:, None] * decay**s)  # ∂(decay^s CE)/∂z
@@ -190,28 +221,40 @@ def eagle3_loss(
     loss, ce, acc, cor, keep = _TTTLoss.apply(
         final_hidden.detach(), sup, drafter.head_weight().detach(), drafter.target_lm_head_weight().detach(),
         drafter.vocab, drafter.config.final_logit_softcapping, float(decay), int(chunk_rows), want_grad, *normed)
-    ce_sum, accept_sum, correct, count = (m.sum((1, 2)) for m in (ce, acc, cor, keep))
-    weights = decay ** torch.arange(T, device=device, dtype=torch.float32)
-    denominator = torch.tensor(float(B * S), device=device) if parity else (weights * count).sum()
+    ce_sum, accept_sum, correct, kept = (m.sum((1, 2)) for m in (ce, acc, cor, keep))
+    loss, denominator = _normalised(loss, kept, decay, B, S, parity)
     chain_ok = sup[0]
     survive = torch.cumprod(acc * sup.float(), dim=0)  # [T, B, S]: Π_{s' ≤ s} accept·mask
     prefix_sum = (survive.sum(0) * chain_ok).sum()
-    return Eagle3LossOutput(loss, denominator, ce_sum, count, accept_sum, correct, prefix_sum, chain_ok.sum().float())
+    count = sup.sum((1, 2)).to(ce_sum.dtype)
+    return Eagle3LossOutput(loss, denominator, ce_sum, count, accept_sum, correct, prefix_sum,
+                            chain_ok.sum().float(), kept)
+
+
+def _normalised(loss: Tensor, kept: Tensor, decay: float, B: int, S: int, parity: bool) -> tuple[Tensor, Tensor]:
+    """(numerator, D) of one micro-batch (module docstring): default Σ_s decay^s Σ CE over
+    D = Σ_s decay^s n_s; parity (DeepSpec) Σ_s decay^s Σ CE / S over D = B, the per-sequence means'
+    sum over the micro-batch's sequences."""
+    if parity:
+        return loss / S, torch.tensor(float(B), device=loss.device)
+    weights = decay ** torch.arange(kept.numel(), device=kept.device, dtype=torch.float32)
+    return loss, (weights * kept).sum()
 
 
 def _chunk_terms(drafter: Any, h: Tensor, t_hidden: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Per-row (CE, accept, correct, keep) of draft hidden rows h [n, d] against teacher rows [n, d]."""
+    """Per-row (CE, c*, correct, keep) of draft hidden rows h [n, d] against teacher rows [n, d]."""
+    vocab = drafter.vocab
     with torch.no_grad():
         w = drafter.target_lm_head_weight()  # the full [V, d] head: p_t is the target's whole distribution
-        p_t = torch.softmax(teacher_logits(t_hidden, w, drafter.config.final_logit_softcapping).float(), -1)
-        keep = torch.ones(p_t.shape[0], dtype=torch.bool, device=p_t.device)
-        if drafter.vocab is not None:
-            p_t, keep = drafter.vocab.restrict(p_t)
+        p_full = torch.softmax(teacher_logits(t_hidden, w, drafter.config.final_logit_softcapping).float(), -1)
+        p_t, keep = p_full, torch.ones(p_full.shape[0], dtype=torch.bool, device=p_full.device)
+        if vocab is not None:
+            p_t, keep = vocab.restrict(p_full)
     logp = F.log_softmax(drafter.compute_logits(h).float(), dim=-1)
     ce = -(p_t * logp).sum(-1) * keep
     with torch.no_grad():
-        accept = torch.minimum(logp.exp(), p_t).sum(-1) * keep
-        correct = (logp.argmax(-1) == p_t.argmax(-1)) & keep
+        accept = full_acceptance(logp.exp(), p_full, p_t, vocab)
+        correct = _draft_argmax(logp, vocab) == p_full.argmax(-1)
     return ce, accept, correct.float(), keep
 
 
@@ -235,7 +278,7 @@ def checkpointed_eagle3_loss(
     sup = supervision_mask(loss_mask, T, parity=parity, lengths=lengths)  # [T, B, S]
     decay = drafter.config.step_loss_decay
     loss = torch.zeros((), device=device)
-    ce_sum, count, accept_sum, correct = (torch.zeros(T, device=device) for _ in range(4))
+    ce_sum, kept, accept_sum, correct = (torch.zeros(T, device=device) for _ in range(4))
     accept_map = torch.zeros(T, B, S, device=device)
     for s, h in enumerate(step_hidden):
         b, i = sup[s].nonzero(as_tuple=True)
@@ -252,24 +295,26 @@ def checkpointed_eagle3_loss(
             ce_parts.append(ce)
             acc_parts.append(acc)
             correct[s] += cor.sum()
-            count[s] += keep.sum()
+            kept[s] += keep.sum()
         ce, acc = torch.cat(ce_parts), torch.cat(acc_parts)
         ce_sum[s] = ce.detach().sum()
         accept_sum[s] = acc.sum()
         accept_map[s, b, i] = acc
         loss = loss + decay**s * ce.sum()
-    weights = decay ** torch.arange(T, device=device, dtype=torch.float32)
-    denominator = torch.tensor(float(B * S), device=device) if parity else (weights * count).sum()
+    loss, denominator = _normalised(loss, kept, decay, B, S, parity)
     chain_ok = sup[0]
     survive = torch.cumprod(accept_map * sup.float(), dim=0)  # [T, B, S]: Π_{s' ≤ s} accept·mask
     prefix_sum = (survive.sum(0) * chain_ok).sum()
-    return Eagle3LossOutput(loss, denominator, ce_sum, count, accept_sum, correct, prefix_sum, chain_ok.sum().float())
+    count = sup.sum((1, 2)).float()
+    return Eagle3LossOutput(loss, denominator, ce_sum, count, accept_sum, correct, prefix_sum,
+                            chain_ok.sum().float(), kept)
 
 
 class Eagle3LossModule(nn.Module):
     """The Eagle3 drafter and its TTT loss as one module (what DDP wraps), with the metric sums the
-    trainer reduces: ce/tv/conf are weighted sums over `weight` = D, `accept_sum`/`count` per step,
-    `prefix_sum`/`blocks` DeepSpec's τ_prob over chains."""
+    trainer reduces: ce/tv/conf are sums over `weight` = D (tv: the decay-weighted mean of 1 − c*
+    over supervised entries, times D), `accept_sum`/`count` per step, `prefix_sum`/`blocks`
+    DeepSpec's τ_prob over chains."""
 
     def __init__(self, drafter: nn.Module, target: Any, *, parity: bool = False, chunk_rows: int = 1024) -> None:
         super().__init__()
@@ -293,9 +338,10 @@ class Eagle3LossModule(nn.Module):
                           chunk_rows=self.chunk_rows)
         decay = self.drafter.config.step_loss_decay
         w = decay ** torch.arange(len(hidden), device=input_ids.device, dtype=torch.float32)
+        tv_mean = (w * (out.count - out.accept_sum)).sum() / (w * out.count).sum().clamp_min(1e-12)
         metrics = {
             "ce": out.loss.detach(),
-            "tv": (w * (out.count - out.accept_sum)).sum(),
+            "tv": tv_mean * out.denominator,
             "conf": torch.zeros((), device=input_ids.device),
             "weight": out.denominator,
             "accept_sum": out.accept_sum,

@@ -28,8 +28,9 @@ Reading order: :func:`fused_dspark_loss` (checks, coefficients, reduction) ->
 
 With a draft vocabulary of k ids (``vocab``) the draft side is k-sized (the LM head's k rows,
 W2 [k, r]) and the target side reads the full LM head once per position, without grad, for
-EAGLE-3's restriction (p^t over the k ids renormalised, positions whose target argmax or label
-lies outside dropped) and for c* against the full distribution (dspark.training.loss docstring): 3
+EAGLE-3's restriction (p^t over the k ids renormalised, positions whose target argmax lies outside
+dropped; a label outside drops CE only and its TV is against the full target) and for c* against
+the full distribution (dspark.training.loss docstring): 3
 k-sized and one V-sized matmul per supervised position instead of 4 V-sized ones.
 """
 
@@ -361,7 +362,8 @@ class _Chunk:
     y: Tensor  # [m, 1] labels (draft ids with a draft vocabulary)
     lat: Tensor | None  # [m, r] latents in the compute dtype
     tanh_u: Tensor | None  # [m, V or k] tanh(u/c), softcap only
-    keep: Tensor | None  # Bool [m], draft vocabulary only: label and target argmax inside it
+    keep: Tensor | None  # Bool [m], draft vocabulary only: CE kept (label and target argmax inside it)
+    keep_tv: Tensor | None  # Bool [m], draft vocabulary only: TV kept (target argmax inside)
 
 
 # Below this share of distinct target positions in a chunk, p^t is computed once per distinct
@@ -393,20 +395,24 @@ def _chunk_labels(run: _Pass, head: _Head, pos: Tensor) -> tuple[Tensor, Tensor 
 
 
 def _minus_target(run: _Pass, head: _Head, pos: Tensor, p: Tensor,
-                  label_in: Tensor | None) -> tuple[Tensor, Tensor | None]:
-    """(p^d − p^t [m, V or k], Bool [m] positions kept or None without a draft vocabulary), p^t
-    computed once per distinct target position; with a draft vocabulary p^t is restricted to it
-    and the TV against the full target (c*, Eq. 8) is written into ``run.tv_full``."""
+                  label_in: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
+    """(p^d − p^t [m, V or k], Bool [m] CE kept, Bool [m] TV kept, Bool [m] TV against the full
+    target; the three None without a draft vocabulary), p^t computed once per distinct target
+    position. With a draft vocabulary p^t is restricted to it, except at a kept position whose
+    label lies outside (CE undefined there), whose row is p^d − p^t over the k ids of the full
+    target; the TV against the full target (c*, Eq. 8) is written into ``run.tv_full``."""
     t_rows, expand = _distinct_target_rows(run, pos)
     if head.vocab is None and expand is None:
-        return head.minus_target_probs(p, run.target_hidden, pos, run.bufs.target[: pos.shape[0]]), None  # [m, V]
+        return head.minus_target_probs(p, run.target_hidden, pos, run.bufs.target[: pos.shape[0]]), None, None, None
     if head.vocab is None:
-        return head.minus_distinct_target_probs(p, run.target_hidden, t_rows, expand, run.bufs), None  # [m, V]
+        return head.minus_distinct_target_probs(p, run.target_hidden, t_rows, expand, run.bufs), None, None, None
     diff, mass_in, argmax_in = head.minus_restricted_target(p, run.target_hidden, t_rows, expand)  # [m, k]
-    keep = label_in & argmax_in
     p_t_in = p - diff
     run.tv_full[pos] = full_vocab_tv(p, p_t_in, mass_in)
-    return diff, keep
+    full = argmax_in & ~label_in
+    if bool(full.any()):
+        diff[full] = p[full] - p_t_in[full] * mass_in[full, None]
+    return diff, label_in & argmax_in, argmax_in, full
 
 
 def _chunk_terms(run: _Pass, head: _Head, pos: Tensor) -> _Chunk:
@@ -415,11 +421,13 @@ def _chunk_terms(run: _Pass, head: _Head, pos: Tensor) -> _Chunk:
     y, label_in = _chunk_labels(run, head, pos)
     lat = None if run.latent is None else run.latent[pos].to(head.dtype)  # [m, r]
     p, ce, tanh_u = head.draft_probs(run.hidden, pos, lat, y, run.bufs)  # p^d [m, V or k]
-    diff, keep = _minus_target(run, head, pos, p, label_in)
+    diff, keep, keep_tv, full = _minus_target(run, head, pos, p, label_in)
     tv = run.bufs.row_l1(diff)
+    if full is not None:
+        tv = torch.where(full, run.tv_full[pos], tv)  # Σ over the k ids + the target's mass outside
     run.ce[pos] = ce if keep is None else torch.where(keep, ce, 0.0)
-    run.tv[pos] = tv if keep is None else torch.where(keep, tv, 0.0)
-    return _Chunk(p, diff, y, lat, tanh_u, keep)
+    run.tv[pos] = tv if keep_tv is None else torch.where(keep_tv, tv, 0.0)
+    return _Chunk(p, diff, y, lat, tanh_u, keep, keep_tv)
 
 
 def _chunk_grads(run: _Pass, head: _Head, pos: Tensor, chunk: _Chunk) -> None:
@@ -429,9 +437,9 @@ def _chunk_grads(run: _Pass, head: _Head, pos: Tensor, chunk: _Chunk) -> None:
     block_size = run.ce_coef.shape[0]
     a = run.ce_coef[pos % block_size][:, None].to(head.dtype)  # [m, 1]
     b = None if run.tv_coef is None else run.tv_coef[pos % block_size][:, None].to(head.dtype)  # [m, 1]
-    if chunk.keep is not None:  # a dropped position has no gradient
+    if chunk.keep is not None:  # a dropped term has no gradient
         a = a * chunk.keep[:, None]
-        b = None if b is None else b * chunk.keep[:, None]
+        b = None if b is None else b * chunk.keep_tv[:, None]
     g = _logits_grad(chunk.p, chunk.diff, chunk.y, a, b)  # ∂objective/∂z, [m, V]
     if run.grad_lat is not None:
         run.grad_lat[pos] = g @ head.w2  # [m, r]

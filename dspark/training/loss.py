@@ -26,8 +26,10 @@ baseline for benchmarks and as a cross-check in tests.
 Draft vocabulary (``vocab``, :mod:`dspark.modeling.vocab`): the draft logits are [.., k] over
 the k draft ids and p^t in L_ce / L_tv is the target distribution restricted to those ids and
 renormalised (EAGLE-3). A position whose target argmax (over all V ids) lies outside the
-vocabulary is dropped from L_ce and L_tv as EAGLE-3 drops it, and so is one whose label x*_k
-lies outside (its CE is undefined); a dropped position adds 0 to the sums but stays in the
+vocabulary is dropped from L_ce and L_tv as EAGLE-3 drops it. One whose label x*_k lies outside
+(target argmax inside) is dropped from L_ce only (its CE is undefined); its TV term is the one
+against the full target, Σ_v |p^d_v − p^t_v| over all V ids with p^d zero outside the vocabulary
+(``full_vocab_tv``). A dropped term adds 0 to the sums but its position stays in the
 denominator (EAGLE-3 averages over all positions too). c* (Eq. 8), and with it L_conf, the
 acceptance sums and τ_prob, is the expected acceptance against the *full* target distribution,
 1 − ½(Σ_{v∈D} |p^d_v − p^t_v| + p^t(outside D)), so it is what verification will accept and
@@ -179,11 +181,11 @@ def draft_vocab_targets(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """EAGLE-3's restriction for the loss: target logits [.., V] and labels [..] (target ids) ->
     (p^t restricted to the vocabulary and renormalised [.., k], the target's mass inside it [..],
-    keep Bool [..] (target argmax and label inside), labels as draft ids [..], 0 where not kept)."""
-    logp, keep, log_mass_in = vocab.restrict_logits(target_logits.to(dtype))
+    argmax_in Bool [..] (target argmax inside: TV kept), label_in Bool [..], labels as draft ids
+    [..], 0 outside)."""
+    logp, argmax_in, log_mass_in = vocab.restrict_logits(target_logits.to(dtype))
     draft_labels = vocab.to_draft_ids(labels)
-    keep = keep & (draft_labels >= 0)
-    return logp.exp(), log_mass_in.exp(), keep, draft_labels.clamp_min(0)
+    return logp.exp(), log_mass_in.exp(), argmax_in, draft_labels >= 0, draft_labels.clamp_min(0)
 
 
 def full_vocab_tv(p_d: Tensor, p_t_in: Tensor, mass_in: Tensor) -> Tensor:
@@ -214,7 +216,6 @@ def _chunk_terms(
     _check_logits("draft_logits_fn", draft, rows, block_size)
     logp_d = torch.log_softmax(draft.to(compute_dtype(draft.dtype)), dim=-1)  # [n, γ, V or k]
     del draft
-    keep = None
     with torch.no_grad():
         target = target_logits_fn(start, end)  # [n, γ, V]
         _check_logits("target_logits_fn", target, rows, block_size)
@@ -227,17 +228,18 @@ def _chunk_terms(
         if vocab is None:
             p_t = torch.softmax(target.to(logp_d.dtype), dim=-1)  # [n, γ, V]
         else:
-            p_t, mass_in, keep, labels = draft_vocab_targets(target, labels, vocab, logp_d.dtype)  # [n, γ, k]
+            p_t, mass_in, argmax_in, label_in, labels = draft_vocab_targets(target, labels, vocab, logp_d.dtype)
         del target
     ce = -logp_d.gather(-1, labels[:, :, None]).squeeze(-1)  # [n, γ]
     with torch.set_grad_enabled(track_tv and torch.is_grad_enabled()):
         tv = (logp_d.exp() - p_t).abs().sum(dim=-1)  # [n, γ]
-    if keep is None:
+    if vocab is None:
         return ce, tv, tv.detach()
-    with torch.no_grad():
-        tv_full = full_vocab_tv(logp_d.exp(), p_t, mass_in)
+    with torch.set_grad_enabled(track_tv and torch.is_grad_enabled()):
+        tv_full = full_vocab_tv(logp_d.exp(), p_t, mass_in)  # [n, γ], against the full target
     zero = torch.zeros((), dtype=ce.dtype, device=ce.device)
-    return torch.where(keep, ce, zero), torch.where(keep, tv, zero), tv_full
+    tv = torch.where(label_in, tv, tv_full)  # a label outside: CE undefined, TV against the full target
+    return torch.where(argmax_in & label_in, ce, zero), torch.where(argmax_in, tv, zero), tv_full.detach()
 
 
 def weights_and_denominator(

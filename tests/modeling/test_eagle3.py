@@ -183,6 +183,31 @@ def test_loss_equals_a_float64_reference(parity):
     assert got == pytest.approx(reference_loss(drafter, hidden, out_t.last_hidden, mask, parity), rel=1e-5)
 
 
+def test_parity_averages_per_sequence_means_across_micro_batches_as_deepspec():
+    """DeepSpec's normalisation: each sequence's Σ_s 0.8^s Σ CE over its length, then the mean over the
+    sequences of the global batch, whatever the micro-batches; summed the trainer's way (Σ loss / Σ weight)."""
+    target = make_tiny_target("qwen3")
+    drafter = tiny_eagle3(target)
+    module = Eagle3LossModule(drafter, target, parity=True)
+    g = torch.Generator().manual_seed(4)
+    per_sequence, sums, loss_sum, weight = [], [], 0.0, 0.0
+    for S, hole in ((8, slice(0, 2)), (16, slice(5, 9))):
+        ids = torch.randint(2, target.vocab_size, (1, S), generator=g)
+        mask = torch.ones_like(ids)
+        mask[0, hole] = 0
+        with torch.no_grad():
+            loss, metrics = module({"input_ids": ids, "loss_mask": mask})
+            out_t = target(ids)
+            hidden = drafter(out_t.features, ids)
+        per_sequence.append(reference_loss(drafter, hidden, out_t.last_hidden, mask, parity=True))  # Σ / S
+        sums.append(per_sequence[-1] * S)
+        loss_sum, weight = loss_sum + float(loss), weight + float(metrics["weight"])
+        assert float(metrics["ce"]) == float(loss)
+    assert weight == 2.0  # one per sequence
+    assert loss_sum / weight == pytest.approx((per_sequence[0] + per_sequence[1]) / 2, rel=1e-5)
+    assert abs(loss_sum / weight - sum(sums) / 24) > 1e-3  # not the token-weighted mean
+
+
 @pytest.mark.parametrize("family,vocab_k", [("qwen3", 0), ("qwen3", 40), ("gemma4", 40)],
                          ids=["qwen3", "qwen3-draft-vocab", "gemma4-softcap-draft-vocab"])
 def test_loss_gradients_equal_autograd_through_a_float64_reference(family, vocab_k):

@@ -69,25 +69,29 @@ def test_restrict_renormalises_and_drops_an_argmax_outside():
 # --------------------------------------------------------------------------- the loss
 def _reference_loss(draft, target, labels, valid, conf, weights, ids):
     """Float64, from the definitions (dspark.training.loss docstring): p^t restricted to ids and renormalised;
-    CE/TV only where the target argmax and the label lie in ids; c* against the full target."""
+    CE only where the target argmax and the label lie in ids, TV where the target argmax does (against the
+    full target where the label lies outside); c* against the full target."""
     draft, target, conf = draft.double(), target.double(), conf.double()
     w = torch.exp(-torch.arange(labels.shape[1], dtype=torch.float64) / weights.decay_gamma)
     p_full = torch.softmax(target, -1)
     p_in = p_full[..., ids]
     p_t = p_in / p_in.sum(-1, keepdim=True)
     in_ids = lambda x: (x.unsqueeze(-1) == ids).any(-1)  # noqa: E731
-    keep = valid & in_ids(target.argmax(-1)) & in_ids(labels)
+    label_in = in_ids(labels)
+    keep_tv = valid & in_ids(target.argmax(-1))
+    keep = keep_tv & label_in
     logp = torch.log_softmax(draft, -1)
     draft_label = (labels.unsqueeze(-1) == ids).long().argmax(-1)
     ce = -logp.gather(-1, draft_label.unsqueeze(-1)).squeeze(-1)
     p_d = logp.exp()
     tv = (p_d - p_t).abs().sum(-1)
     tv_full = (p_d - p_in).abs().sum(-1) + (1 - p_in.sum(-1))
+    tv = torch.where(label_in, tv, tv_full)
     c_star = (1 - 0.5 * tv_full.detach()).clamp(0, 1)
     den = (w * valid).sum()
-    kw = w * keep
+    kw, kw_tv = w * keep, w * keep_tv
     bce = F.binary_cross_entropy_with_logits(conf, c_star, reduction="none")
-    loss = (weights.ce * (kw * ce).sum() + weights.tv * (kw * tv).sum() + weights.conf * (w * valid * bce).sum()) / den
+    loss = (weights.ce * (kw * ce).sum() + weights.tv * (kw_tv * tv).sum() + weights.conf * (w * valid * bce).sum()) / den
     return loss, c_star
 
 
@@ -114,8 +118,10 @@ def test_restricted_loss_and_gradients_equal_a_float64_reference(path):
     hr, latr, w2r, confr = leaves
     ref, c_ref = _reference_loss(hr @ w_lm[ids].T + latr @ w2r.T, t @ w_lm.T, labels, valid, confr, weights, ids)
     ref_grads = torch.autograd.grad(ref, leaves)
-    kept = valid & vocab.contains((t @ w_lm.T).argmax(-1)) & vocab.contains(labels)
+    argmax_in = valid & vocab.contains((t @ w_lm.T).argmax(-1))
+    kept = argmax_in & vocab.contains(labels)
     assert 0 < int(kept.sum()) < int(valid.sum())  # the case drops some positions and keeps others
+    assert int((argmax_in & ~kept).sum()) > 0  # ... and has labels outside whose TV is kept
 
     ours = [x.clone().requires_grad_() for x in (h, lat, w2, conf)]
     ho, lato, w2o, confo = ours
@@ -132,6 +138,31 @@ def test_restricted_loss_and_gradients_equal_a_float64_reference(path):
     assert torch.allclose(out.accept_sum.double(), masked_c, rtol=1e-5)
     for mine, theirs in zip(grads, ref_grads):
         assert torch.allclose(mine, theirs, rtol=1e-8, atol=1e-12)
+
+
+@pytest.mark.parametrize("path", ["chunked", "fused"])
+def test_a_label_outside_keeps_its_tv_against_the_full_target(path):
+    """Hand case: V = 3, vocabulary {0, 1}, p^t = (0.5, 0.3, 0.2), label 2 (outside), p^d = (0.8, 0.2) on
+    {0, 1}. CE is undefined and dropped; TV against the full target is
+    |0.8 − 0.5| + |0.2 − 0.3| + |0 − 0.2| = 0.6, so L = α_tv·0.6 with one supervised position."""
+    vocab = DraftVocab(torch.tensor([0, 1]), 3)
+    eye = torch.eye(3, dtype=torch.float64)
+    t = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64).log().reshape(1, 1, 3)  # target logits log p^t
+    h = torch.tensor([0.8, 0.2, 1.0], dtype=torch.float64).log().reshape(1, 1, 3).requires_grad_()
+    labels, valid = torch.tensor([[2]]), torch.tensor([[True]])
+    weights = LossWeights(ce=0.3, tv=0.7, conf=0.0)
+    if path == "fused":
+        factors = LogitFactors(h, vocab.head_weight(eye), t, vocab=vocab, target_lm_head_weight=eye)
+        out = fused_dspark_loss(factors, labels, valid, None, weights)
+    else:
+        out = dspark_loss(lambda a, b: h[a:b] @ eye[:2].T, lambda a, b: t[a:b] @ eye.T, labels, valid, None,
+                          weights, vocab=vocab)
+    assert out.loss.item() == pytest.approx(0.7 * 0.6, abs=1e-12)
+    assert out.ce.item() == 0.0 and out.tv.item() == pytest.approx(0.6, abs=1e-12)
+    assert out.accept_sum.tolist() == pytest.approx([0.7], abs=1e-7)  # c* = 1 − ½·0.6
+    # s = sign(p^d − p^t) = (+1, −1) on {0, 1}, ⟨p, s⟩ = 0.6: ∂TV/∂z = p ⊙ (s − ⟨p, s⟩) = (0.32, −0.32)
+    (grad,) = torch.autograd.grad(out.loss, h)
+    assert grad[0, 0, :2].tolist() == pytest.approx([0.7 * 0.32, -0.7 * 0.32], abs=1e-12)
 
 
 def test_full_vocabulary_as_draft_vocabulary_is_the_plain_loss():

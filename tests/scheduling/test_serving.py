@@ -166,6 +166,72 @@ def test_sampled_serving_keeps_the_targets_distribution(policy):
     assert chi_square_pvalue(counts, exact) > 1e-3
 
 
+class CountingDrafter:
+    """A drafter that counts its draft calls (``propose``) and otherwise is ``inner``."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def propose(self, *args, **kwargs):
+        self.calls += 1
+        return self.inner.propose(*args, **kwargs)
+
+
+def test_async_draws_no_draft_on_a_capacity_0_step_and_stays_lossless():
+    """An SPS curve on which no verified draft pays (SPS collapses past B = R) gives K = 0 from any
+    two-step-old draft: by hand, steps 1, 2 draft at the fallback K0 = R (no draft two steps back),
+    steps 3, 4 have K = 0 (drafts from steps 1, 2) and draft nothing, steps 5, 6 fall back again
+    (steps 3, 4 drew none), and so on."""
+    target = make_tiny_target("llama")
+    R, gamma = 2, 4
+    cliff = SPSTable(list(range(1, 12)), [1.0, 1.0] + [1e-3] * 9, 11)
+    drafter = CountingDrafter(random_drafter(target, gamma=gamma))
+    calls = []
+    sim = simulate(target, drafter, PROMPTS[:R], decoding=DecodeSettings(max_new_tokens=24, temperature=0.0, seed=0),
+                   serving=ServeSettings(policy="async", sps=cliff, concurrency=R), cycle=False,
+                   on_step=lambda res: calls.append(drafter.calls))
+    per_step = np.diff([0, *calls]).tolist()
+    steps = len(per_step)
+    assert steps >= 8
+    expected = [R if t % 4 in (0, 1) else 0 for t in range(steps)]
+    full = [t for t, s in enumerate(sim.step_log) if s["live"] == R]  # the pattern while both requests live
+    assert len(full) >= 8 and [per_step[t] for t in full] == [expected[t] for t in full]
+    assert [s["drafted"] for s in sim.step_log] == per_step
+    assert sim.skipped > 0 and all(r["proposed"] == 0 for r in sim.rounds if not r["drafted"])
+    for i, prompt in enumerate(PROMPTS[:R]):
+        assert sim.requests[i]["result"].tokens == greedy(target, prompt, 24).tokens
+
+
+def test_async_refuses_a_zero_default_capacity():
+    with pytest.raises(ValueError, match="K0 must be >= 1"):
+        make_policy("async:0", DECAYING)
+
+
+def test_the_policys_decision_time_is_inside_each_requests_wall_time():
+    """A policy that sleeps 20 ms per decision: every live request's timings carry a "schedule" phase of at
+    least 20 ms per step it lived through, and its total (the sum of its phases) includes it."""
+    import time
+
+    target = make_tiny_target("llama")
+    drafter = random_drafter(target, gamma=3)
+    pause = 0.02
+
+    def slow(ids, c):
+        time.sleep(pause)
+        return np.full(len(ids), 1, dtype=np.int64)
+
+    sim = simulate(target, drafter, PROMPTS[:2], decoding=DecodeSettings(max_new_tokens=6, temperature=0.0, seed=0),
+                   serving=ServeSettings(policy=Policy("slow", False, slow), sps=DECAYING, concurrency=2), cycle=False)
+    for req in sim.requests:
+        timings = req["timings"]
+        assert timings["schedule"] >= pause * req["rounds"]
+        assert timings["total"] == pytest.approx(sum(v for k, v in timings.items() if k != "total"))
+        assert timings["total"] >= timings["schedule"] + timings["draft"] + timings["verify"]
+
+
 class AppendixADrafter:
     """Appendix A's drafter: x_1 uniform over {A, B}; c_1 = 0.8, and c_2 = 0.9 after A, 0 after B."""
 

@@ -72,8 +72,72 @@ def test_restricted_loss_equals_a_float64_reference():
         loss = eagle3_loss(drafter, hidden, out.last_hidden, mask, chunk_rows=5)
     ref, kept = reference_restricted_loss(drafter, vocab, hidden, out.last_hidden, mask)
     supervised = supervision_mask(mask, 7).sum((1, 2)).tolist()
-    assert loss.count.tolist() == kept and sum(kept) < sum(supervised)  # some entries were dropped
+    assert loss.kept.tolist() == kept and sum(kept) < sum(supervised)  # some entries were dropped
+    assert loss.count.tolist() == supervised  # ... from the loss, not from the acceptance metrics
     assert float(loss.loss / loss.denominator) == pytest.approx(ref, rel=1e-5)
+
+
+def _hand_acceptance(p_target: list[float], p_draft: list[float], draft_ids: list[int]) -> tuple[float, float, bool]:
+    """(accept, correct) of one supervised entry through the TTT loss's own path, with heads that make
+    the teacher's logits log p_target and the draft's log p_draft (identity rows)."""
+    from dspark.training.eagle3_loss import _ttt_terms
+
+    V = len(p_target)
+    vocab = DraftVocab.from_target_ids(draft_ids, V)
+    eye = torch.eye(V, dtype=torch.float64)
+    final = torch.zeros(1, 3, V, dtype=torch.float64)
+    final[0, 1] = torch.tensor(p_target, dtype=torch.float64).log()  # the teacher of position 0 at step 0
+    normed = torch.zeros(1, 3, V, dtype=torch.float64)
+    normed[0, 0, : len(p_draft)] = torch.tensor(p_draft, dtype=torch.float64).log()
+    sup = torch.zeros(1, 1, 3, dtype=torch.bool)
+    sup[0, 0, 0] = True
+    head = eye[: len(draft_ids)]  # draft logit i = normed[i]
+    _, acc, cor, keep, _ = _ttt_terms((normed,), final, sup, head, eye, vocab, None, 0.8, 4, False)
+    return float(acc[0, 0, 0]), float(cor[0, 0, 0]), bool(keep[0, 0, 0])
+
+
+def test_eagle3_acceptance_is_against_the_full_target_as_dsparks_c_star():
+    # 70 % of the target's mass inside {0, 1}, the draft equal to the renormalised target there:
+    # verification accepts Σ_v min(p_d, p_t) = 0.42 + 0.28 = 0.70 (the restricted scale says 1.00)
+    acc, cor, keep = _hand_acceptance([0.42, 0.28, 0.20, 0.10], [0.6, 0.4], [0, 1])
+    assert acc == pytest.approx(0.70, abs=1e-12) and cor == 1.0 and keep
+    # the target's argmax (id 2) outside: min(0.6, 0.3) + min(0.4, 0.2) = 0.50, kept in the metric
+    # (dropped from the loss), and the draft's argmax is not the target's
+    acc, cor, keep = _hand_acceptance([0.30, 0.20, 0.40, 0.10], [0.6, 0.4], [0, 1])
+    assert acc == pytest.approx(0.50, abs=1e-12) and cor == 0.0 and not keep
+
+
+def test_eagle3_acceptance_sums_equal_a_float64_full_vocabulary_reference():
+    """accept_sum over every supervised entry, Σ_v min(p_d(v), p_t(v)) with p_d zero outside the
+    vocabulary and p_t the full target, and τ_prob's prefix sum, in float64 from the definition."""
+    from dspark.training.eagle3_loss import checkpointed_eagle3_loss
+
+    target = make_tiny_target("qwen3")
+    drafter, vocab = eagle3_with_vocab(target, list(range(3, target.vocab_size, 3)))
+    ids = torch.randint(2, target.vocab_size, (2, 12), generator=torch.Generator().manual_seed(11))
+    mask = torch.ones_like(ids)
+    mask[1, 10:] = 0
+    with torch.no_grad():
+        out = target(ids)
+        hidden = drafter(out.features, ids)
+        got = eagle3_loss(drafter, hidden, out.last_hidden, mask, chunk_rows=5)
+        general = checkpointed_eagle3_loss(drafter, hidden, out.last_hidden, mask, chunk_rows=5)
+    W = drafter.target_lm_head_weight().double()
+    nw, eps = drafter.norm.weight.detach().double(), drafter.norm.eps
+    sup = supervision_mask(mask, 7)
+    acc = torch.zeros(sup.shape, dtype=torch.float64)
+    for s, h in enumerate(hidden):
+        for b, i in sup[s].nonzero().tolist():
+            p_t = torch.softmax(out.last_hidden[b, i + s + 1].double() @ W.T, -1)
+            x = h[b, i].double()
+            p_d = torch.zeros_like(p_t)
+            p_d[vocab.draft_ids] = torch.softmax((x / torch.sqrt(x.pow(2).mean() + eps) * nw) @ W[vocab.draft_ids].T, -1)
+            acc[s, b, i] = torch.minimum(p_d, p_t).sum()
+    prefix = (torch.cumprod(acc, 0).sum(0) * sup[0]).sum()
+    for res in (got, general):
+        assert res.count.tolist() == sup.sum((1, 2)).tolist()
+        torch.testing.assert_close(res.accept_sum.double(), acc.sum((1, 2)), rtol=1e-5, atol=1e-6)
+        assert float(res.prefix_sum) == pytest.approx(float(prefix), rel=1e-5)
 
 
 def test_proposals_are_target_ids_with_zero_probability_outside():
