@@ -201,7 +201,7 @@ class ServeConfig:
     cycle: bool = True  # simulate: cycle the prompts so every slot stays busy
     max_new_tokens: int = 128  # simulate
     # simulate: drafting on the SPS clock: a fraction of a verification step (0 = ignored), or
-    # "measured" (each step also pays the drafting seconds measured in it; see dspark.scheduling.simulator)
+    # "measured" (each step also pays every phase measured in it but the verification; see dspark.scheduling.simulator)
     draft_overhead: float | str = 0.0
     out: str = ""  # simulate: "" = <out_dir>/simulate
     # Deprecated spelling of serve.policy (simulate's list), still read with a warning.

@@ -56,7 +56,7 @@ FLAGS: dict[str, Flag] = {
     "--num-requests": Flag("stop after this many finished requests (0: max(prompts, R)); prompts are cycled"),
     "--no-cycle": Flag("serve every prompt once; the slots drain at the end", kind="false"),
     "--draft-overhead": Flag("drafter time on the simulated clock: a fraction of the verification step "
-                             "(0: ignored) or 'measured' (the drafting seconds measured at each step)"),
+                             "(0: ignored) or 'measured' (every phase measured at each step but the target's verification: draft, accept, cache and context bookkeeping, the policy's decision)"),
     "--batch-tokens": Flag("B values, e.g. 1,2,4,8 (default 1..512, powers of 2)", kind="list"),
     "--context-len": Flag("tokens already in the KV cache"),
     "--tokens-per-request": Flag("time B/q rows of q tokens with their own caches (0: one sequence of B tokens)"),

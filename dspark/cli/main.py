@@ -149,22 +149,48 @@ def _draft_vocab_file(config, target, rank: int, world: int):
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from dspark.evaluation.evaluate import evaluate_from_config
+    from dspark.evaluation.evaluate import check_config_folder, check_eval_inputs, evaluate_from_config
     from dspark.evaluation.report import report_markdown
     from dspark.build import load_models
     from dspark.training.trainer import setup_distributed
 
     config = _config(args)
+    resume = _resume_mode(args)
     rank, _, _ = setup_distributed()
+    check_eval_inputs(config)
+    if rank == 0:
+        check_config_folder(config.path(config.eval.out, "eval"), config, resume)
     target, drafter, origin = load_models(config)
     if rank == 0:
         print(f"target {config.target.name_or_path} on {target.device}; drafter {origin}", flush=True)
         if config.eval.builtin_prompts:
             print("evaluating on the built-in evaluation prompts (held out of training)")
-    report = evaluate_from_config(target, drafter, config)
+    report = evaluate_from_config(target, drafter, config, resume=resume)
     if rank == 0:
         print(report_markdown(report))
         print(f"report: {config.path(config.eval.out, 'eval')}/report.md, report.json, rounds.jsonl, config.json, plots")
+    return 0
+
+
+def _resume_mode(args: argparse.Namespace) -> bool | None:
+    """--resume: True, --overwrite: False, neither: None (continue a folder of the same config)."""
+    if args.resume_run and args.overwrite:
+        raise ValueError("--resume and --overwrite exclude each other: --resume continues the folder's "
+                         "results, --overwrite deletes them; pass one")
+    return True if args.resume_run else False if args.overwrite else None
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from dspark.evaluation.journal import report_from_folder
+    from dspark.evaluation.report import report_markdown, write_outputs
+
+    report, records, rounds = report_from_folder(args.folder)
+    temps = report["config"].get("sts_temperatures")
+    write_outputs(args.folder, report, records, rounds, temperatures=None if temps is None else np.asarray(temps))
+    print(report_markdown(report))
+    print(f"report rebuilt from {len(records)} requests and {len(rounds)} rounds: {args.folder}/report.md, report.json")
     return 0
 
 
@@ -192,7 +218,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         print(f"  {r.policy:>14} R = {r.concurrency:>3}: Θ = {r.throughput:9.1f} tok/s  τ = {r.tau:.2f}  "
               f"mean ℓ = {r.mean_ell:.2f}  ({r.steps} steps, {r.tokens} tokens, {r.wall_s:.0f} s wall)", flush=True)
 
-    results, out = simulate(config, progress=show, announce=lambda text: print(text, flush=True))
+    results, out = simulate(config, progress=show, announce=lambda text: print(text, flush=True),
+                            resume=_resume_mode(args))
     print()
     print(results_markdown(results))
     print(f"results: {out}/results.json, results.md, rounds.jsonl, config.json, figure8.png, frontier.png")
@@ -365,6 +392,12 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(command, help=help_text)
         add_config_flags(p, command)
         p.set_defaults(func=globals()["cmd_" + command.replace("-", "_")])
+        if command in ("eval", "simulate"):
+            p.add_argument("--resume", dest="resume_run", action="store_true",
+                           help="continue the results in the output folder (the default when its config.json "
+                                "matches; with --resume a folder without results is an error)")
+            p.add_argument("--overwrite", action="store_true",
+                           help="start over: delete the results in the output folder first")
         if command == "cache":
             p.add_argument("--estimate", action="store_true", help="print the size the cache will take, write nothing")
 
@@ -377,6 +410,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sts", default="", help="SGLang DSpark: STS JSON (dspark calibrate), copied next to the weights")
     p.add_argument("--sps", default="", help="SGLang DSpark: SPS table JSON (dspark profile-sps), copied next to the weights")
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("report", help="rebuild report.json, report.md and the plots of a `dspark eval` folder "
+                       "from its requests.jsonl, rounds.jsonl and settings.json, without decoding")
+    p.add_argument("folder", help="a dspark eval output folder")
+    p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("compare", help="Table-1-style comparison of several eval reports")
     p.add_argument("reports", nargs="+", help="eval output folders (or report.json files)")

@@ -440,7 +440,7 @@ def sched_section(run: Mapping[str, Any]) -> str:
         "about draft + verify target steps and yields τ tokens, so the drafting cost is what keeps a policy that "
         "verifies nothing (ℓ = 0) below target-only speed. **SPS clock** (`dspark simulate`, folder `simulate/`): "
         "R requests live at every step (the prompts are cycled), each step charged 1 / SPS(B) for its "
-        "B = Σ(1 + ℓ_r) tokens from the measured table plus the drafting seconds measured in it (the demo runs it with `--draft-overhead measured`; a request that skips drafting pays none), against R·SPS(R) for target-only "
+        "B = Σ(1 + ℓ_r) tokens from the measured table plus every other phase measured in it (drafting, acceptance, cache and context bookkeeping, the policy's decision; the demo runs it with `--draft-overhead measured`), against R·SPS(R) for target-only "
         "decoding; the serving loop verifies each request on its own, so its wall clock says nothing about "
         "batching and only the SPS clock measures R > 1. Rows without a scheduled evaluation (R > 1) show the "
         "simulator's τ and mean ℓ.")
@@ -545,7 +545,7 @@ def simulate_section(run: Mapping[str, Any]) -> str:
 
 def _draft_charge(overhead: Any) -> str:
     if overhead == "measured":
-        return "as measured (each step pays the seconds its drafts took)"
+        return "as measured (each step pays every phase it took but the target's verification)"
     return f"as {overhead} of a step" if overhead else "not at all (draft_overhead 0)"
 
 

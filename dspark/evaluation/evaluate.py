@@ -31,6 +31,11 @@ on the SPS table. Requests keep their per-request seeds on both paths.
 Under ``torchrun`` every rank decodes prompts ``rank::world`` of each
 benchmark; the records are gathered with ``all_gather_object``, every rank
 returns the same report, and rank 0 writes the files.
+
+With ``out_dir`` a killed evaluation loses nothing: settings.json is written
+before decoding, each request's rows are appended (fsynced) as it finishes,
+and a rerun on the folder decodes only the requests not yet done, to the same
+files and report (``dspark.evaluation.journal``; ``resume`` says when).
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ from dspark.data.benchmarks import load_prompts, resolve_benchmarks, samples_per
 from dspark.data.prompts import Conversation
 from dspark.data.render import render_prompt
 from dspark.decoding.loop import speculative_generate, target_generate
+from dspark.evaluation.journal import Done, EvalJournal
 from dspark.evaluation.metrics import round_tau
 from dspark.evaluation.report import build_report, scheduled_summary, write_outputs
 from dspark.io.atomic import atomic_write_text
@@ -165,6 +171,7 @@ def evaluate(
     out_dir: PathLike | None = None,
     run_config: Any = None,
     progress: bool = True,
+    resume: bool | None = None,
 ) -> dict[str, Any]:
     """Evaluate a drafter on the benchmarks; returns the report (see the module docstring).
 
@@ -188,27 +195,61 @@ def evaluate(
         run_config: extra settings to store under ``report["config"]["run"]`` (a
             mapping or a dataclass such as ``dspark.config.Config``).
         progress: progress bars (rank 0).
+        resume: with ``out_dir``: None (default) continues a folder that holds results of the
+            same settings and starts an empty one; True requires results to continue; False
+            starts over, deleting the folder's evaluation files. A folder of other settings is
+            refused (``dspark.evaluation.journal.SettingsMismatch`` names the fields).
     """
     session = _open_session(target, drafter, tokenizer, decoding, serving, baseline, progress)
     files, skipped = resolve_benchmarks(benchmarks, names)
     counts = samples_per_benchmark(list(files), num_samples)
     started = time.perf_counter()
     prompts = {name: load_prompts(source, counts[name], session.decoding.seed) for name, source in files.items()}
-    records, rounds, served = _decode_benchmarks(session, prompts)
-
-    gamma = _gamma_of(drafter) or _infer_gamma(rounds)
-    report = build_report(records, rounds, gamma=gamma, label=label or _default_label(drafter),
-                          config=_run_settings(session, gamma, files, counts, run_config), skipped=skipped,
-                          temperatures=session.temps)
-    s = session.serving
-    if s.policy is not None:
-        report["serving"] = served  # per benchmark on this rank: simulated Θ, τ, mean ℓ (dspark.scheduling.simulator)
-        report["scheduled"] = scheduled_summary(  # speed vs target-only, mean ℓ, draft cost in target steps
-            records, rounds, report["all"], policy=_policy_name(s.policy), concurrency=s.concurrency,
-            sps_step_s=None if s.sps is None else 1.0 / float(s.sps(1)))
+    settings = _settings(session, label or _default_label(drafter), files, counts, skipped, run_config)
+    journal, done = None, Done()
+    if out_dir is not None:
+        journal, done = EvalJournal.open(out_dir, settings, resume=resume, rank=session.rank, world=session.world,
+                                         barrier=_barrier if session.world > 1 else None)
+    records, rounds, served = _decode_benchmarks(session, prompts, journal, done)
+    report = report_from_rows(settings, records, rounds, served, list(prompts))
     report["timings"]["wall_s"] = time.perf_counter() - started
-    if out_dir is not None and session.rank == 0:
+    if journal is not None and session.rank == 0:
         write_outputs(out_dir, report, records, rounds, temperatures=session.temps)
+        journal.finish(records, rounds, served)
+    return report
+
+
+def _settings(session: _Session, label: str, files: Mapping[str, Path | list[Conversation]],
+              counts: Mapping[str, int | None], skipped: Sequence[str], run_config: Any) -> dict[str, Any]:
+    """What settings.json holds: everything ``report_from_rows`` needs besides the rows."""
+    s, gamma = session.serving, _gamma_of(session.drafter)
+    return {"label": label, "gamma": gamma, "config": _run_settings(session, gamma, files, counts, run_config),
+            "skipped": list(skipped), "temperatures": None if session.temps is None else session.temps.tolist(),
+            "policy": None if s.policy is None else _policy_name(s.policy),
+            "sps_step_s": None if s.sps is None else 1.0 / float(s.sps(1))}
+
+
+def report_from_rows(settings: Mapping[str, Any], records: Sequence[dict[str, Any]],
+                     rounds: Sequence[dict[str, Any]], served: Mapping[tuple[str, int], Any],
+                     order: Sequence[str]) -> dict[str, Any]:
+    """The report of an evaluation from its settings (settings.json) and its rows, sorted in place
+    into evaluation order (``order``: the benchmarks; then request, round). ``served``:
+    (benchmark, rank) -> the serving summary of a scheduled evaluation."""
+    rank_of = {name: i for i, name in enumerate(order)}
+    records.sort(key=lambda r: (rank_of.get(r["benchmark"], len(rank_of)), r["benchmark"], r["request"]))
+    rounds.sort(key=lambda r: (rank_of.get(r["benchmark"], len(rank_of)), r["benchmark"], r["request"], r["round"]))
+    gamma = settings["gamma"] or _infer_gamma(rounds)
+    temps = None if settings["temperatures"] is None else np.asarray(settings["temperatures"], dtype=np.float64)
+    config = {**settings["config"], "gamma": gamma}
+    report = build_report(records, rounds, gamma=gamma, label=settings["label"], config=config,
+                          skipped=settings["skipped"], temperatures=temps)
+    if settings["policy"] is not None:
+        # per benchmark on rank 0: simulated Θ, τ, mean ℓ (dspark.scheduling.simulator)
+        report["serving"] = {b: served[(b, 0)] for b in sorted({b for b, _ in served}, key=rank_of.get)
+                             if (b, 0) in served}
+        report["scheduled"] = scheduled_summary(  # speed vs target-only, mean ℓ, draft cost in target steps
+            records, rounds, report["all"], policy=settings["policy"], concurrency=config["concurrency"],
+            sps_step_s=settings["sps_step_s"])
     return report
 
 
@@ -238,10 +279,47 @@ def evaluate_from_config(target: Any, drafter: Any, config: Any, **overrides: An
         baseline=e.baseline, label=e.label or None, out_dir=config.path(e.out, "eval"), run_config=config,
     )
     options.update(overrides)
+    if options["out_dir"] is not None and _dist_info()[0] == 0 and options.get("resume") is not False:
+        check_config_folder(options["out_dir"], config, resume=options.get("resume"))
     report = evaluate(target, drafter, options.pop("benchmarks", benchmarks), **options)
-    if options["out_dir"] is not None and _dist_info()[0] == 0:
-        atomic_write_text(Path(options["out_dir"]) / "config.json", json.dumps(config.to_dict(), indent=2) + "\n")
     return report
+
+
+def check_eval_inputs(config: Any) -> None:
+    """Before any model is loaded: every line of the benchmark files (JSON with "turns"; an error
+    names the file and line), the policy, and the drafter folder of ``eval.draft`` (its
+    config.json exists, parses and is a layout ``dspark.modeling.load_drafter`` reads)."""
+    from dspark.data.benchmarks import load_benchmark_prompts
+    from dspark.modeling.formats import detect_format, locate_drafter, read_json
+
+    e = config.eval
+    _one_policy(config.serve.policy)
+    if not e.builtin_prompts:
+        load_benchmark_prompts(e.data_dir, list(e.benchmarks), e.num_samples or None, e.seed)
+    if e.draft:
+        folder, _ = locate_drafter(e.draft)
+        d = read_json(folder / "config.json")
+        if detect_format(d) is None:
+            raise ValueError(f"eval.draft={e.draft!r}: {folder / 'config.json'} has architectures "
+                             f"{d.get('architectures')!r}, no drafter layout dspark reads; pass a drafter folder "
+                             "(ours, DeepSpec's or z-lab's) or a training run folder")
+
+
+def check_config_folder(out_dir: PathLike, config: Any, resume: bool | None = None) -> None:
+    """Before any model is loaded: refuse an output folder whose config.json holds another
+    config (naming the fields), unless ``resume`` is False (start over); then write config.json,
+    so that ``dspark eval --config <out>/config.json`` runs the same evaluation again."""
+    from dspark.evaluation.journal import IGNORED, check_settings, clear_outputs
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if resume is False:
+        clear_outputs(out, extra=("config.json",))
+    ignore = [key.removeprefix("run.") for key in IGNORED if key.startswith("run.")]
+    if not check_settings(out, config.to_dict(), "config.json", ignore) and resume is True:
+        raise FileNotFoundError(f"--resume: {out / 'config.json'} not found, so {out} holds no evaluation "
+                                "to resume; drop --resume to start one")
+    atomic_write_text(out / "config.json", json.dumps(config.to_dict(), indent=2) + "\n")
 
 
 def _one_policy(policies: Sequence[str]) -> str | None:
@@ -289,30 +367,28 @@ def _decode_kwargs(decoding: DecodeSettings) -> dict[str, Any]:
 
 
 def _decode_benchmarks(
-    session: _Session, prompts: Mapping[str, list[Conversation]]
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
-    """Every benchmark's requests of this rank, gathered from all ranks and sorted by benchmark,
-    request and round: (records, rounds, per benchmark the serving summary of this rank)."""
+    session: _Session, prompts: Mapping[str, list[Conversation]], journal: EvalJournal | None, done: Done
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[tuple[str, int], Any]]:
+    """Every benchmark's requests of this rank (those ``done`` holds are read, not decoded), gathered
+    from all ranks: (records, rounds, (benchmark, rank) -> the serving summary of a scheduled one)."""
     records: list[dict[str, Any]] = []
     rounds: list[dict[str, Any]] = []
-    served: dict[str, Any] = {}
+    served: dict[tuple[str, int], Any] = {}
     for name, conversations in prompts.items():
         if session.serving.policy is not None:
-            bench_records, bench_rounds, served[name] = _scheduled_benchmark(session, name, conversations)
+            bench_records, bench_rounds, served[(name, session.rank)] = _scheduled_benchmark(
+                session, name, conversations, journal, done)
         else:
-            bench_records, bench_rounds = _plain_benchmark(session, name, conversations)
+            bench_records, bench_rounds = _plain_benchmark(session, name, conversations, journal, done)
         records += bench_records
         rounds += bench_rounds
     if session.world > 1:
-        records, rounds = _gather(records, rounds, session.world)
-    order = {name: i for i, name in enumerate(prompts)}
-    records.sort(key=lambda r: (order[r["benchmark"]], r["request"]))
-    rounds.sort(key=lambda r: (order[r["benchmark"]], r["request"], r["round"]))
+        records, rounds, served = _gather(records, rounds, served, session.world)
     return records, rounds, served
 
 
 def _plain_benchmark(
-    session: _Session, name: str, conversations: list[Conversation]
+    session: _Session, name: str, conversations: list[Conversation], journal: EvalJournal | None, done: Done
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """One benchmark's prompts ``rank::world``, one request at a time: their records and round records."""
     bar = tqdm(range(session.rank, len(conversations), session.world), desc=name, unit="req",
@@ -321,10 +397,15 @@ def _plain_benchmark(
     rounds: list[dict[str, Any]] = []
     tau_sum = num_rounds = 0
     for request in bar:
-        prompt_ids = render_prompt(session.tokenizer, conversations[request], enable_thinking=False)
-        _warm_once(session, prompt_ids)
-        record, request_rounds = _run_request(session, prompt_ids, name, request)
-        record["rank"] = session.rank
+        if (name, request) in done.records:
+            record, request_rounds = done.records[(name, request)], done.rounds.get((name, request), [])
+        else:
+            prompt_ids = render_prompt(session.tokenizer, conversations[request], enable_thinking=False)
+            _warm_once(session, prompt_ids)
+            record, request_rounds = _run_request(session, prompt_ids, name, request)
+            record["rank"] = session.rank
+            if journal is not None:
+                journal.append_request(record, request_rounds)
         records.append(record)
         rounds += request_rounds
         tau_sum += sum(round_tau(r) for r in request_rounds)
@@ -402,11 +483,17 @@ def _run_baseline(session: _Session, prompt_ids: Sequence[int], request_seed: in
 
 
 def _scheduled_benchmark(
-    session: _Session, name: str, conversations: list[Conversation]
+    session: _Session, name: str, conversations: list[Conversation], journal: EvalJournal | None, done: Done
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
     """One benchmark's prompts ``rank::world`` through the serving loop under the evaluation's policy:
-    records, rounds (plus step and batch_tokens) and the run's summary (``SimResult.summary``)."""
+    records, rounds (plus step and batch_tokens) and the run's summary (``SimResult.summary``).
+    A benchmark ``done`` holds is read back; one it does not is served from its first request
+    (the policy sets each request's ℓ from all the requests decoded in lockstep)."""
     mine = list(range(session.rank, len(conversations), session.world))
+    if (name, session.rank) in done.served:
+        keys = [(name, i) for i in mine]
+        return ([done.records[k] for k in keys], [r for k in keys for r in done.rounds.get(k, [])],
+                done.served[(name, session.rank)])
     prompts = [render_prompt(session.tokenizer, conversations[i], enable_thinking=False) for i in mine]
     if prompts:
         _warm_once(session, prompts[0])
@@ -417,7 +504,11 @@ def _scheduled_benchmark(
                "step": row["step"], "batch_tokens": row["batch_tokens"], "drafted": row["drafted"]}
               for row in sim.rounds]
     rounds.sort(key=lambda r: (r["request"], r["round"]))
-    return _scheduled_records(session, sim, jobs), rounds, sim.summary()
+    records = _scheduled_records(session, sim, jobs, rounds, journal)
+    summary = sim.summary()
+    if journal is not None:
+        journal.append_served(name, summary)
+    return records, rounds, summary
 
 
 def _serve(session: _Session, jobs: list[Job], desc: str) -> SimResult:
@@ -436,16 +527,22 @@ def _serve(session: _Session, jobs: list[Job], desc: str) -> SimResult:
     return sim
 
 
-def _scheduled_records(session: _Session, sim: SimResult, jobs: list[Job]) -> list[dict[str, Any]]:
-    """One record per served job, then its baseline decode. A request's wall_s is the time
-    of its own phases (prefill, draft, verify, ...), not the time it waited while the
-    other live requests were stepped."""
+def _scheduled_records(session: _Session, sim: SimResult, jobs: list[Job], rounds: list[dict[str, Any]],
+                       journal: EvalJournal | None) -> list[dict[str, Any]]:
+    """One record per served job, then its baseline decode; each appended to the journal with its
+    rounds once its baseline is done. A request's wall_s is the time of its own phases (prefill,
+    draft, verify, ...), not the time it waited while the other live requests were stepped."""
+    by_request: dict[int, list[dict[str, Any]]] = {}
+    for row in rounds:
+        by_request.setdefault(row["request"], []).append(row)
     records = []
     for info, job in zip(sim.requests, jobs):
         record = _record(*job.tag, job.prompt_ids, info["result"], info["timings"]["total"], info["timings"])
         if session.baseline:
             record.update(_run_baseline(session, job.prompt_ids, job.seed))
         record["rank"] = session.rank
+        if journal is not None:
+            journal.append_request(record, by_request.get(job.tag[1], []))
         records.append(record)
     return records
 
@@ -482,12 +579,17 @@ def _policy_name(policy: Any) -> str:
     return policy if isinstance(policy, str) else getattr(policy, "name", type(policy).__name__)
 
 
-def _gather(records: list, rounds: list, world: int) -> tuple[list, list]:
+def _gather(records: list, rounds: list, served: dict, world: int) -> tuple[list, list, dict]:
     gathered: list[Any] = [None] * world
-    torch.distributed.all_gather_object(gathered, (records, rounds))
+    torch.distributed.all_gather_object(gathered, (records, rounds, served))
     all_records = [r for part in gathered for r in part[0]]
     all_rounds = [r for part in gathered for r in part[1]]
-    return all_records, all_rounds
+    all_served = {k: v for part in gathered for k, v in part[2].items()}
+    return all_records, all_rounds, all_served
+
+
+def _barrier() -> None:
+    torch.distributed.barrier()
 
 
 def _infer_gamma(rounds: list[dict[str, Any]]) -> int:
@@ -524,5 +626,8 @@ __all__ = [
     "ServeSettings",
     "default_eos_ids",
     "evaluate",
+    "check_config_folder",
+    "check_eval_inputs",
     "evaluate_from_config",
+    "report_from_rows",
 ]

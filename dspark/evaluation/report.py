@@ -44,6 +44,8 @@ from dspark.bootstrap import DEFAULT_RESAMPLES
 from dspark.scheduling.calibration import apply_temperatures, round_arrays, save_sts_report
 from dspark.evaluation.compare import _compared_numbers, _numbers_table, _table1_columns, compare_reports, load_report
 from dspark.evaluation.intervals import add_intervals
+from dspark.io.atomic import atomic_file, atomic_write_text
+from dspark.io.jsonl import write_jsonl
 from dspark.io.jsonsafe import to_jsonable
 from dspark.evaluation.markdown import fmt_ci, fmt_number, markdown_table
 from dspark.data.benchmarks import DISPLAY_NAMES, DOMAINS, domain_of
@@ -457,15 +459,13 @@ def calibration_markdown(report: Mapping[str, Any]) -> str:
 
 
 def _write_json(path: Path, data: Any) -> None:
-    with path.open("w", encoding="utf-8") as f:
+    with atomic_file(path, "w", encoding="utf-8") as f:
         json.dump(to_jsonable(data), f, indent=2, ensure_ascii=False, allow_nan=False)
         f.write("\n")
 
 
 def _write_jsonl(path: Path, rows: Sequence[Mapping[str, Any]]) -> None:
-    with path.open("w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(to_jsonable(row), ensure_ascii=False) + "\n")
+    write_jsonl(path, rows)
 
 
 def write_outputs(
@@ -481,7 +481,7 @@ def write_outputs(
     _write_jsonl(out / "rounds.jsonl", rounds)
     _write_jsonl(out / "requests.jsonl", records)
     _write_json(out / "report.json", report)
-    (out / "report.md").write_text(report_markdown(report), encoding="utf-8")
+    atomic_write_text(out / "report.md", report_markdown(report))
     plot_acceptance(report, out / "acceptance.png")
     if any(r["confidences"] is not None for r in rounds):
         plot_reliability(rounds, int(report["gamma"]), out / "reliability.png", temperatures)

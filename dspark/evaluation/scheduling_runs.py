@@ -16,7 +16,9 @@ callbacks. The training and evaluation recipes are `dspark.training.trainer` and
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -71,12 +73,19 @@ def interleave(sets: Sequence[Sequence[Any]]) -> list[Any]:
 
 
 def simulate(config: Config, *, progress: Callable[[Any], None] | None = None,
-             announce: Announce = _silent) -> tuple[list[Any], Path]:
+             announce: Announce = _silent, resume: bool | None = None) -> tuple[list[Any], Path]:
     """Serve `serve.num_prompts` prompts per benchmark under every policy of `serve.policy`
     (`SIMULATE_POLICIES` when empty) at every R of `serve.concurrencies` (the drafter of
     `eval.draft`, or a fresh one); write
     results.json/.md, rounds.jsonl, the plots and config.json to `serve.out` (default
-    <run_dir>/simulate). Returns the results and the folder."""
+    <run_dir>/simulate). Returns the results and the folder.
+
+    Resumes cell by cell: config.json is written before any model is loaded, each finished
+    (policy, R) cell appends its rounds to rounds.jsonl and then its result to cells.jsonl
+    (fsynced; the cells line commits the cell), and a rerun on the folder serves only the
+    cells not yet committed (every cell starts from the same seeds, so the result is that of
+    an uninterrupted run). ``resume`` as in ``dspark.evaluation.evaluate.evaluate``: None
+    continues a folder of the same config, True requires one, False starts over."""
     from dspark.scheduling.calibration import load_sts_json
     from dspark.data.render import render_prompt
     from dspark.data.benchmarks import load_benchmark_prompts
@@ -94,6 +103,8 @@ def simulate(config: Config, *, progress: Callable[[Any], None] | None = None,
     policies = list(s.policy) or list(SIMULATE_POLICIES)
     for spec in policies:  # fail on a bad spec before loading any model
         make_policy(spec, sps)
+    out = config.path(s.out, "simulate")
+    done = _open_cells(out, config, resume)
     target, drafter, origin = load_models(config)
     gamma = drafter.config.block_size
     temps = load_sts_json(s.sts, gamma) if s.sts else None
@@ -108,13 +119,22 @@ def simulate(config: Config, *, progress: Callable[[Any], None] | None = None,
     announce(f"target {config.target.name_or_path} on {target.device}; drafter {origin}; γ = {gamma}; "
              f"{len(prompts)} prompts from {', '.join(f'{n} ({len(v)})' for n, v in sets.items())}; "
              f"STS {'from ' + s.sts if temps is not None else 'off (raw confidences)'}")
-    results = simulate_grid(
-        target, drafter, prompts, policies=policies, concurrencies=s.concurrencies,
-        decoding=DecodeSettings(max_new_tokens=s.max_new_tokens, temperature=e.temperature, seed=e.seed,
-                                eos_token_ids=eos),
-        serving=ServeSettings(sps=sps, sts_temperatures=temps, draft_overhead=s.draft_overhead),
-        cycle=s.cycle, num_requests=s.num_requests or None, progress=progress,
-    )
+    results = []
+    for spec in policies:
+        for concurrency in s.concurrencies:
+            if (spec, int(concurrency)) in done:
+                result = done[(spec, int(concurrency))]
+            else:
+                [result] = simulate_grid(
+                    target, drafter, prompts, policies=[spec], concurrencies=[concurrency],
+                    decoding=DecodeSettings(max_new_tokens=s.max_new_tokens, temperature=e.temperature, seed=e.seed,
+                                            eos_token_ids=eos),
+                    serving=ServeSettings(sps=sps, sts_temperatures=temps, draft_overhead=s.draft_overhead),
+                    cycle=s.cycle, num_requests=s.num_requests or None)
+                _append_cell(out, spec, result)
+            results.append(result)
+            if progress is not None:
+                progress(result)
     summary = {
         "target": config.target.name_or_path, "drafter": origin, "gamma": gamma, "sps": sps.to_dict(),
         "sts_temperatures": None if temps is None else [float(t) for t in temps], "policies": policies,
@@ -123,9 +143,63 @@ def simulate(config: Config, *, progress: Callable[[Any], None] | None = None,
         "seed": e.seed, "cycle": s.cycle, "num_requests": s.num_requests or None,
         "draft_overhead": s.draft_overhead, "eos_token_ids": eos,
     }
-    out = write_results(config.path(s.out, "simulate"), results, summary)
-    atomic_write_text(out / "config.json", json.dumps(config.to_dict(), indent=2) + "\n")
+    out = write_results(out, results, summary)
     return results, out
+
+
+_CELL_ROWS = ("rounds", "step_log")  # SimResult fields kept in rounds.jsonl, or not kept
+_SIM_IGNORED = ("threads", "serve.out", "out_dir")  # config fields that do not change a cell
+
+
+def _open_cells(out: Path, config: Config, resume: bool | None) -> dict[tuple[str, int], Any]:
+    """Check or write ``out/config.json`` and read back the committed cells ((spec, R) -> SimResult);
+    rewrite rounds.jsonl and cells.jsonl without a torn or uncommitted tail."""
+    from dspark.evaluation.journal import check_settings
+    from dspark.io.jsonl import read_jsonl, write_jsonl
+    from dspark.scheduling.simulator import SimResult
+
+    out.mkdir(parents=True, exist_ok=True)
+    files = ("cells.jsonl", "rounds.jsonl", "results.json", "results.md", "figure8.png", "frontier.png")
+    if resume is False:
+        for name in ("config.json", *files):
+            (out / name).unlink(missing_ok=True)
+    if not check_settings(out, config.to_dict(), "config.json", _SIM_IGNORED):
+        if resume is True:
+            raise FileNotFoundError(f"--resume: {out / 'config.json'} not found, so {out} holds no simulation "
+                                    "to resume; drop --resume to start one")
+        for name in files:
+            (out / name).unlink(missing_ok=True)
+        atomic_write_text(out / "config.json", json.dumps(config.to_dict(), indent=2) + "\n")
+    cells, _ = read_jsonl(out / "cells.jsonl")
+    rounds, _ = read_jsonl(out / "rounds.jsonl")
+    done: dict[tuple[str, int], Any] = {}
+    floats = {f.name for f in dataclasses.fields(SimResult) if isinstance(f.default, float)}
+    for cell in cells:
+        key = (cell.pop("spec"), int(cell["concurrency"]))
+        cell = {k: math.nan if v is None and k in floats else v for k, v in cell.items()}  # JSON keeps NaN as null
+        rows = [{k: v for k, v in r.items() if k not in ("policy", "concurrency")}
+                for r in rounds if (r["policy"], r["concurrency"]) == (cell["policy"], key[1])]
+        done[key] = SimResult(**cell, rounds=rows)
+    kept = {(r.policy, r.concurrency) for r in done.values()}
+    write_jsonl(out / "rounds.jsonl", [r for r in rounds if (r["policy"], r["concurrency"]) in kept])
+    write_jsonl(out / "cells.jsonl", [{"spec": k[0], **_cell_fields(v)} for k, v in done.items()])
+    return done
+
+
+def _cell_fields(result: Any) -> dict[str, Any]:
+    """A SimResult as cells.jsonl keeps it: every field but the rounds, the requests without their tokens."""
+    fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(result) if f.name not in _CELL_ROWS}
+    fields["requests"] = [{k: v for k, v in r.items() if k != "result"} for r in result.requests]
+    return fields
+
+
+def _append_cell(out: Path, spec: str, result: Any) -> None:
+    """A finished cell: its rounds (with spec, policy and R), then its result, which commits it."""
+    from dspark.io.jsonl import append_jsonl
+
+    append_jsonl(out / "rounds.jsonl", [{"policy": result.policy, "concurrency": result.concurrency, **row}
+                                        for row in result.rounds])
+    append_jsonl(out / "cells.jsonl", [{"spec": spec, **_cell_fields(result)}])
 
 
 def read_round_logs(paths: Sequence[str | os.PathLike]) -> list[dict[str, Any]]:

@@ -79,11 +79,17 @@ class SPSTable:
 
     JSON interop with SGLang: ``{"sample_batch_tokens": [...],
     "sample_steps_per_sec": [...], "max_batch_tokens": int}``.
+
+    ``sample_spread`` (optional, one value >= 0 per sample): the measurement noise of
+    each speed, in steps/s (``SPSProfile.table`` gives the range, max − min, of the
+    speeds of the repeated timings). It is what ``noise_aware`` flattens within; it is
+    not part of the JSON (SGLang's fields only) nor of equality.
     """
 
     sample_batch_tokens: tuple[int, ...]
     sample_steps_per_sec: tuple[float, ...]
     max_batch_tokens: int
+    sample_spread: tuple[float, ...] | None = field(default=None, compare=False)
     _xs: np.ndarray = field(init=False, repr=False, compare=False)
     _ys: np.ndarray = field(init=False, repr=False, compare=False)
 
@@ -119,6 +125,12 @@ class SPSTable:
         object.__setattr__(self, "sample_batch_tokens", tuple(xs))
         object.__setattr__(self, "sample_steps_per_sec", tuple(ys))
         object.__setattr__(self, "max_batch_tokens", max_b)
+        if self.sample_spread is not None:
+            spread = _float_list(self.sample_spread, "sample_spread")
+            if len(spread) != len(xs) or not all(math.isfinite(v) and v >= 0 for v in spread):
+                raise ValueError(f"sample_spread must hold one finite value >= 0 per sample ({len(xs)}), "
+                                 f"got {self.sample_spread!r}")
+            object.__setattr__(self, "sample_spread", tuple(spread))
         object.__setattr__(self, "_xs", np.asarray(xs, dtype=np.float64))
         object.__setattr__(self, "_ys", np.asarray(ys, dtype=np.float64))
 
@@ -129,6 +141,30 @@ class SPSTable:
         if out.ndim == 0:
             return float(out)
         return out
+
+    def noise_aware(self) -> "SPSTable":
+        """This table with every rise of SPS in B that lies within the noise flattened away.
+
+        A noise-aware lower envelope, walking B upward: the envelope starts at the
+        first speed; a later speed above the envelope is lowered to it when the rise
+        is at most the larger spread of the two samples (the later one and the one
+        that set the envelope), and otherwise kept, starting a new envelope level.
+        Speeds at or below the envelope are kept. Where the differences are noise
+        the result is non-increasing in B, so Algorithm 1 never sees a few verified
+        tokens as cheaper than none (SPS(B) > SPS(1)) because of timing jitter, and
+        never buys longer verification with it; a rise larger than the noise is real
+        (e.g. a kernel that is faster at a tile-aligned B) and stays. Without
+        ``sample_spread`` the spread is 0: only exact ties are within the noise.
+        Applying it twice changes nothing."""
+        ys = list(self.sample_steps_per_sec)
+        spread = list(self.sample_spread) if self.sample_spread is not None else [0.0] * len(ys)
+        level, level_spread = ys[0], spread[0]
+        for i in range(1, len(ys)):
+            if level < ys[i] <= level + max(spread[i], level_spread):
+                ys[i] = level  # a rise within the noise: flattened
+            else:
+                level, level_spread = ys[i], spread[i]
+        return SPSTable(self.sample_batch_tokens, ys, self.max_batch_tokens, self.sample_spread)
 
     def to_dict(self) -> dict[str, Any]:
         return {

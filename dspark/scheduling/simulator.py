@@ -24,16 +24,25 @@ What is real and what is modelled:
 - modelled: time. Verification costs 1 / SPS(B). Drafting costs, by
   ``draft_overhead``: a number f ≥ 0 charges a step in which some request
   drafted (1 + f) / SPS(B), i.e. drafting as a fraction of the step (0, the
-  default, ignores it); ``"measured"`` charges 1 / SPS(B) plus the drafting
-  seconds measured at that step, summed over the requests that drafted (this
-  process drafts them one at a time at batch 1, so at R > 1 this is the cost
-  of unbatched drafting, an upper bound for a batched drafter; at R = 1 it is
-  exactly what a round costs). A step in which no request drafted (every one
-  skipped, ``algorithm1+skip``, or ``async`` at K = 0) is a plain target step: 1 / SPS(B). Prefills
-  are not charged (as in decode-throughput measurements), and the tokens they
-  emit (x_0) are not counted in Θ. Verification runs per request here (batch
-  1), so the wall clock of the simulation says nothing about serving speed;
-  only the SPS clock does.
+  default, ignores it); ``"measured"`` charges 1 / SPS(B) plus every other
+  per-round phase the wall clock pays, as measured at that step: the drafting,
+  the acceptance step ("accept": rejection sampling, the host sync), the
+  bookkeeping (target cache crop, the drafter's context update: DSpark's
+  K/V projection for every draft layer) of every live request, summed over
+  them, and the policy's decision ("schedule") once. Only the target's
+  verification forward is modelled (by the SPS table); every phase the
+  request's ``PhaseClock`` records except "verify" and "prefill" is charged.
+  This process runs the requests one at a time at batch 1, so at R > 1 this
+  is the cost of unbatched drafting and bookkeeping, an upper bound for a
+  batched engine; at R = 1 it is what a round costs on the wall clock, the
+  verification forward priced by SPS(1 + ℓ). A step in which no request
+  drafted (every one skipped, ``algorithm1+skip``, or ``async`` at K = 0) is
+  a plain target step: 1 / SPS(B), plus, with ``"measured"``, its measured
+  accept and bookkeeping phases (the target-only reference R · SPS(R) is not
+  charged those). Prefills are not charged (as in decode-throughput
+  measurements), and the tokens they emit (x_0) are not counted in Θ.
+  Verification runs per request here (batch 1), so at R > 1 the wall clock of
+  the simulation says nothing about serving speed; only the SPS clock does.
 
 Concurrency: R slots. A request that finishes frees its slot and the next
 request takes it at the next step. ``simulate`` either cycles the prompt
@@ -86,7 +95,8 @@ __all__ = [
     "simulate", "simulate_grid", "sps_table",
 ]
 
-MEASURED = "measured"  # draft_overhead: charge each step the drafting time measured in it
+MEASURED = "measured"  # draft_overhead: charge each step its measured non-verify phases (draft, accept, ...)
+UNCHARGED_PHASES = frozenset({"verify", "prefill"})  # the phases "measured" does not charge
 PathLike = Union[str, os.PathLike]
 
 # ---------------------------------------------------------------------------
@@ -148,7 +158,8 @@ class ServeSettings:
         calibrate``): the policy sees calibrated confidences, and ``evaluate`` also
         reports the calibrated confidence quality. None: raw confidences.
     draft_overhead: drafting on the SPS clock: a fraction f >= 0 of the verification
-        step, or "measured" (module docstring).
+        step, or "measured": every measured per-round phase but the verification forward
+        (draft, accept, bookkeeping, schedule; module docstring).
     """
 
     policy: PolicySpec | None = None
@@ -198,13 +209,16 @@ class SimResult:
     """What one serving run returns.
 
     Counts over the steps of the run (a step = every live request drafts and verifies once):
-      steps; sim_time_s = Σ_steps (1 + draft_overhead) / SPS(B) (NaN without a table);
+      steps; sim_time_s = Σ_steps (1 + f) / SPS(B) with a fraction f, or Σ_steps 1 / SPS(B) +
+      overhead_s with "measured" (NaN without a table);
       tokens = tokens emitted by verification (x_0 of each prefill excluded);
       request_steps = Σ_steps live requests (= rounds); accepted = Σ m; proposed = Σ ℓ;
       eos_rounds = rounds that accepted an EOS draft (no token after it: τ = m);
       batch_tokens = Σ_steps B; live_time_s = Σ_steps live · step time (for per-user speed);
       drafted / skipped = request-steps that drafted / took a plain target step (``plan``);
-      draft_s = Σ measured seconds of the drafts; draft_clock = how the clock charged them
+      draft_s = Σ measured seconds of the drafts; overhead_s = Σ measured seconds of every
+      per-round phase but verify (draft, accept, bookkeeping of every request, the policy's
+      schedule once per step), what "measured" charges; draft_clock = how the clock charged them
       ("none", "fraction <f>" or "measured"); target_step_s = 1 / SPS(1) and target_only_throughput
       = R · SPS(R), what R requests decoding with the target alone reach (NaN without a table).
     requests: one dict per request admitted, in admission order: index, tag, prompt_tokens,
@@ -213,7 +227,7 @@ class SimResult:
     rounds: one dict per round (step, request, tag, round, proposed, accepted, eos_accepted, emitted,
       confidences (raw c_1..c_γ or None), expected_accepted (Σ_{j≤ℓ} a_j of the
       confidences the policy saw, None without), batch_tokens).
-    step_log: one dict per step (step, live, drafted, batch_tokens, draft_s, step_time_s, tokens).
+    step_log: one dict per step (step, live, drafted, batch_tokens, draft_s, overhead_s, step_time_s, tokens).
     """
 
     policy: str
@@ -230,6 +244,7 @@ class SimResult:
     drafted: int = 0
     skipped: int = 0
     draft_s: float = 0.0
+    overhead_s: float = 0.0
     draft_clock: str = "none"
     target_step_s: float = math.nan
     target_only_throughput: float = math.nan
@@ -309,6 +324,7 @@ class SimResult:
             "skip_rate": self.skip_rate,
             "draft_s": self.draft_s,
             "draft_s_per_round": self.draft_s_per_round,
+            "overhead_s": self.overhead_s,
             "target_step_s": self.target_step_s,
             "draft_cost_steps": self.draft_cost_steps,
             "draft_clock": self.draft_clock,
@@ -470,8 +486,12 @@ def _step(
 
     The policy's decision time (its ``plan`` and the lengths, confidences calibrated) is a
     "schedule" phase of every live request's clock: each of them waits for it, so it is part of
-    the request's wall time as everything is part of a target-only request's."""
+    the request's wall time as everything is part of a target-only request's.
+
+    The step's measured overhead (``_overhead_s``) is taken from the live requests' clocks
+    around the whole step, so every phase they record is counted, whoever records it."""
     ids = [entry.index for entry in live]
+    before = [dict(entry.request.clock.totals) for entry in live]
     started = time.perf_counter()
     drafting = np.ones(len(live), dtype=bool) if policy.plan is None else np.asarray(policy.plan(ids), dtype=bool)
     schedule_s = time.perf_counter() - started
@@ -485,7 +505,6 @@ def _step(
         totals = entry.request.clock.totals
         totals["schedule"] = totals.get("schedule", 0.0) + schedule_s
     batch = int(len(live) + lengths.sum())
-    step_time = _step_time(sps, batch, draft_overhead, draft_times)
 
     step_tokens = 0
     for row, (entry, ell) in enumerate(zip(live, lengths.tolist())):
@@ -494,8 +513,22 @@ def _step(
             continue
         expected = float(a[row, :ell].sum()) if raw[row] is not None else None
         step_tokens += _verify(entry, ell, expected, batch, result)
+    overhead_s = _overhead_s(live, before, schedule_s)
+    step_time = _step_time(sps, batch, draft_overhead, draft_times, overhead_s)
     _account_step(result, live=len(live), drafted=len(draft_times), proposed=int(lengths.sum()), batch=batch,
-                  draft_s=sum(draft_times), step_time=step_time, tokens=step_tokens)
+                  draft_s=sum(draft_times), overhead_s=overhead_s, step_time=step_time, tokens=step_tokens)
+
+
+def _overhead_s(live: list[_Live], before: Sequence[Mapping[str, float]], schedule_s: float) -> float:
+    """Measured seconds of one step but the verification forwards: the growth of every phase
+    outside ``UNCHARGED_PHASES`` on each live request's clock since ``before``, summed over the
+    requests, with "schedule" counted once (every request's clock holds the same decision)."""
+    total = schedule_s
+    for entry, start in zip(live, before):
+        for phase, seconds in entry.request.clock.totals.items():
+            if phase not in UNCHARGED_PHASES and phase != "schedule":
+                total += seconds - start.get(phase, 0.0)
+    return total
 
 
 def _timed_draft(request: SpeculativeRequest, policy: Policy) -> float:
@@ -553,10 +586,11 @@ def _verify(entry: _Live, ell: int | None, expected: float | None, batch: int, r
 
 
 def _account_step(result: SimResult, *, live: int, drafted: int, proposed: int, batch: int, draft_s: float,
-                  step_time: float, tokens: int) -> None:
+                  overhead_s: float, step_time: float, tokens: int) -> None:
     """Add one step to the run's counters, its SPS clock and its step log."""
     result.step_log.append({"step": result.steps, "live": live, "drafted": drafted, "batch_tokens": batch,
-                            "draft_s": draft_s, "step_time_s": step_time, "tokens": tokens})
+                            "draft_s": draft_s, "overhead_s": overhead_s, "step_time_s": step_time,
+                            "tokens": tokens})
     result.steps += 1
     result.sim_time_s += step_time
     result.live_time_s += step_time * live
@@ -565,6 +599,7 @@ def _account_step(result: SimResult, *, live: int, drafted: int, proposed: int, 
     result.drafted += drafted
     result.skipped += live - drafted
     result.draft_s += draft_s
+    result.overhead_s += overhead_s
     result.proposed += proposed
     result.batch_tokens += batch
 
@@ -610,7 +645,8 @@ def _draft_clock(draft_overhead: float | str) -> tuple[str, float | str]:
     if isinstance(draft_overhead, str):
         if draft_overhead.strip().lower() != MEASURED:
             raise ValueError(f"ServeSettings.draft_overhead must be a number >= 0 (a fraction of the step time) "
-                             f"or {MEASURED!r} (the measured drafting time), got {draft_overhead!r}")
+                             f"or {MEASURED!r} (the measured time of every phase but verify), "
+                             f"got {draft_overhead!r}")
         return MEASURED, MEASURED
     if isinstance(draft_overhead, bool) or not isinstance(draft_overhead, (int, float)) \
             or not math.isfinite(draft_overhead) or draft_overhead < 0:
@@ -630,16 +666,18 @@ def _speed(sps: SPSTable, batch: int) -> float:
     return speed
 
 
-def _step_time(sps: SPSTable | None, batch: int, draft_overhead: float | str, draft_times: Sequence[float]) -> float:
-    """Simulated seconds of one step: 1 / SPS(B), plus the drafting ``draft_overhead`` says when
-    some request drafted (module docstring)."""
+def _step_time(sps: SPSTable | None, batch: int, draft_overhead: float | str, draft_times: Sequence[float],
+               overhead_s: float) -> float:
+    """Simulated seconds of one step: 1 / SPS(B), plus what ``draft_overhead`` says: with
+    "measured" the step's measured non-verify seconds ``overhead_s``; with a fraction f,
+    f / SPS(B) when some request drafted (module docstring)."""
     if sps is None:
         return math.nan
     verify = 1.0 / _speed(sps, batch)
+    if draft_overhead == MEASURED:
+        return verify + overhead_s
     if not draft_times:
         return verify
-    if draft_overhead == MEASURED:
-        return verify + float(sum(draft_times))
     return (1.0 + float(draft_overhead)) * verify
 
 

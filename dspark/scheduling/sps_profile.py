@@ -16,7 +16,10 @@ Two layouts of the B tokens:
 Each B gets ``warmup`` untimed forwards, then ``repeats`` timed ones (the
 cache is cropped back to ``context_len`` after each, outside the timing; on
 CUDA the device is synchronised around each timed forward). SPS(B) = 1 /
-median seconds. Token ids are random (speed does not depend on them).
+median seconds; the table made from them is noise-aware (``SPSProfile.table``):
+a rise of SPS with B no larger than the spread of the repeats is flattened, so
+noise never makes a larger verification batch look cheaper. Token ids are
+random (speed does not depend on them).
 
 ``profile_sps`` returns the ``SPSTable`` (SGLang's ``{sample_batch_tokens,
 sample_steps_per_sec, max_batch_tokens}``); ``profile_sps_runs`` also keeps
@@ -48,7 +51,10 @@ class SPSProfile:
     """A profiling run: the table plus what it was measured from.
 
     batch_tokens: the B measured (increasing); seconds: per B, the timed forwards (s);
-    median_s: per B, their median; steps_per_sec = 1 / median_s.
+    median_s: per B, their median; steps_per_sec = 1 / median_s; steps_per_sec_spread: per B,
+    the range (max − min) of the speeds 1 / seconds of the repeats.
+    ``table``: the noise-aware SPS table (``SPSTable.noise_aware``): steps_per_sec with
+    every rise in B that lies within the repeats' spread flattened away, the spread carried.
     """
 
     batch_tokens: list[int]
@@ -67,8 +73,13 @@ class SPSProfile:
         return [1.0 / s for s in self.median_s]
 
     @property
+    def steps_per_sec_spread(self) -> list[float]:
+        return [1.0 / min(s) - 1.0 / max(s) for s in self.seconds]
+
+    @property
     def table(self) -> SPSTable:
-        return SPSTable(self.batch_tokens, self.steps_per_sec, max(self.batch_tokens))
+        return SPSTable(self.batch_tokens, self.steps_per_sec, max(self.batch_tokens),
+                        sample_spread=self.steps_per_sec_spread).noise_aware()
 
 
 def _check_int(value: Any, name: str, low: int) -> int:
@@ -177,7 +188,8 @@ def profile_sps_runs(
 
 def profile_sps(target: Any, batch_tokens: Sequence[int] = DEFAULT_BATCH_TOKENS, **settings: Any) -> SPSTable:
     """SPS(B) table of ``target`` on its current device: steps/s = 1 / median seconds of one
-    verification forward over B tokens after ``context_len`` cached tokens (module docstring).
+    verification forward over B tokens after ``context_len`` cached tokens, rises within
+    the repeats' spread flattened (module docstring).
 
     ``settings``: the keyword arguments of :func:`profile_sps_runs` (context_len, warmup,
     repeats, tokens_per_request, seed)."""

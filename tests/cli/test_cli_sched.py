@@ -256,7 +256,7 @@ def reuse_smollm2(monkeypatch, smollm2_target):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not SHARED.is_dir(), reason="needs ../shared/eval_datasets")
-def test_eval_and_simulate_commands_run_end_to_end_on_smollm2(reuse_smollm2, tmp_path, capsys):
+def test_eval_and_simulate_commands_run_end_to_end_on_smollm2(reuse_smollm2, tmp_path, capsys, monkeypatch):
     from dspark.build import build_drafter
     from dspark.config import load_config
     from dspark.modeling import save_drafter
@@ -289,6 +289,37 @@ def test_eval_and_simulate_commands_run_end_to_end_on_smollm2(reuse_smollm2, tmp
     for name in ("results.md", "rounds.jsonl", "figure8.png", "frontier.png"):
         assert (tmp_path / "sim" / name).is_file()
     assert "| static1 | 2 |" in capsys.readouterr().out
+
+    # A simulation killed before its last cell was committed serves only that cell again, with the
+    # rounds of an uninterrupted run.
+    sim = tmp_path / "sim"
+    full_rounds = (sim / "rounds.jsonl").read_text()
+    cells_file = sim / "cells.jsonl"
+    committed = cells_file.read_text().splitlines(keepends=True)
+    cells_file.write_text("".join(committed[:-1]))
+    last = json.loads(committed[-1])
+    kept = [r for r in full_rounds.splitlines(keepends=True)
+            if not (json.loads(r).get("policy") == last.get("policy") and json.loads(r).get("concurrency") == last.get("concurrency"))]
+    (sim / "rounds.jsonl").write_text("".join(kept))
+    import dspark.scheduling.simulator as simulator
+
+    calls = []
+    real_grid = simulator.simulate_grid
+    monkeypatch.setattr(simulator, "simulate_grid", lambda *a, **k: calls.append(k["policies"]) or real_grid(*a, **k))
+    assert main(["simulate", "--config", str(SMOLLM2_CONFIG), "--num-prompts", "2", "--concurrency", "1,2",
+                 "--policy", "algorithm1,async", "static1", "algorithm1+skip", "--draft-overhead", "measured",
+                 "--out", str(sim), *common]) == 0
+    assert calls == [["algorithm1+skip"]]
+    assert sorted((sim / "rounds.jsonl").read_text().splitlines()) == sorted(full_rounds.splitlines())
+    again = json.loads((sim / "results.json").read_text())
+    assert [(r["policy"], r["concurrency"], r["tau"]) for r in again["results"]] == [
+        (r["policy"], r["concurrency"], r["tau"]) for r in data["results"]]
+
+    # `dspark report` rebuilds an evaluation's report from its files, without decoding.
+    (tmp_path / "eval" / "report.json").unlink()
+    assert main(["report", str(tmp_path / "eval")]) == 0
+    rebuilt = json.loads((tmp_path / "eval" / "report.json").read_text())
+    assert rebuilt["all"]["tau"] == report["all"]["tau"] and rebuilt["benchmarks"]["gsm8k"]["num_requests"] == 2
 
 
 def test_profile_sps_command_writes_the_table_the_timings_and_the_plot(tmp_path, monkeypatch, capsys):

@@ -279,18 +279,23 @@ def test_num_samples_draws_a_seeded_subset(tmp_path, clock, monkeypatch, no_warm
     assert {c[0] for c in seen.values()} == {"g0", "g1"}  # different seeds pick different prompts
 
 
-def test_ranks_take_every_world_th_prompt_and_only_rank_zero_writes(tmp_path, clock, monkeypatch, no_warmup):
+def test_ranks_take_every_world_th_prompt_and_only_rank_zero_writes_the_report(
+        tmp_path, clock, monkeypatch, no_warmup):
     files = {"gsm8k": ["g0", "g1"], "mbpp": ["m0"]}
     target, drafter = fake_models()
     calls = []
     use_decoders(monkeypatch, *scripted_decoders(clock, calls))
     monkeypatch.setattr(ev, "_dist_info", lambda: (1, 2))
-    monkeypatch.setattr(ev, "_gather", lambda records, rounds, world: (records, rounds))
+    monkeypatch.setattr(ev, "_gather", lambda records, rounds, served, world: (records, rounds, served))
+    monkeypatch.setattr(ev, "_barrier", lambda: None)
     report = evaluate(target, drafter, write_benchmarks(tmp_path / "data", files), out_dir=tmp_path / "out",
                       progress=False, decoding=DecodeSettings(max_new_tokens=8))
     assert calls == ["g1"]  # rank 1 of 2: request 1 of gsm8k, nothing of mbpp
     assert report["config"]["world_size"] == 2
-    assert not (tmp_path / "out").exists()
+    # rank 1 keeps its own journal of finished requests; rank 0 writes settings, the report and the merged files
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "requests.rank1.jsonl", "rounds.rank1.jsonl", "serving.rank1.jsonl"]
+    assert [r["request"] for r in map(json.loads, (tmp_path / "out" / "requests.rank1.jsonl").open())] == [1]
 
 
 def test_requests_draw_from_seeded_generators_independent_of_order(tmp_path, clock, monkeypatch, no_warmup):
@@ -491,10 +496,10 @@ def test_gather_collects_records_through_all_gather_object(tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         assert ev._dist_info() == (0, 1)
-        records, rounds = ev._gather([{"request": 0}], [{"round": 0}, {"round": 1}], 1)
+        records, rounds, served = ev._gather([{"request": 0}], [{"round": 0}, {"round": 1}], {("a", 0): {}}, 1)
     finally:
         dist.destroy_process_group()
-    assert records == [{"request": 0}] and rounds == [{"round": 0}, {"round": 1}]
+    assert records == [{"request": 0}] and rounds == [{"round": 0}, {"round": 1}] and served == {("a", 0): {}}
 
 
 def test_evaluate_from_config_reads_the_eval_section_and_writes_a_config_that_loads_back(tmp_path, clock, monkeypatch):

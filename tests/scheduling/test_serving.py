@@ -232,6 +232,40 @@ def test_the_policys_decision_time_is_inside_each_requests_wall_time():
         assert timings["total"] >= timings["schedule"] + timings["draft"] + timings["verify"]
 
 
+def test_measured_overhead_charges_the_context_update_and_every_phase_but_verify():
+    """A drafter whose context update sleeps 20 ms: with draft_overhead="measured" every step
+    that updates the context (all but the last) costs 1 / SPS(B) plus at least 20 ms on the SPS
+    clock, and each step costs 1 / SPS(B) plus exactly its measured draft, accept, bookkeeping
+    and schedule seconds; a fraction f charges none of them."""
+    import time
+
+    target = make_tiny_target("llama")
+    prompt, pause = PROMPTS[0], 0.02
+    drafter = scripted(target, prompt)
+    update = drafter.extend_context
+
+    def slow_update(ctx, features, num_valid=None):
+        time.sleep(pause)
+        update(ctx, features, num_valid)
+
+    drafter.extend_context = slow_update
+    sps = SPSTable([1, 8], [1000.0, 1000.0], 8)
+    sims = {overhead: simulate(target, drafter, [prompt], cycle=False,
+                               decoding=DecodeSettings(max_new_tokens=10, temperature=0.0, seed=0),
+                               serving=ServeSettings(policy="static", sps=sps, draft_overhead=overhead))
+            for overhead in ("measured", 0.0)}
+    sim = sims["measured"]
+    assert sim.steps == 3  # 1 + 3 + 3 + 3 tokens, the last round ends the request: no context update
+    for step in sim.step_log[:-1]:
+        assert step["step_time_s"] >= 1 / 1000 + pause
+    timings = sim.requests[0]["timings"]
+    charged = sum(v for k, v in timings.items() if k not in ("verify", "prefill", "total"))
+    assert sim.overhead_s == pytest.approx(charged) and charged >= timings["draft"] + 2 * pause
+    assert sim.sim_time_s == pytest.approx(sim.steps / 1000 + sim.overhead_s)
+    assert all(s["step_time_s"] == pytest.approx(1 / 1000 + s["overhead_s"]) for s in sim.step_log)
+    assert sims[0.0].sim_time_s == pytest.approx(3 / 1000)
+
+
 class AppendixADrafter:
     """Appendix A's drafter: x_1 uniform over {A, B}; c_1 = 0.8, and c_2 = 0.9 after A, 0 after B."""
 
@@ -448,3 +482,24 @@ def test_a_job_seed_is_derived_from_the_run_seed_and_the_request_index():
     for seed, index in ((0, 0), (4, 2), (980406, 1234), (2**62, 7)):
         assert job_seed(seed, index) == (seed * 1_000_003 + 7_919 * index + 1) % 2**63
 
+
+
+@pytest.mark.parametrize("policy", ["static", "algorithm1"])
+def test_at_r_1_the_measured_sps_clock_agrees_with_the_wall_clock(policy):
+    """R = 1 on a tiny target, an SPS table profiled for it here: with draft_overhead="measured"
+    the SPS clock charges 1 / SPS(1 + ℓ) for the verification forward and the measured seconds
+    of everything else, so its decode time matches the wall clock's (every phase of the
+    requests but the prefill) up to the timing noise of the verification forwards."""
+    from dspark.scheduling.sps_profile import profile_sps
+
+    target = make_tiny_target("llama")
+    drafter = random_drafter(target, gamma=4)
+    sps = profile_sps(target, [1, 2, 3, 4, 5], context_len=24, warmup=3, repeats=9)
+    decoding = DecodeSettings(max_new_tokens=32, temperature=0.0, seed=0)
+    serving = ServeSettings(policy=policy, sps=sps, draft_overhead="measured")
+    simulate(target, drafter, PROMPTS[:1], decoding=decoding, serving=serving, cycle=False)  # warm-up
+    sim = simulate(target, drafter, PROMPTS, decoding=decoding, serving=serving, cycle=False)
+    wall = sum(v for req in sim.requests for k, v in req["timings"].items() if k not in ("prefill", "total"))
+    verify = sum(req["timings"]["verify"] for req in sim.requests)
+    assert sim.overhead_s == pytest.approx(wall - verify)
+    assert sim.sim_time_s == pytest.approx(wall, rel=0.4)  # loose: shared-CPU timing noise

@@ -67,3 +67,35 @@ def test_rows_of_q_tokens_each_continue_their_own_cache_and_other_sizes_are_skip
     assert spy.calls == [(1, 0, 5, 1), (1, 5, 2, 2), (2, 0, 5, 1), (2, 5, 2, 2), (4, 0, 5, 1), (4, 5, 2, 2)]
     with pytest.raises(ValueError, match="multiple of tokens_per_request"):
         profile_sps_runs(spy, [3, 5], tokens_per_request=2)
+
+
+def test_a_rise_within_the_repeat_spread_is_flattened_and_a_real_rise_is_kept():
+    """SPS(1) = 26.2 and SPS(4) = 28.1 with repeats spread wider than the 1.9 difference: noise, so
+    SPS(4) <= SPS(1) and Algorithm 1 cannot buy drafts with it; the same rise with a spread of 0.5
+    is real and stays. A fall is never touched, and the envelope is idempotent."""
+    noisy = SPSTable([1, 4, 8], [26.2, 28.1, 20.0], 8, sample_spread=[3.0, 2.5, 1.0]).noise_aware()
+    assert noisy.sample_steps_per_sec == (26.2, 26.2, 20.0) and noisy(4) <= noisy(1)
+    assert noisy.sample_spread == (3.0, 2.5, 1.0) and noisy.noise_aware().sample_steps_per_sec == (26.2, 26.2, 20.0)
+    real = SPSTable([1, 4, 8], [26.2, 28.1, 20.0], 8, sample_spread=[0.5, 0.5, 0.5]).noise_aware()
+    assert real.sample_steps_per_sec == (26.2, 28.1, 20.0)
+    assert SPSTable([1, 4], [26.2, 28.1], 4).noise_aware().sample_steps_per_sec == (26.2, 28.1)  # no spread given
+    # a rise measured against the envelope level, not the raw neighbour: 10 -> 9 -> 10.5 with spread 1
+    walk = SPSTable([1, 2, 3], [10.0, 9.0, 10.5], 3, sample_spread=[1.0, 1.0, 1.0]).noise_aware()
+    assert walk.sample_steps_per_sec == (10.0, 9.0, 10.5)
+    walk = SPSTable([1, 2, 3], [10.0, 9.0, 9.8], 3, sample_spread=[1.0, 1.0, 1.0]).noise_aware()
+    assert walk.sample_steps_per_sec == (10.0, 9.0, 9.0)
+    with pytest.raises(ValueError, match="sample_spread"):
+        SPSTable([1, 4], [26.2, 28.1], 4, sample_spread=[1.0])
+
+
+def test_the_profiled_table_carries_the_repeat_spread_and_flattens_within_it():
+    from dspark.scheduling.sps_profile import SPSProfile
+
+    seconds = [[1 / 25.0, 1 / 26.2, 1 / 27.5], [1 / 26.0, 1 / 28.1, 1 / 29.0], [1 / 38.0, 1 / 40.0, 1 / 42.0]]
+    profile = SPSProfile([1, 4, 8], seconds, [sorted(s)[1] for s in seconds], context_len=0,
+                         tokens_per_request=None, warmup=0, repeats=3, device="cpu", dtype="float32", threads=1)
+    assert profile.steps_per_sec_spread == pytest.approx([2.5, 3.0, 4.0])
+    table = profile.table
+    assert table.sample_spread == pytest.approx((2.5, 3.0, 4.0))
+    assert table.sample_steps_per_sec == pytest.approx((26.2, 26.2, 40.0))  # 40 - 26.2 > 4: a real rise
+    assert profile.steps_per_sec == pytest.approx([26.2, 28.1, 40.0])  # the raw medians stay in the profile

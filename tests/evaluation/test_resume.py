@@ -1,0 +1,120 @@
+"""A killed evaluation loses nothing: request-level journals, resume, refusal, validation, `dspark report`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from dspark.evaluation.journal import SettingsMismatch, report_from_folder
+from dspark.io.jsonl import read_jsonl
+from dspark.io.jsonsafe import to_jsonable
+from helpers.paths import REPO
+
+# A child process that evaluates scripted decoders (4 requests over 3 benchmarks) into OUT and
+# SIGKILLs itself right after request KILL_AT is decoded (before its rows are appended), or never.
+CHILD = textwrap.dedent("""
+    import os, sys
+    sys.path.insert(0, {tests!r})
+    from pathlib import Path
+    import dspark.evaluation.evaluate as ev
+    import dspark.evaluation.journal as journal
+    from evaluation.test_evaluate import FakeClock, fake_models, scripted_decoders
+    from helpers.benchmarks import write_benchmarks
+    out, kill_at = Path(sys.argv[1]), int(sys.argv[2])
+    clock = FakeClock()
+    ev.time, ev.WARMUP_TOKENS = clock, 0
+    decode, baseline = scripted_decoders(clock)
+    done = []
+    def killing(*args, **kwargs):
+        if len(done) == kill_at:
+            os.kill(os.getpid(), 9)
+        done.append(1)
+        return decode(*args, **kwargs)
+    ev.speculative_generate, ev.target_generate = killing, baseline
+    target, drafter = fake_models()
+    ev.evaluate(target, drafter, write_benchmarks(out.parent / "data"), out_dir=out, progress=False,
+                decoding=ev.DecodeSettings(max_new_tokens=8, temperature=1.0))
+""")
+
+
+def run_child(tmp_path, out, kill_at: int) -> int:
+    script = tmp_path / "child.py"
+    script.write_text(CHILD.format(tests=str(REPO / "tests")))
+    return subprocess.run([sys.executable, str(script), str(out), str(kill_at)], cwd=REPO,
+                          capture_output=True, text=True).returncode
+
+
+def without_timings(report):
+    report = to_jsonable(report)  # as report.json holds it (NaN as null)
+    report.pop("timings", None)
+    return report
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("full")
+    assert run_child(tmp, tmp / "out", -1) == 0
+    return tmp / "out"
+
+
+def test_a_killed_evaluation_resumes_to_the_rows_and_report_of_an_uninterrupted_one(tmp_path, uninterrupted):
+    out = tmp_path / "out"
+    assert run_child(tmp_path, out, 2) == -9
+    assert len(read_jsonl(out / "requests.jsonl")[0]) == 2  # the two requests finished before the kill
+    assert (out / "settings.json").is_file() and not (out / "report.json").exists()
+    assert run_child(tmp_path, out, 99) == 0
+    assert (out / "rounds.jsonl").read_text() == (uninterrupted / "rounds.jsonl").read_text()
+    a, b = (json.loads((d / "report.json").read_text()) for d in (out, uninterrupted))
+    assert a["all"]["tau"] == b["all"]["tau"] and a["macro"]["tau"] == b["macro"]["tau"]
+
+
+def test_a_torn_last_line_is_dropped_and_its_request_redone(tmp_path, uninterrupted):
+    out = tmp_path / "out"
+    assert run_child(tmp_path, out, 3) == -9
+    with (out / "requests.jsonl").open("a") as f:
+        f.write('{"benchmark": "alpaca", "request": 0, "tok')  # a write cut short by the kill
+    rows, torn = read_jsonl(out / "requests.jsonl")
+    assert torn and len(rows) == 3
+    assert run_child(tmp_path, out, 99) == 0
+    assert (out / "rounds.jsonl").read_text() == (uninterrupted / "rounds.jsonl").read_text()
+    assert len(read_jsonl(out / "requests.jsonl")[0]) == 4
+
+
+def test_a_folder_of_other_settings_is_refused_naming_the_fields(tmp_path, uninterrupted):
+    import dspark.evaluation.evaluate as ev
+    from evaluation.test_evaluate import fake_models
+    from helpers.benchmarks import write_benchmarks
+
+    target, drafter = fake_models()
+    with pytest.raises(SettingsMismatch, match=r"config.max_new_tokens: 8 -> 9.*--overwrite"):
+        ev.evaluate(target, drafter, write_benchmarks(tmp_path / "data"), out_dir=uninterrupted, progress=False,
+                    decoding=ev.DecodeSettings(max_new_tokens=9, temperature=1.0))
+
+
+def test_dspark_report_rebuilds_the_report_from_the_files(uninterrupted):
+    report, records, rounds = report_from_folder(uninterrupted)
+    written = json.loads((uninterrupted / "report.json").read_text())
+    assert without_timings(report) == without_timings(written)
+    assert len(records) == 4 and len(rounds) == len(read_jsonl(uninterrupted / "rounds.jsonl")[0])
+
+
+def test_a_malformed_benchmark_line_is_reported_before_any_target_is_loaded(tmp_path, monkeypatch, capsys):
+    import dspark.build
+    from dspark.cli.main import main
+
+    def never(*args, **kwargs):
+        raise AssertionError("the target was loaded")
+
+    monkeypatch.setattr(dspark.build, "load_target", never)
+    monkeypatch.setattr(dspark.build, "load_models", never)
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "gsm8k.jsonl").write_text('{"turns": ["ok"]}\n{"turns": [\n')
+    code = main(["eval", "--data-dir", str(data), "--benchmarks", "gsm8k", "--out", str(tmp_path / "out")])
+    assert code == 2
+    assert f"{data / 'gsm8k.jsonl'}:2" in capsys.readouterr().err
