@@ -27,37 +27,16 @@ from dspark.evaluation.evaluate import DecodeSettings, ServeSettings, evaluate
 from dspark.evaluation.report import compare_reports
 from dspark.evaluation.metrics import BENCHMARKS
 from helpers.benchmarks import CharTokenizer, write_benchmarks
+from helpers.evaluation import GAMMA, SCRIPT, FakeClock, fake_models, prompt_text, scripted_decoders
 from helpers.paths import REPO, SHARED
 
 ROOT = REPO
 SHARED = SHARED / "eval_datasets"
 SMOLLM2_CONFIG = ROOT / "config" / "dspark" / "dspark_smollm2_135m.py"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-GAMMA = 3
-
-# prompt text -> accepted draft tokens of each round (γ = 3, every round verifies all 3).
-SCRIPT = {
-    "g0": [3, 1],  # τ 4, 2
-    "g1": [0],  # τ 1
-    "m0": [2, 2],  # τ 3, 3
-    "a0": [1],  # τ 2
-}
 TABLE1_HEADER = (
     "| drafter | GSM8K | MATH | AIME25 | MBPP | HumanEval | LCB | MT-Bench | Alpaca | Arena-Hard | Math | Code | Chat | Avg |"
 )
-
-
-def prompt_text(prompt_ids) -> str:
-    text = "".join(chr(i) for i in prompt_ids)
-    return text[len("<u>") : text.index("</u>")]
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def perf_counter(self) -> float:
-        return self.now
 
 
 @pytest.fixture
@@ -76,31 +55,6 @@ def use_decoders(monkeypatch, decode, baseline):
     """Make ``evaluate`` decode with ``decode`` (speculative) and ``baseline`` (target alone)."""
     monkeypatch.setattr(ev, "speculative_generate", decode)
     monkeypatch.setattr(ev, "target_generate", baseline)
-
-
-def scripted_decoders(clock, calls=None):
-    def decode(target, drafter, prompt_ids, *, max_new_tokens, temperature, eos_token_ids, generator):
-        assert isinstance(generator, torch.Generator)
-        if calls is not None:
-            calls.append(prompt_text(prompt_ids))
-        clock.now += 1.0
-        accepted = SCRIPT[prompt_text(prompt_ids)]
-        rounds = [RoundRecord(GAMMA, m, [0.9, 0.6, 0.3] if m % 2 == 0 else None) for m in accepted]
-        tokens = [5] * sum(m + 1 for m in accepted)
-        return DecodeResult(len(prompt_ids), tokens, rounds, False, {"prefill": 0.5, "draft": 0.25, "total": 1.0})
-
-    def baseline(target, prompt_ids, *, max_new_tokens, temperature, eos_token_ids, generator):
-        clock.now += 2.0
-        n = sum(m + 1 for m in SCRIPT[prompt_text(prompt_ids)])
-        return DecodeResult(len(prompt_ids), [5] * n, [], False, {"prefill": 0.5, "decode": 1.5, "total": 2.0})
-
-    return decode, baseline
-
-
-def fake_models():
-    target = SimpleNamespace(tokenizer=CharTokenizer(), device=torch.device("cpu"))
-    drafter = SimpleNamespace(config=SimpleNamespace(block_size=GAMMA, variant="dspark"))
-    return target, drafter
 
 
 def run(tmp_path, clock, monkeypatch, **kwargs):

@@ -23,7 +23,7 @@ CHILD = textwrap.dedent("""
     from pathlib import Path
     import dspark.evaluation.evaluate as ev
     import dspark.evaluation.journal as journal
-    from evaluation.test_evaluate import FakeClock, fake_models, scripted_decoders
+    from helpers.evaluation import FakeClock, fake_models, scripted_decoders
     from helpers.benchmarks import write_benchmarks
     out, kill_at = Path(sys.argv[1]), int(sys.argv[2])
     clock = FakeClock()
@@ -87,7 +87,7 @@ def test_a_torn_last_line_is_dropped_and_its_request_redone(tmp_path, uninterrup
 
 def test_a_folder_of_other_settings_is_refused_naming_the_fields(tmp_path, uninterrupted):
     import dspark.evaluation.evaluate as ev
-    from evaluation.test_evaluate import fake_models
+    from helpers.evaluation import fake_models
     from helpers.benchmarks import write_benchmarks
 
     target, drafter = fake_models()
@@ -118,3 +118,48 @@ def test_a_malformed_benchmark_line_is_reported_before_any_target_is_loaded(tmp_
     code = main(["eval", "--data-dir", str(data), "--benchmarks", "gsm8k", "--out", str(tmp_path / "out")])
     assert code == 2
     assert f"{data / 'gsm8k.jsonl'}:2" in capsys.readouterr().err
+
+
+# The same kill and resume with real speculative decoding: a tiny Llama target and a random drafter
+# (seeded), sampled at T = 1 with each request's own generator, a character tokenizer.
+TINY_CHILD = textwrap.dedent("""
+    import os, sys
+    sys.path.insert(0, {tests!r})
+    from pathlib import Path
+    import dspark.evaluation.evaluate as ev
+    from helpers.benchmarks import CharTokenizer, write_benchmarks
+    from helpers.decoding import random_drafter
+    from helpers.targets import make_tiny_target
+    out, kill_at = Path(sys.argv[1]), int(sys.argv[2])
+    ev.WARMUP_TOKENS = 0
+    real, done = ev.speculative_generate, []
+    def killing(*args, **kwargs):
+        if len(done) == kill_at:
+            os.kill(os.getpid(), 9)
+        done.append(1)
+        return real(*args, **kwargs)
+    ev.speculative_generate = killing
+    target = make_tiny_target("llama", vocab_size=256)
+    drafter = random_drafter(target, gamma=3, seed=1)
+    ev.evaluate(target, drafter, write_benchmarks(out.parent / "data"), out_dir=out, progress=False,
+                tokenizer=CharTokenizer(), decoding=ev.DecodeSettings(max_new_tokens=6, temperature=1.0, seed=5))
+""")
+
+
+def run_tiny_child(tmp_path, out, kill_at: int) -> int:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    script = tmp_path / "tiny_child.py"
+    script.write_text(TINY_CHILD.format(tests=str(REPO / "tests")))
+    return subprocess.run([sys.executable, str(script), str(out), str(kill_at)], cwd=REPO,
+                          capture_output=True, text=True).returncode
+
+
+def test_a_killed_evaluation_of_a_tiny_target_resumes_to_the_same_rounds(tmp_path):
+    full, out = tmp_path / "full" / "out", tmp_path / "killed" / "out"
+    assert run_tiny_child(tmp_path / "full", full, -1) == 0
+    assert run_tiny_child(tmp_path / "killed", out, 2) == -9  # after 2 of the 4 requests
+    assert len(read_jsonl(out / "requests.jsonl")[0]) == 2
+    assert run_tiny_child(tmp_path / "killed", out, 99) == 0
+    assert (out / "rounds.jsonl").read_text() == (full / "rounds.jsonl").read_text()
+    a, b = (json.loads((d / "report.json").read_text()) for d in (out, full))
+    assert a["all"]["tau"] == b["all"]["tau"] and a["all"]["num_requests"] == b["all"]["num_requests"] == 4
