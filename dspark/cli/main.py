@@ -183,7 +183,7 @@ def _resume_mode(args: argparse.Namespace) -> bool | None:
 def cmd_report(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from dspark.evaluation.journal import report_from_folder
+    from dspark.evaluation.evaluate import report_from_folder
     from dspark.evaluation.report import report_markdown, write_outputs
 
     report, records, rounds = report_from_folder(args.folder)

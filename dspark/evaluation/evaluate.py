@@ -57,7 +57,7 @@ from dspark.data.benchmarks import load_prompts, resolve_benchmarks, samples_per
 from dspark.data.prompts import Conversation
 from dspark.data.render import render_prompt
 from dspark.decoding.loop import speculative_generate, target_generate
-from dspark.evaluation.journal import Done, EvalJournal
+from dspark.evaluation.journal import SETTINGS, Done, EvalJournal
 from dspark.evaluation.metrics import round_tau
 from dspark.evaluation.report import build_report, scheduled_summary, write_outputs
 from dspark.io.atomic import atomic_write_text
@@ -251,6 +251,23 @@ def report_from_rows(settings: Mapping[str, Any], records: Sequence[dict[str, An
             records, rounds, report["all"], policy=settings["policy"], concurrency=config["concurrency"],
             sps_step_s=settings["sps_step_s"])
     return report
+
+
+def report_from_folder(folder: str | os.PathLike) -> tuple[dict[str, Any], list, list]:
+    """The report of an evaluation folder rebuilt from settings.json and the journals, without
+    decoding; returns (report, records, rounds) in evaluation order (write them with
+    ``dspark.evaluation.report.write_outputs``). Timings are those the records hold."""
+    folder = Path(folder)
+    path = folder / SETTINGS
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: {folder} is not a `dspark eval` output folder "
+                                "(it holds settings.json, requests.jsonl and rounds.jsonl)")
+    settings = json.loads(path.read_text(encoding="utf-8"))
+    scheduled = settings.get("config", {}).get("scheduler") is not None
+    done = EvalJournal(folder, 0, 1, scheduled).read()
+    order = list(settings.get("config", {}).get("benchmarks") or [])
+    records, rounds = list(done.records.values()), [r for rows in done.rounds.values() for r in rows]
+    return report_from_rows(settings, records, rounds, done.served, order), records, rounds
 
 
 def evaluate_from_config(target: Any, drafter: Any, config: Any, **overrides: Any) -> dict[str, Any]:
@@ -629,5 +646,6 @@ __all__ = [
     "check_config_folder",
     "check_eval_inputs",
     "evaluate_from_config",
+    "report_from_folder",
     "report_from_rows",
 ]

@@ -19,7 +19,7 @@ Open / resume / append / read back:
 
 At the end rank 0 rewrites ``requests.jsonl``, ``rounds.jsonl`` and ``serving.jsonl`` in
 evaluation order with every journal merged (``finish``), so a resumed run leaves the same
-files as an uninterrupted one; ``report_from_folder`` rebuilds the report from them.
+files as an uninterrupted one; ``dspark.evaluation.evaluate.report_from_folder`` rebuilds the report from them.
 """
 
 from __future__ import annotations
@@ -211,22 +211,3 @@ class EvalJournal:
         for p in [*self.folder.glob("*.rank*.jsonl")]:
             if p.name.split(".")[0] in JOURNALS:
                 p.unlink()
-
-
-def report_from_folder(folder: str | os.PathLike) -> tuple[dict[str, Any], list, list]:
-    """The report of an evaluation folder rebuilt from settings.json and the journals, without
-    decoding; returns (report, records, rounds) in evaluation order (write them with
-    ``dspark.evaluation.report.write_outputs``). Timings are those the records hold."""
-    from dspark.evaluation.evaluate import report_from_rows
-
-    folder = Path(folder)
-    path = folder / SETTINGS
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: {folder} is not a `dspark eval` output folder "
-                                "(it holds settings.json, requests.jsonl and rounds.jsonl)")
-    settings = json.loads(path.read_text(encoding="utf-8"))
-    scheduled = settings.get("config", {}).get("scheduler") is not None
-    done = EvalJournal(folder, 0, 1, scheduled).read()
-    order = list(settings.get("config", {}).get("benchmarks") or [])
-    records, rounds = list(done.records.values()), [r for rows in done.rounds.values() for r in rows]
-    return report_from_rows(settings, records, rounds, done.served, order), records, rounds

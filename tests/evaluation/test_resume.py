@@ -10,7 +10,8 @@ import textwrap
 
 import pytest
 
-from dspark.evaluation.journal import SettingsMismatch, report_from_folder
+from dspark.evaluation.evaluate import report_from_folder
+from dspark.evaluation.journal import SettingsMismatch
 from dspark.io.jsonl import read_jsonl
 from dspark.io.jsonsafe import to_jsonable
 from helpers.paths import REPO
