@@ -130,7 +130,7 @@ def _dist_info() -> tuple[int, int]:
 
 
 @dataclasses.dataclass
-class _Session:
+class _Evaluation:
     """What the benchmark loops of one ``evaluate`` call share: the models, the resolved
     settings and this process's place among the ranks."""
 
@@ -200,31 +200,31 @@ def evaluate(
             starts over, deleting the folder's evaluation files. A folder of other settings is
             refused (``dspark.evaluation.journal.SettingsMismatch`` names the fields).
     """
-    session = _open_session(target, drafter, tokenizer, decoding, serving, baseline, progress)
+    state = _open_evaluation(target, drafter, tokenizer, decoding, serving, baseline, progress)
     files, skipped = resolve_benchmarks(benchmarks, names)
     counts = samples_per_benchmark(list(files), num_samples)
     started = time.perf_counter()
-    prompts = {name: load_prompts(source, counts[name], session.decoding.seed) for name, source in files.items()}
-    settings = _settings(session, label or _default_label(drafter), files, counts, skipped, run_config)
+    prompts = {name: load_prompts(source, counts[name], state.decoding.seed) for name, source in files.items()}
+    settings = _settings(state, label or _default_label(drafter), files, counts, skipped, run_config)
     journal, done = None, Done()
     if out_dir is not None:
-        journal, done = EvalJournal.open(out_dir, settings, resume=resume, rank=session.rank, world=session.world,
-                                         barrier=_barrier if session.world > 1 else None)
-    records, rounds, served = _decode_benchmarks(session, prompts, journal, done)
+        journal, done = EvalJournal.open(out_dir, settings, resume=resume, rank=state.rank, world=state.world,
+                                         barrier=_barrier if state.world > 1 else None)
+    records, rounds, served = _decode_benchmarks(state, prompts, journal, done)
     report = report_from_rows(settings, records, rounds, served, list(prompts))
     report["timings"]["wall_s"] = time.perf_counter() - started
-    if journal is not None and session.rank == 0:
-        write_outputs(out_dir, report, records, rounds, temperatures=session.temps)
+    if journal is not None and state.rank == 0:
+        write_outputs(out_dir, report, records, rounds, temperatures=state.temps)
         journal.finish(records, rounds, served)
     return report
 
 
-def _settings(session: _Session, label: str, files: Mapping[str, Path | list[Conversation]],
+def _settings(state: _Evaluation, label: str, files: Mapping[str, Path | list[Conversation]],
               counts: Mapping[str, int | None], skipped: Sequence[str], run_config: Any) -> dict[str, Any]:
     """What settings.json holds: everything ``report_from_rows`` needs besides the rows."""
-    s, gamma = session.serving, _gamma_of(session.drafter)
-    return {"label": label, "gamma": gamma, "config": _run_settings(session, gamma, files, counts, run_config),
-            "skipped": list(skipped), "temperatures": None if session.temps is None else session.temps.tolist(),
+    s, gamma = state.serving, _gamma_of(state.drafter)
+    return {"label": label, "gamma": gamma, "config": _run_settings(state, gamma, files, counts, run_config),
+            "skipped": list(skipped), "temperatures": None if state.temps is None else state.temps.tolist(),
             "policy": None if s.policy is None else _policy_name(s.policy),
             "sps_step_s": None if s.sps is None else 1.0 / float(s.sps(1))}
 
@@ -347,8 +347,8 @@ def _one_policy(policies: Sequence[str]) -> str | None:
     return policies[0] if policies else None
 
 
-def _open_session(target: Any, drafter: Any, tokenizer: Any, decoding: DecodeSettings, serving: ServeSettings,
-                  baseline: bool, progress: bool) -> _Session:
+def _open_evaluation(target: Any, drafter: Any, tokenizer: Any, decoding: DecodeSettings, serving: ServeSettings,
+                  baseline: bool, progress: bool) -> _Evaluation:
     """The settings resolved against the models: EOS ids, the SPS table, the STS temperatures
     (checked against γ), the policy spec (a bad one fails before any decoding)."""
     tokenizer = _tokenizer_of(target, tokenizer)
@@ -363,7 +363,7 @@ def _open_session(target: Any, drafter: Any, tokenizer: Any, decoding: DecodeSet
     if serving.policy is not None:
         make_policy(serving.policy, sps)
     rank, world = _dist_info()
-    return _Session(target, drafter, tokenizer, decoding, serving, baseline, rank, world,
+    return _Evaluation(target, drafter, tokenizer, decoding, serving, baseline, rank, world,
                     progress=progress and rank == 0, warm=WARMUP_TOKENS == 0)
 
 
@@ -384,7 +384,7 @@ def _decode_kwargs(decoding: DecodeSettings) -> dict[str, Any]:
 
 
 def _decode_benchmarks(
-    session: _Session, prompts: Mapping[str, list[Conversation]], journal: EvalJournal | None, done: Done
+    state: _Evaluation, prompts: Mapping[str, list[Conversation]], journal: EvalJournal | None, done: Done
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[tuple[str, int], Any]]:
     """Every benchmark's requests of this rank (those ``done`` holds are read, not decoded), gathered
     from all ranks: (records, rounds, (benchmark, rank) -> the serving summary of a scheduled one)."""
@@ -392,24 +392,24 @@ def _decode_benchmarks(
     rounds: list[dict[str, Any]] = []
     served: dict[tuple[str, int], Any] = {}
     for name, conversations in prompts.items():
-        if session.serving.policy is not None:
-            bench_records, bench_rounds, served[(name, session.rank)] = _scheduled_benchmark(
-                session, name, conversations, journal, done)
+        if state.serving.policy is not None:
+            bench_records, bench_rounds, served[(name, state.rank)] = _scheduled_benchmark(
+                state, name, conversations, journal, done)
         else:
-            bench_records, bench_rounds = _plain_benchmark(session, name, conversations, journal, done)
+            bench_records, bench_rounds = _plain_benchmark(state, name, conversations, journal, done)
         records += bench_records
         rounds += bench_rounds
-    if session.world > 1:
-        records, rounds, served = _gather(records, rounds, served, session.world)
+    if state.world > 1:
+        records, rounds, served = _gather(records, rounds, served, state.world)
     return records, rounds, served
 
 
 def _plain_benchmark(
-    session: _Session, name: str, conversations: list[Conversation], journal: EvalJournal | None, done: Done
+    state: _Evaluation, name: str, conversations: list[Conversation], journal: EvalJournal | None, done: Done
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """One benchmark's prompts ``rank::world``, one request at a time: their records and round records."""
-    bar = tqdm(range(session.rank, len(conversations), session.world), desc=name, unit="req",
-               disable=not session.progress, dynamic_ncols=True)
+    bar = tqdm(range(state.rank, len(conversations), state.world), desc=name, unit="req",
+               disable=not state.progress, dynamic_ncols=True)
     records: list[dict[str, Any]] = []
     rounds: list[dict[str, Any]] = []
     tau_sum = num_rounds = 0
@@ -417,10 +417,10 @@ def _plain_benchmark(
         if (name, request) in done.records:
             record, request_rounds = done.records[(name, request)], done.rounds.get((name, request), [])
         else:
-            prompt_ids = render_prompt(session.tokenizer, conversations[request], enable_thinking=False)
-            _warm_once(session, prompt_ids)
-            record, request_rounds = _run_request(session, prompt_ids, name, request)
-            record["rank"] = session.rank
+            prompt_ids = render_prompt(state.tokenizer, conversations[request], enable_thinking=False)
+            _warm_once(state, prompt_ids)
+            record, request_rounds = _run_request(state, prompt_ids, name, request)
+            record["rank"] = state.rank
             if journal is not None:
                 journal.append_request(record, request_rounds)
         records.append(record)
@@ -433,34 +433,34 @@ def _plain_benchmark(
     return records, rounds
 
 
-def _warm_once(session: _Session, prompt_ids: list[int]) -> None:
+def _warm_once(state: _Evaluation, prompt_ids: list[int]) -> None:
     """Before the first timed request: one short untimed decode of each function
     (kernel selection, allocator, lazy imports)."""
-    if session.warm:
+    if state.warm:
         return
-    kwargs = {**_decode_kwargs(session.decoding),
-              "max_new_tokens": min(WARMUP_TOKENS, session.decoding.max_new_tokens)}
-    gen = _generator(session.device, 0)
-    speculative_generate(session.target, session.drafter, prompt_ids, generator=gen, **kwargs)
-    if session.baseline:
-        target_generate(session.target, prompt_ids, generator=gen, **kwargs)
-    session.warm = True
+    kwargs = {**_decode_kwargs(state.decoding),
+              "max_new_tokens": min(WARMUP_TOKENS, state.decoding.max_new_tokens)}
+    gen = _generator(state.device, 0)
+    speculative_generate(state.target, state.drafter, prompt_ids, generator=gen, **kwargs)
+    if state.baseline:
+        target_generate(state.target, prompt_ids, generator=gen, **kwargs)
+    state.warm = True
 
 
 def _run_request(
-    session: _Session, prompt_ids: list[int], benchmark: str, request: int
+    state: _Evaluation, prompt_ids: list[int], benchmark: str, request: int
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Decode one prompt speculatively (and with the target alone): its record and round records.
 
     Both decodes draw from generators seeded with the request's seed; wall times
     are measured around each call."""
-    request_seed = _request_seed(session.decoding.seed, benchmark, request)
+    request_seed = _request_seed(state.decoding.seed, benchmark, request)
     start = time.perf_counter()
-    result = speculative_generate(session.target, session.drafter, prompt_ids,
-                                  generator=_generator(session.device, request_seed), **_decode_kwargs(session.decoding))
+    result = speculative_generate(state.target, state.drafter, prompt_ids,
+                                  generator=_generator(state.device, request_seed), **_decode_kwargs(state.decoding))
     record = _record(benchmark, request, prompt_ids, result, time.perf_counter() - start, result.timings)
-    if session.baseline:
-        record.update(_run_baseline(session, prompt_ids, request_seed))
+    if state.baseline:
+        record.update(_run_baseline(state, prompt_ids, request_seed))
     rounds = [_round_row(benchmark, request, index, int(r.proposed), int(r.accepted), r.confidences, r.eos_accepted)
               for index, r in enumerate(result.rounds)]
     return record, rounds
@@ -486,11 +486,11 @@ def _round_row(
             "eos_accepted": bool(eos_accepted)}
 
 
-def _run_baseline(session: _Session, prompt_ids: Sequence[int], request_seed: int) -> dict[str, Any]:
+def _run_baseline(state: _Evaluation, prompt_ids: Sequence[int], request_seed: int) -> dict[str, Any]:
     """Target-only decode of one prompt with the request's seed: the baseline_* fields of its record."""
     start = time.perf_counter()
-    base = target_generate(session.target, prompt_ids, generator=_generator(session.device, request_seed),
-                           **_decode_kwargs(session.decoding))
+    base = target_generate(state.target, prompt_ids, generator=_generator(state.device, request_seed),
+                           **_decode_kwargs(state.decoding))
     return dict(
         baseline_tokens=len(base.tokens),
         baseline_wall_s=time.perf_counter() - start,
@@ -500,51 +500,51 @@ def _run_baseline(session: _Session, prompt_ids: Sequence[int], request_seed: in
 
 
 def _scheduled_benchmark(
-    session: _Session, name: str, conversations: list[Conversation], journal: EvalJournal | None, done: Done
+    state: _Evaluation, name: str, conversations: list[Conversation], journal: EvalJournal | None, done: Done
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
     """One benchmark's prompts ``rank::world`` through the serving loop under the evaluation's policy:
     records, rounds (plus step and batch_tokens) and the run's summary (``SimResult.summary``).
     A benchmark ``done`` holds is read back; one it does not is served from its first request
     (the policy sets each request's ℓ from all the requests decoded in lockstep)."""
-    mine = list(range(session.rank, len(conversations), session.world))
-    if (name, session.rank) in done.served:
+    mine = list(range(state.rank, len(conversations), state.world))
+    if (name, state.rank) in done.served:
         keys = [(name, i) for i in mine]
         return ([done.records[k] for k in keys], [r for k in keys for r in done.rounds.get(k, [])],
-                done.served[(name, session.rank)])
-    prompts = [render_prompt(session.tokenizer, conversations[i], enable_thinking=False) for i in mine]
+                done.served[(name, state.rank)])
+    prompts = [render_prompt(state.tokenizer, conversations[i], enable_thinking=False) for i in mine]
     if prompts:
-        _warm_once(session, prompts[0])
-    jobs = [Job(p, _request_seed(session.decoding.seed, name, i), (name, i)) for p, i in zip(prompts, mine)]
-    sim = _serve(session, jobs, desc=name)
+        _warm_once(state, prompts[0])
+    jobs = [Job(p, _request_seed(state.decoding.seed, name, i), (name, i)) for p, i in zip(prompts, mine)]
+    sim = _serve(state, jobs, desc=name)
     rounds = [{**_round_row(*row["tag"], row["round"], row["proposed"], row["accepted"], row["confidences"],
                             row["eos_accepted"]),
                "step": row["step"], "batch_tokens": row["batch_tokens"], "drafted": row["drafted"]}
               for row in sim.rounds]
     rounds.sort(key=lambda r: (r["request"], r["round"]))
-    records = _scheduled_records(session, sim, jobs, rounds, journal)
+    records = _scheduled_records(state, sim, jobs, rounds, journal)
     summary = sim.summary()
     if journal is not None:
         journal.append_served(name, summary)
     return records, rounds, summary
 
 
-def _serve(session: _Session, jobs: list[Job], desc: str) -> SimResult:
+def _serve(state: _Evaluation, jobs: list[Job], desc: str) -> SimResult:
     """Every job to completion (the slots drain at the end), ``concurrency`` at a time, with a fresh policy."""
-    bar = tqdm(total=len(jobs), desc=desc, unit="req", disable=not session.progress, dynamic_ncols=True)
+    bar = tqdm(total=len(jobs), desc=desc, unit="req", disable=not state.progress, dynamic_ncols=True)
 
     def on_step(result: SimResult) -> None:
         bar.update(result.requests_finished - bar.n)
         if result.request_steps:
             bar.set_postfix(tau=f"{result.tau:.2f}", refresh=False)
 
-    sim = run_requests(session.target, session.drafter, jobs, decoding=session.decoding, serving=session.serving,
+    sim = run_requests(state.target, state.drafter, jobs, decoding=state.decoding, serving=state.serving,
                        on_step=on_step)
     bar.update(len(jobs) - bar.n)
     bar.close()
     return sim
 
 
-def _scheduled_records(session: _Session, sim: SimResult, jobs: list[Job], rounds: list[dict[str, Any]],
+def _scheduled_records(state: _Evaluation, sim: SimResult, jobs: list[Job], rounds: list[dict[str, Any]],
                        journal: EvalJournal | None) -> list[dict[str, Any]]:
     """One record per served job, then its baseline decode; each appended to the journal with its
     rounds once its baseline is done. A request's wall_s is the time of its own phases (prefill,
@@ -555,23 +555,23 @@ def _scheduled_records(session: _Session, sim: SimResult, jobs: list[Job], round
     records = []
     for info, job in zip(sim.requests, jobs):
         record = _record(*job.tag, job.prompt_ids, info["result"], info["timings"]["total"], info["timings"])
-        if session.baseline:
-            record.update(_run_baseline(session, job.prompt_ids, job.seed))
-        record["rank"] = session.rank
+        if state.baseline:
+            record.update(_run_baseline(state, job.prompt_ids, job.seed))
+        record["rank"] = state.rank
         if journal is not None:
             journal.append_request(record, by_request.get(job.tag[1], []))
         records.append(record)
     return records
 
 
-def _run_settings(session: _Session, gamma: int, files: Mapping[str, Path | list[Conversation]],
+def _run_settings(state: _Evaluation, gamma: int, files: Mapping[str, Path | list[Conversation]],
                   counts: Mapping[str, int | None], run_config: Any) -> dict[str, Any]:
     """``report["config"]``: what was evaluated, and how."""
-    d, s = session.decoding, session.serving
+    d, s = state.decoding, state.serving
     return {
-        "target": _target_name(session.target),
-        "dtype": str(getattr(session.target, "dtype", "unknown")).removeprefix("torch."),
-        "drafter": _drafter_summary(session.drafter),
+        "target": _target_name(state.target),
+        "dtype": str(getattr(state.target, "dtype", "unknown")).removeprefix("torch."),
+        "drafter": _drafter_summary(state.drafter),
         "benchmarks": {n: str(p) if isinstance(p, Path) else f"<{len(p)} prompts in memory>"
                        for n, p in files.items()},
         "num_samples": dict(counts),
@@ -579,14 +579,14 @@ def _run_settings(session: _Session, gamma: int, files: Mapping[str, Path | list
         "temperature": float(d.temperature),
         "seed": d.seed,
         "gamma": gamma,
-        "baseline": session.baseline,
+        "baseline": state.baseline,
         # the report's name for the verification-length policy (report.md prints it as "scheduler = ...")
         "scheduler": None if s.policy is None else f"{_policy_name(s.policy)} (serving loop, R = {s.concurrency})",
         "concurrency": s.concurrency if s.policy is not None else None,
         "sps": None if s.sps is None else s.sps.to_dict(),
         "sts_temperatures": None if s.sts_temperatures is None else [float(t) for t in s.sts_temperatures],
         "eos_token_ids": list(d.eos_token_ids or ()),
-        "world_size": session.world,
+        "world_size": state.world,
         "decode_fn": getattr(speculative_generate, "__qualname__", repr(speculative_generate)),
         "run": _plain_config(run_config),
     }
