@@ -236,8 +236,9 @@ class CalibrateConfig:
     seed: int = 0  # seed of the request split
     bins: int = 20  # ECE bins
     # T_k leaves 1 only with >= min_events accepted and >= min_events rejected prefixes at k, and
-    # (folds = K >= 2) when the ECE of out-of-fold predictions (T fitted without each of K request
-    # folds) beats T = 1's beyond its 95 % bootstrap interval (dspark/scheduling/sts.py). 0, 0: the paper's argmin.
+    # (folds = K >= 2) when cross-fitted out-of-fold predictions (T fitted without each of K request
+    # folds) beat T = 1's in ECE and in Brier score, each beyond its 95 % bootstrap interval
+    # (dspark/scheduling/sts.py). 0, 0: the paper's argmin.
     min_events: int = 10
     folds: int = 5
 

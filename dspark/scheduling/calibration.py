@@ -4,6 +4,8 @@ Where each piece of the paper lives:
 
 - ``ece``, ``roc_auc``, ``brier``   the metrics of paper Section 4.3.3 (20 equal-width ECE
                                     bins, rank-based ROC-AUC, Brier score).
+- ``log_loss``                      mean log-loss, a proper scoring rule reported
+                                    next to the (improper) binned ECE.
 - ``prefix_labels``                 label 1[first k accepted] and its validity
                                     mask from accepted / verified lengths.
 - ``confidence_metrics``            per-position quality of a_k = Π_{i≤k} c_i.
@@ -39,12 +41,13 @@ import numpy as np
 
 from dspark.bootstrap import DEFAULT_LEVEL, DEFAULT_RESAMPLES, stratified_ci
 from dspark.io.jsonsafe import to_jsonable
-from dspark.scheduling.sts import bin_index, fit_temperatures, logit, sigmoid
+from dspark.scheduling.sts import bin_index, fit_temperatures, log_loss_values, logit, sigmoid
 
 __all__ = [
     "ece",
     "roc_auc",
     "brier",
+    "log_loss",
     "reliability_bins",
     "prefix_labels",
     "cumulative_confidence",
@@ -145,6 +148,16 @@ def brier(pred: Any, label: Any) -> float:
     return float(np.mean((p - y) ** 2))
 
 
+def log_loss(pred: Any, label: Any) -> float:
+    """Mean log-loss −[y·log p + (1 − y)·log(1 − p)] in nats. p is clipped to [1e-6, 1 − 1e-6]
+    (the clip of ``apply_temperatures``), so a prediction of exactly 0 or 1 that misses costs
+    log(1e6) ≈ 13.8 nats instead of infinity. NaN when empty."""
+    p, y = _pred_label(pred, label)
+    if p.size == 0:
+        return float("nan")
+    return float(np.mean(log_loss_values(p, y)))
+
+
 # ----------------------------------------------------------------------------
 # Labels and per-position metrics
 # ----------------------------------------------------------------------------
@@ -205,7 +218,7 @@ def confidence_metrics(
     For each position k = 1..γ, over the rounds with k ≤ proposed: prediction
     a_k = Π_{i≤k} c_i, label 1[first k accepted]. Returns one dict per
     position with keys position (1-based), count, ece, auroc, brier,
-    mean_pred, mean_label (NaN where undefined).
+    log_loss, mean_pred, mean_label (NaN where undefined).
     """
     c = _as_conf(conf)
     gamma = c.shape[1]
@@ -222,13 +235,14 @@ def confidence_metrics(
 
 
 def _position_metrics(position: int, p: np.ndarray, y: np.ndarray, n_bins: int) -> dict[str, float]:
-    """ECE / ROC-AUC / Brier and the means of predictions p against labels y at one position."""
+    """ECE / ROC-AUC / Brier / log-loss and the means of predictions p against labels y at one position."""
     return {
         "position": position,
         "count": int(p.size),
         "ece": ece(p, y, n_bins),
         "auroc": roc_auc(p, y),
         "brier": brier(p, y),
+        "log_loss": log_loss(p, y),
         "mean_pred": float(p.mean()) if p.size else float("nan"),
         "mean_label": float(y.mean()) if y.size else float("nan"),
     }
@@ -301,7 +315,7 @@ def default_temperature_grid() -> np.ndarray:
 
 
 DEFAULT_MIN_EVENTS = 10  # accepted and rejected prefixes a position needs before T_k may leave 1
-DEFAULT_FOLDS = 5  # held-out folds that must all prefer the fitted T_k over T = 1 (0 = no check)
+DEFAULT_FOLDS = 5  # request folds of the held-out check on T_k (dspark.scheduling.sts; 0 = no check)
 
 
 def fit_sts(conf: Any, accepted: Any, proposed: Any, grid: Optional[Any] = None, n_bins: int = 20,
@@ -333,13 +347,16 @@ def fit_sts_explained(
     position with no valid round keeps T = 1.
 
     Guards (``dspark.scheduling.sts``): T_k keeps 1 unless position k has ``min_events``
-    accepted and ``min_events`` rejected prefixes, and (``folds`` = K ≥ 2) the
-    ECE of out-of-fold predictions (T fitted without each of K seeded folds dealt
-    by ``groups``, [N] request ids, None = by round) beats T = 1's with a 95 %
-    bootstrap interval (``resamples`` over the groups) above 0.
+    accepted and ``min_events`` rejected prefixes, and (``folds`` = K ≥ 2) the cross-fitted
+    held-out predictions (every temperature up to k fitted without each of K seeded folds dealt
+    by ``groups``, [N] request ids, None = by round) beat T_k = 1 in both ECE and Brier score,
+    each gain with a 95 % bootstrap interval (``resamples`` over the groups) above 0.
     ``min_events=0, folds=0`` is the plain ECE argmin of the paper. Each record:
-    position, temperature, rounds, accepted, rejected, t_argmin, ece_t1,
-    ece_argmin, ece_held_out, gain_ci, kept (None, or why T_k stayed 1).
+    position, temperature, rounds, accepted, rejected, t_argmin; ece / brier / log_loss at
+    T = 1 and at the argmin in-sample (``ece_t1``, ``brier_argmin``, …) and of the held-out
+    predictions and of T_k = 1 on the same held-out prefixes (``ece_held_out``,
+    ``log_loss_held_out_t1``, …; None without folds); gain_ci, brier_gain_ci; kept (None, or
+    why T_k stayed 1).
     """
     c = _as_conf(conf)
     gamma = c.shape[1]
@@ -537,7 +554,12 @@ def calibrate_rounds(
     (``conditional_metrics`` of c_k). Every ECE of a_k carries ``ece_ci``, a 95 %
     bootstrap interval over the part's requests (``resamples`` resamples, seeded
     with ``seed``), and so do ``ece_before`` / ``ece_after`` (``ece_before_ci``,
-    ``ece_after_ci``: one [lo, hi] per position); ``bootstrap`` records
+    ``ece_after_ci``: one [lo, hi] per position); ``brier_before`` / ``brier_after`` and
+    ``log_loss_before`` / ``log_loss_after`` give the proper scores of a_k per position on the same
+    part (binned ECE alone is not a proper scoring rule: collapsing predictions into few bins can
+    lower it without predicting better). ``sts_fit.positions`` holds the fit-part record of each
+    position (``dspark.scheduling.sts``): ECE, Brier and log-loss at T = 1, at the argmin and of
+    the cross-fitted held-out predictions. ``bootstrap`` records
     resamples, seed and level. The rows are those the headline metrics
     were measured on (the test part, or the fit part when fit_fraction = 1)."""
     fit, test = split_rounds_by_request(_rounds_with_confidences(rounds), fit_fraction, seed)
@@ -560,6 +582,10 @@ def calibrate_rounds(
         "kept": [r["kept"] for r in records],
         "ece_before_ci": [p["ece_ci"] for p in main["before"]],
         "ece_after_ci": [p["ece_ci"] for p in main["after"]],
+        "brier_before": [p["brier"] for p in main["before"]],
+        "brier_after": [p["brier"] for p in main["after"]],
+        "log_loss_before": [p["log_loss"] for p in main["before"]],
+        "log_loss_after": [p["log_loss"] for p in main["after"]],
         "evaluated_on": evaluated_on,
         "split": {"fit_fraction": float(fit_fraction), "seed": int(seed), "fit_requests": requests(fit),
                   "test_requests": requests(test), "fit_rounds": len(fit), "test_rounds": len(test)},
@@ -572,7 +598,8 @@ def calibrate_rounds(
 def _part_metrics(
     rows: Sequence[Mapping[str, Any]], temps: np.ndarray, n_bins: int, resamples: int, seed: int
 ) -> dict[str, Any]:
-    """before / after / conditional_before / conditional_after of one part; a_k's ECE with its ece_ci."""
+    """before / after / conditional_before / conditional_after of one part (ECE, AUROC, Brier,
+    log-loss per position, ``_position_metrics``); a_k's ECE with its ece_ci."""
     c, m, ell = round_arrays(rows)
     calibrated = apply_temperatures(c, temps)
     out = {

@@ -1,7 +1,7 @@
 """The temperature search of Sequential Temperature Scaling (paper Section 3.2.1) and its evidence guards.
 
 ``dspark.scheduling.calibration.fit_sts`` validates a round log and calls ``fit_temperatures`` here; this
-module holds the numerics only (numpy, no file or report handling).
+module holds the numerics only (numpy float64, no file or report handling).
 
 Plain STS (the paper's Section 3.2.1) picks, position by position, the grid temperature T_k whose
 calibrated prefix survival a'_k = Π_{i<k} c'_i · σ(logit(c_k)/T_k) has the lowest ECE against
@@ -12,19 +12,32 @@ it fits noise. Two guards keep T_k = 1 there (both off gives the plain argmin):
   least ``min_events`` accepted *and* ``min_events`` rejected prefixes. With one class only the
   ECE is minimised by pushing every prediction towards that class (T → the grid bound 0.05 when
   all are rejected and c_k < 1/2), which says nothing about the temperature.
-- **held-out gain beyond noise** (``folds`` = K ≥ 2): the rounds are dealt into K seeded folds by
-  group (by request in `dspark calibrate`, since the rounds of one request are correlated); each
-  fold's rounds get the T fitted on the other K − 1 folds, and T_k moves off 1 only if the ECE of
-  these out-of-fold predictions is below the ECE at T = 1 on the same rounds by more than noise:
-  the 95 % interval of that gain, from a seeded bootstrap over the groups, must lie above 0. The
-  in-sample argmin can only lower the fit ECE, so only held-out rounds say whether the gain
-  generalises (a bootstrap of the in-sample gain would ignore that T was selected on the same
-  rounds); and the held-out ECE difference is itself noisy (binned ECE has a positive bias of
-  order sqrt(bins / n)), hence the interval. On synthetic rounds with calibrated confidences this
-  guard rarely moves T off 1 on small sets and never on large ones, where a bare "held-out ECE
-  below T = 1's" often does and "every fold's held-out ECE below" lacks power; for a miscalibrated
-  head it lets T move more often as the rounds grow, always on large sets. Deterministic given
-  ``seed``.
+- **cross-fitted held-out gain beyond noise** (``folds`` = K ≥ 2): the rounds are dealt into K
+  seeded folds by group (by request in `dspark calibrate`, since the rounds of one request are
+  correlated). For each fold f, temperatures T_1^(−f), T_2^(−f), … are fitted sequentially by the
+  ECE argmin on the rounds outside f only, and f's rounds get the held-out predictions
+  Π_{i<k} σ(z_i/T_i^(−f)) · σ(z_k/T_k^(−f)): no temperature in a held-out prediction, at k or
+  before, was fitted on that round. T_k moves off 1 only if, against T_k = 1 on the same
+  cross-fitted prefixes, both the held-out ECE gain and the held-out Brier gain have a 95 %
+  interval above 0 (one seeded bootstrap over the groups for both). The in-sample argmin can only
+  lower the fit ECE, so only held-out rounds say whether a gain generalises, and the held-out gain
+  is itself noisy, hence the intervals. The Brier condition is there because binned ECE is not a
+  proper scoring rule: a large T packs the predictions into fewer bins, which lowers ECE's noise
+  floor (of order sqrt(bins / n)) on held-out rounds too, so a calibrated head shows real held-out
+  ECE "gains" that predict nothing better; the expected Brier gain of any T ≠ 1 over a calibrated
+  head is negative.
+
+  An earlier position i whose guarded T_i stayed 1 has T_i^(−f) = 1 in every fold; one whose T_i
+  moved has its fold-specific argmin. The check at k thus judges T_k inside the predictor it would
+  join: re-fitting the kept positions per fold would put back the noise their guard removed, and
+  on the simulation below that cuts the power at k ≥ 3 to a few percent, while running the full
+  guards inside each fold would nest the check K-fold deep for every position.
+
+Guarantee, tested by simulation (tests/scheduling/test_sts_guard.py) with the `dspark calibrate`
+defaults (min_events 10, 5 folds, 1000 resamples): on calibrated confidences at 36 requests × 10
+rounds, γ = 7, with rounds of a request correlated, some T_k leaves 1 in ≤ 1 % of the logs (the ECE
+interval alone: about 4 %); for a head whose true acceptance is σ(logit(c)/2), T_1 leaves 1, above 1,
+in ≥ 90 % of logs of 100 requests × 20 rounds. Deterministic given ``seed``.
 """
 
 from __future__ import annotations
@@ -33,7 +46,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-__all__ = ["bin_index", "fit_temperatures", "fold_ids", "logit", "sigmoid"]
+__all__ = ["bin_index", "fit_temperatures", "fold_ids", "log_loss_values", "logit", "sigmoid"]
 
 _CLIP = 1e-6
 
@@ -94,21 +107,31 @@ def fold_ids(groups: Any, folds: int, seed: int) -> np.ndarray:
     return fold_of_group[inverse.ravel()]
 
 
-def _out_of_fold(z: np.ndarray, prefix: np.ndarray, y: np.ndarray, fold: np.ndarray, grid: np.ndarray,
-                 n_bins: int) -> np.ndarray:
-    """Out-of-fold predictions [n]: prefix·σ(z/T_f) on fold f, T_f fitted on the rounds outside f."""
-    pred = np.empty_like(z)
-    for f in np.unique(fold):
+def _cross_fit(z: np.ndarray, y: np.ndarray, fold_prefix: np.ndarray, fold: np.ndarray, grid: np.ndarray,
+               n_bins: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Cross-fitted predictions at one position from its n verified rounds.
+
+    z, y: [n]; fold: [n] ids in [0, K); fold_prefix: [K, n], row f the prefix Π_{i<k} c'_i of every
+    round under the temperatures T_1^(−f)..T_{k−1}^(−f) fitted without fold f. Returns (t_fold [K]:
+    T_k^(−f), the argmin on the rounds outside f with their fold-f prefix, 1.0 where none is outside;
+    pred [n]: prefix^(−f)·σ(z/T_k^(−f)) on each fold f's rounds; base [n]: prefix^(−f)·σ(z), the
+    same rounds at T_k = 1)."""
+    t_fold = np.ones(fold_prefix.shape[0], dtype=np.float64)
+    pred, base = np.empty_like(z), np.empty_like(z)
+    for f in range(fold_prefix.shape[0]):
         held = fold == f
-        t = _argmin_temperature(z[~held], prefix[~held], y[~held], grid, n_bins)
-        pred[held] = prefix[held] * sigmoid(z[held] / t)
-    return pred
+        if (~held).any():
+            t_fold[f] = _argmin_temperature(z[~held], fold_prefix[f, ~held], y[~held], grid, n_bins)
+        pred[held] = fold_prefix[f, held] * sigmoid(z[held] / t_fold[f])
+        base[held] = fold_prefix[f, held] * sigmoid(z[held])
+    return t_fold, pred, base
 
 
-def _gain_interval(pred: np.ndarray, base: np.ndarray, y: np.ndarray, group: np.ndarray, n_bins: int,
-                   resamples: int, level: float, seed: int) -> tuple[float, float]:
-    """[lo, hi] of ECE(base) − ECE(pred) over a seeded bootstrap of the groups: per group the signed
-    residual sums per bin (n_b·|p̄_b − ȳ_b| = |Σ_b (p − y)|), resampled with multinomial weights."""
+def _gain_intervals(pred: np.ndarray, base: np.ndarray, y: np.ndarray, group: np.ndarray, n_bins: int,
+                    resamples: int, level: float, seed: int) -> tuple[list[float], list[float]]:
+    """[lo, hi] of ECE(base) − ECE(pred) and of Brier(base) − Brier(pred) over one seeded bootstrap
+    of the groups (the same multinomial group weights for both): per group the signed residual sums
+    per bin (n_b·|p̄_b − ȳ_b| = |Σ_b (p − y)|) and the summed squared errors. pred, base, y, group: [n]."""
     _, g = np.unique(group, return_inverse=True)
     g = g.ravel()
     n_groups = int(g.max()) + 1
@@ -119,29 +142,63 @@ def _gain_interval(pred: np.ndarray, base: np.ndarray, y: np.ndarray, group: np.
         return out
 
     count = np.bincount(g, minlength=n_groups).astype(np.float64)
+    sq_gain = np.bincount(g, weights=(base - y) ** 2 - (pred - y) ** 2, minlength=n_groups)  # [groups]
     w = np.random.default_rng(seed).multinomial(n_groups, np.full(n_groups, 1.0 / n_groups), size=resamples)
     n = w @ count  # rounds per resample, [B]
-    gain = (np.abs(w @ sums(base)).sum(axis=1) - np.abs(w @ sums(pred)).sum(axis=1)) / n
+    ece_gain = (np.abs(w @ sums(base)).sum(axis=1) - np.abs(w @ sums(pred)).sum(axis=1)) / n
+    brier_gain = (w @ sq_gain) / n
     alpha = (1.0 - level) / 2.0
-    return float(np.quantile(gain, alpha)), float(np.quantile(gain, 1.0 - alpha))
+    return ([float(np.quantile(ece_gain, alpha)), float(np.quantile(ece_gain, 1.0 - alpha))],
+            [float(np.quantile(brier_gain, alpha)), float(np.quantile(brier_gain, 1.0 - alpha))])
+
+
+def _brier(pred: np.ndarray, y: np.ndarray) -> float:
+    return float(np.mean((pred - y) ** 2))
+
+
+def log_loss_values(pred: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Per-prediction log-loss −y·log p − (1 − y)·log(1 − p), p clipped to [1e-6, 1 − 1e-6] so that a
+    confident miss costs at most log(1e6) ≈ 13.8 nats instead of infinity (the same clip as ``logit``)."""
+    p = np.clip(pred, _CLIP, 1.0 - _CLIP)
+    return -(y * np.log(p) + (1.0 - y) * np.log1p(-p))
+
+
+def _scores(pred: np.ndarray, y: np.ndarray, n_bins: int) -> tuple[float, float, float]:
+    """(ECE, Brier, log-loss) of predictions pred [n] against labels y [n]."""
+    return _ece(pred, y, n_bins), _brier(pred, y), float(np.mean(log_loss_values(pred, y)))
+
+
+_SCORE_KEYS = ("ece", "brier", "log_loss")
 
 
 def _fit_position(z: np.ndarray, prefix: np.ndarray, y: np.ndarray, n_bins: int, grid: np.ndarray,
-                  guard: dict[str, Any]) -> tuple[float, dict[str, Any]]:
-    """T_k for one position from its verified rounds, and the record of why: keys rounds, accepted,
-    rejected, t_argmin (the plain STS choice), ece_t1 / ece_argmin (in-sample), ece_held_out (of the
-    out-of-fold predictions) and gain_ci (interval of ECE at T = 1 minus ece_held_out), when checked,
-    and kept (None when T_k = t_argmin, else the reason T_k stayed 1). ``guard``: min_events, and
-    fold / group ([n] ids, fold None = no check), resamples, level, seed."""
+                  guard: dict[str, Any], cross: Optional[tuple[np.ndarray, np.ndarray, np.ndarray]] = None,
+                  ) -> tuple[float, dict[str, Any]]:
+    """T_k for one position from its n verified rounds, and the record of why.
+
+    z, prefix, y: [n]; cross: ``_cross_fit``'s (t_fold, pred, base) at this position, None when there
+    is no held-out check. Record keys: rounds, accepted, rejected, t_argmin (the plain STS choice);
+    ece / brier / log_loss of prefix·σ(z/T) in-sample at T = 1 (``*_t1``) and at t_argmin
+    (``*_argmin``); of the cross-fitted predictions (``*_held_out``) and of the same rounds at T_k = 1
+    (``*_held_out_t1``) when ``cross`` is given (None otherwise); gain_ci and brier_gain_ci (intervals
+    of ece_held_out_t1 − ece_held_out and brier_held_out_t1 − brier_held_out) when the check ran; and
+    kept (None when T_k = t_argmin, else the reason T_k stayed 1). ``guard``: min_events, check
+    (folds ≥ 2), group ([n] ids), resamples, level, seed."""
     n, n_acc = int(y.size), int(y.sum())
-    info: dict[str, Any] = {"rounds": n, "accepted": n_acc, "rejected": n - n_acc, "t_argmin": 1.0, "ece_t1": None,
-                            "ece_argmin": None, "ece_held_out": None, "gain_ci": None, "kept": None}
+    info: dict[str, Any] = {"rounds": n, "accepted": n_acc, "rejected": n - n_acc, "t_argmin": 1.0}
+    for suffix in ("t1", "argmin", "held_out", "held_out_t1"):
+        info.update({f"{key}_{suffix}": None for key in _SCORE_KEYS})
+    info.update(gain_ci=None, brier_gain_ci=None, kept=None)
     if n == 0:
         info["kept"] = "no round verified this position"
         return 1.0, info
     t_star = _argmin_temperature(z, prefix, y, grid, n_bins)
-    base = prefix * sigmoid(z)
-    info.update(t_argmin=t_star, ece_t1=_ece(base, y, n_bins), ece_argmin=_ece(prefix * sigmoid(z / t_star), y, n_bins))
+    for suffix, pred in (("t1", prefix * sigmoid(z)), ("argmin", prefix * sigmoid(z / t_star))):
+        info.update(zip((f"{key}_{suffix}" for key in _SCORE_KEYS), _scores(pred, y, n_bins)))
+    info["t_argmin"] = t_star
+    if cross is not None:
+        for suffix, pred in (("held_out", cross[1]), ("held_out_t1", cross[2])):
+            info.update(zip((f"{key}_{suffix}" for key in _SCORE_KEYS), _scores(pred, y, n_bins)))
     if t_star == 1.0:
         return 1.0, info
     min_events = guard["min_events"]
@@ -149,18 +206,21 @@ def _fit_position(z: np.ndarray, prefix: np.ndarray, y: np.ndarray, n_bins: int,
         if count < min_events:
             info["kept"] = f"{count} {what} prefix{'' if count == 1 else 'es'} < min_events={min_events}"
             return 1.0, info
-    fold = guard["fold"]
-    if fold is not None:
-        if np.unique(fold).size < 2:
+    if guard["check"]:
+        if cross is None:
             info["kept"] = "one group (request) only: no held-out fold to check on"
             return 1.0, info
-        held_out = _out_of_fold(z, prefix, y, fold, grid, n_bins)
-        lo, hi = _gain_interval(held_out, base, y, guard["group"], n_bins, guard["resamples"], guard["level"],
-                                guard["seed"])
-        info.update(ece_held_out=_ece(held_out, y, n_bins), gain_ci=[lo, hi])
+        (lo, hi), bci = _gain_intervals(cross[1], cross[2], y, guard["group"], n_bins, guard["resamples"],
+                                        guard["level"], guard["seed"])
+        info["gain_ci"] = [lo, hi]
+        info["brier_gain_ci"] = bci
         if not lo > 0:
-            info["kept"] = (f"held-out ECE gain over T = 1 is {info['ece_t1'] - info['ece_held_out']:.3g}, "
+            info["kept"] = (f"held-out ECE gain over T = 1 is {info['ece_held_out_t1'] - info['ece_held_out']:.3g}, "
                             f"its {guard['level']:.0%} interval [{lo:.3g}, {hi:.3g}] reaches 0")
+            return 1.0, info
+        if not bci[0] > 0:
+            info["kept"] = (f"held-out Brier gain over T = 1 is {info['brier_held_out_t1'] - info['brier_held_out']:.3g}, "
+                            f"its {guard['level']:.0%} interval [{bci[0]:.3g}, {bci[1]:.3g}] reaches 0")
             return 1.0, info
     return t_star, info
 
@@ -182,15 +242,25 @@ def fit_temperatures(
     grid = grid[np.argsort(np.abs(np.log(grid)), kind="stable")]
     group = np.arange(n) if groups is None else np.asarray(groups).ravel()
     fold = fold_ids(group, folds, seed) if folds >= 2 else None
+    n_folds = 0 if fold is None else int(fold.max()) + 1 if fold.size else 0
     temps = np.ones(gamma, dtype=np.float64)
     prefix = np.ones(n, dtype=np.float64)  # Π_{i<k} c'_i
+    fold_prefix = np.ones((n_folds, n), dtype=np.float64)  # row f: Π_{i<k} σ(z_i/T_i^(−f))
     records = []
     for k in range(gamma):
         rows = valid[:, k]
-        guard = {"min_events": min_events, "fold": None if fold is None else fold[rows], "group": group[rows],
+        zk, yk = z[rows, k], label[rows, k].astype(np.float64)
+        cross = None
+        if fold is not None and np.unique(fold[rows]).size >= 2:
+            cross = _cross_fit(zk, yk, fold_prefix[:, rows], fold[rows], grid, n_bins)
+        guard = {"min_events": min_events, "check": fold is not None, "group": group[rows],
                  "resamples": resamples, "level": level, "seed": seed}
-        temps[k], info = _fit_position(z[rows, k], prefix[rows], label[rows, k].astype(np.float64), n_bins, grid,
-                                       guard)
+        temps[k], info = _fit_position(zk, prefix[rows], yk, n_bins, grid, guard, cross)
         records.append({"position": k + 1, "temperature": float(temps[k]), **info})
         prefix = prefix * sigmoid(z[:, k] / temps[k])
+        if cross is not None:
+            if temps[k] != 1.0:  # a kept position has T_k^(−f) = 1 in every fold (module docstring)
+                fold_prefix[:, rows] *= sigmoid(zk[None, :] / cross[0][:, None])
+            else:
+                fold_prefix[:, rows] *= sigmoid(zk)[None, :]
     return temps, records

@@ -11,13 +11,16 @@ import pytest
 from dspark.scheduling.calibration import (
     apply_temperatures,
     brier,
+    calibrate_rounds,
     confidence_metrics,
     ece,
     fit_sts,
     load_sts_json,
+    log_loss,
     prefix_labels,
     roc_auc,
     save_sts_json,
+    save_sts_report,
 )
 from helpers.calibration import sigmoid, synthetic_rounds
 
@@ -71,8 +74,15 @@ def test_brier_by_hand():
     assert brier([0.2, 0.9], [0, 1]) == pytest.approx((0.04 + 0.01) / 2)
 
 
+def test_log_loss_by_hand_and_clipped():
+    assert log_loss([0.2, 0.9], [0, 1]) == pytest.approx(-(np.log(0.8) + np.log(0.9)) / 2)
+    # A certain miss costs log(1e6) (p clipped to [1e-6, 1 - 1e-6]), a certain hit about 1e-6.
+    assert log_loss([0.0, 1.0], [1, 1]) == pytest.approx((np.log(1e6) - np.log1p(-1e-6)) / 2)
+    assert np.isnan(log_loss([], []))
+
+
 def test_metrics_return_python_floats():
-    for fn in (ece, roc_auc, brier):
+    for fn in (ece, roc_auc, brier, log_loss):
         assert type(fn(np.array([0.2, 0.7]), np.array([0, 1]))) is float
 
 
@@ -104,7 +114,8 @@ def test_confidence_metrics_use_cumulative_product_on_valid_rounds():
     assert out[1]["mean_label"] == pytest.approx(0.5)
     assert out[1]["brier"] == pytest.approx((0.25**2 + 0.2**2) / 2)
     assert out[1]["auroc"] == pytest.approx(1.0)
-    assert set(out[0]) == {"position", "count", "ece", "auroc", "brier", "mean_pred", "mean_label"}
+    assert out[1]["log_loss"] == pytest.approx(-(np.log(1 - 0.25) + np.log(0.8)) / 2)
+    assert set(out[0]) == {"position", "count", "ece", "auroc", "brier", "log_loss", "mean_pred", "mean_label"}
 
 
 # ----------------------------------------------------------------------------
@@ -211,3 +222,31 @@ def test_malformed_sts_json_raises(tmp_path, data, match):
 def test_importing_calibration_does_not_import_matplotlib():
     code = "import sys, dspark.scheduling.calibration; assert 'matplotlib' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_calibration_report_carries_proper_scores_as_strict_json(tmp_path):
+    rng = np.random.default_rng(4)
+    conf, accepted, proposed = synthetic_rounds(2_000, 2.0, rng, mu=(1.0, 1.0, 1.0))
+    proposed[:] = 2  # position 3 is never verified: its scores are NaN, written as null
+    accepted = np.minimum(accepted, proposed)
+    rows = [{"benchmark": "b", "request": i // 10, "round": i % 10, "proposed": int(m), "accepted": int(a),
+             "confidences": c.tolist()} for i, (c, a, m) in enumerate(zip(conf, accepted, proposed))]
+    report, evaluated = calibrate_rounds(rows, resamples=50)
+    c, a, m = conf[[r["request"] * 10 + r["round"] for r in evaluated]], \
+        np.array([r["accepted"] for r in evaluated]), np.array([r["proposed"] for r in evaluated])
+    before = confidence_metrics(c, a, m)
+    assert report["brier_before"][:2] == [b["brier"] for b in before[:2]]
+    assert report["log_loss_before"][:2] == [b["log_loss"] for b in before[:2]]
+    assert report["brier_after"][0] < report["brier_before"][0]  # overconfident head, T_1 fitted
+    record = report["sts_fit"]["positions"][0]
+    assert record["kept"] is None and record["brier_held_out"] < record["brier_held_out_t1"]
+    assert {"brier_t1", "brier_argmin", "log_loss_t1", "log_loss_argmin", "log_loss_held_out"} <= set(record)
+    path = tmp_path / "sts.json"
+    save_sts_report(path, report)
+
+    def refuse(constant):
+        raise ValueError(constant)
+
+    raw = json.loads(path.read_text(), parse_constant=refuse)  # no NaN / Infinity tokens
+    assert raw["brier_before"][2] is None and raw["log_loss_after"][2] is None
+    assert raw["sts_fit"]["positions"][2]["brier_t1"] is None  # no round verified position 3
