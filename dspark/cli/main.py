@@ -258,7 +258,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     config = drafter.config
     needs = {"deepspec": "DeepSpec needs them in the folder"}.get(args.to) or (
         "the EAGLE-3 layout holds the LM head" if config.variant == "eagle3" and args.to in ("vllm", "sglang") else
-        "a draft vocabulary's LM head rows go into the folder" if config.draft_vocab_size and args.to == "vllm" else "")
+        "the EAGLE-3 GGUF holds the LM head" if config.variant == "eagle3" and args.to == "llamacpp" else
+        "a draft vocabulary's LM head rows go into the folder" if config.draft_vocab_size and args.to in ("vllm", "llamacpp") else "")
     if needs and not has_tables:
         if not args.target:
             raise ValueError(f"{args.drafter} holds no embedding / LM head and {needs}: "
@@ -267,7 +268,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
         target = TargetModel.from_pretrained(args.target, drafter.config.target_layer_ids)
         drafter = load_drafter(args.drafter, target)
-    folder = export_drafter(drafter, args.out, args.to, target=args.target or None, sts=args.sts or None, sps=args.sps or None)
+    folder = export_drafter(drafter, args.out, args.to, target=args.target or None, sts=args.sts or None,
+                            sps=args.sps or None, outtype=args.outtype or None, tokenizer_pre=args.tokenizer_pre or None)
     print(f"exported {args.drafter} for {args.to} to {folder}\n")
     print((folder / SERVE_NAME).read_text())
     return 0
@@ -401,14 +403,19 @@ def build_parser() -> argparse.ArgumentParser:
         if command == "cache":
             p.add_argument("--estimate", action="store_true", help="print the size the cache will take, write nothing")
 
-    p = sub.add_parser("export", help="write a drafter in the layout vLLM / SGLang / DeepSpec / z-lab loads, with SERVE.md")
+    p = sub.add_parser("export", help="write a drafter in the layout vLLM / SGLang / DeepSpec / z-lab / llama.cpp loads, with SERVE.md")
     p.add_argument("drafter", help="drafter folder (any layout load_drafter reads)")
-    p.add_argument("--to", required=True, choices=["vllm", "sglang", "deepspec", "zlab"], help="destination")
+    p.add_argument("--to", required=True, choices=["vllm", "sglang", "deepspec", "zlab", "llamacpp"], help="destination "
+                   "(llamacpp: draft.gguf with the target's tokenizer, which --target gives)")
     p.add_argument("--out", required=True, help="output folder (replaced atomically)")
     p.add_argument("--target", default="", help="the target (name or path): named in SERVE.md; gives DeepSpec "
                    "exports the embedding / LM head when the drafter folder has none")
     p.add_argument("--sts", default="", help="SGLang DSpark: STS JSON (dspark calibrate), copied next to the weights")
     p.add_argument("--sps", default="", help="SGLang DSpark: SPS table JSON (dspark profile-sps), copied next to the weights")
+    p.add_argument("--outtype", default="", choices=["", "f16", "bf16", "f32"],
+                   help="llamacpp: the GGUF's matrix type (default f16; norms, biases stay f32)")
+    p.add_argument("--tokenizer-pre", default="", help="llamacpp: llama.cpp's pre-tokenizer name for a target "
+                   "tokenizer dspark does not recognise (tokenizer.ggml.pre of a GGUF of the target)")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("report", help="rebuild report.json, report.md and the plots of a `dspark eval` folder "

