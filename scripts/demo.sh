@@ -8,6 +8,8 @@
 #   6 schedule   DSpark under each verification policy of POLICIES at R = 1: wall clock against target-only
 #   7 simulate   the same prompts and policies in the serving simulator at R = 1, 4, ... on the SPS clock
 #                (the R = 4 column of the scheduling table, and the Fig. 8 analogue)
+#   +            llama.cpp (optional, when a llama-server is found): the three drafters as GGUF in llama-server
+#                beside dspark's loop on the same prompts (bench/llamacpp.py); never builds llama.cpp itself
 #   8 summary    runs/demo/README.md (plots linked) and a short version printed
 #
 #   bash scripts/demo.sh           about 45 minutes on 2 CPU cores
@@ -174,6 +176,31 @@ echo "== 7/8 serving simulation at R = $SIM_R on the same prompts (SPS clock; Fi
 stage simulate "$OUT/simulate/results.json" dspark simulate "${EVAL_ARGS[@]}" --draft "$DRAFT" \
   --sps "$OUT/sps.json" --sts "$OUT/sts.json" --concurrency "$SIM_R" --policy ${POLICIES// /,} --draft-overhead measured \
   --num-prompts "$SCHED_SAMPLES" --max-new-tokens "$SCHED_MAXNEW" --temperature 1.0 --out "$OUT/simulate"
+
+# Optional: the same drafters in a real engine. Runs only when a llama-server is found
+# (dspark.interop.llamacpp.find_llama_server; DSPARK_DEMO_LLAMACPP=0 turns it off); the demo never
+# builds one. A failure here is reported and the summary goes on without it.
+LLAMA_SERVER=""
+if [ "${DSPARK_DEMO_LLAMACPP:-1}" != 0 ]; then
+  LLAMA_SERVER=$("$DSPARK_PY" -c '
+import sys
+from dspark.interop.llamacpp import find_llama_server
+try:
+    print(find_llama_server() or "")
+except FileNotFoundError as error:
+    print(f"   ({error})", file=sys.stderr)
+    print("")')
+fi
+llamacpp_bench() {
+  "$DSPARK_PY" bench/llamacpp.py --run "$OUT" --server "$LLAMA_SERVER" --out "$OUT/llamacpp" && return 0
+  echo "   llama.cpp stage failed (error above; server logs in $OUT/llamacpp/logs); the summary goes on without it"
+}
+if [ -n "$LLAMA_SERVER" ]; then
+  echo "== llama.cpp: the three drafters in llama-server ($LLAMA_SERVER) beside dspark's loop, same prompts"
+  stage llamacpp "$OUT/llamacpp/results.json" llamacpp_bench
+elif [ "${DSPARK_DEMO_LLAMACPP:-1}" != 0 ]; then
+  echo "== llama.cpp: skipped, no llama-server found (set DSPARK_LLAMA_SERVER=/path/to/llama-server, or build one with \`python bench/llamacpp.py --build\`: about 15 minutes once)"
+fi
 
 echo "== 8/8 summary"
 dspark summary "$OUT"

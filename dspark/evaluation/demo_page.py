@@ -17,6 +17,7 @@ The run folder (``scripts/demo.sh`` writes it; the names are this module's contr
     sts.json (sts_reliability.png)    `dspark calibrate`
     sched/<policy>-R<r>/report.json   `dspark eval --policy <policy> --concurrency <r>`
     simulate/results.json (figure8.png, frontier.png)   `dspark simulate`
+    llamacpp/results.json (README.md)   `bench/llamacpp.py` (optional: the drafters in llama.cpp)
 
 Intervals: a metric ``x`` of a report may carry a sibling ``x_ci: [lo, hi]`` (a 95 %
 bootstrap interval over requests); for macro averages ``x_ci`` is then a dict of the
@@ -41,7 +42,7 @@ TAU_KEYS = ("tau_pooled", "tau")  # τ pooled over rounds; a report without inte
 DOMAIN_NAMES = {"math": "Math", "code": "Code", "chat": "Chat", "avg": "Avg"}
 STAGE_NAMES = {"data": "answers, rendering, fp8 feature cache", "vocab": "draft vocabulary (dspark vocab)",
                "profile-sps": "SPS profile of the target", "calibrate": "STS calibration",
-               "simulate": "serving simulation"}
+               "simulate": "serving simulation", "llamacpp": "llama.cpp beside dspark (bench/llamacpp.py)"}
 STAGE_PREFIXES = {"train-": "training", "eval-": "evaluation", "sched-": "scheduled evaluation"}
 
 
@@ -102,6 +103,7 @@ def load_run(run_dir: str | os.PathLike) -> dict[str, Any]:
         "sts": _read_json(root / "sts.json"),
         "sched": sched,
         "simulate": _read_json(root / "simulate" / "results.json"),
+        "llamacpp": _read_json(root / "llamacpp" / "results.json"),
     }
 
 
@@ -255,15 +257,17 @@ def calibration_section(run: Mapping[str, Any]) -> str:
         return "No STS file (sts.json) found."
     split = sts.get("split", {})
     before, after = sts.get("ece_before") or [], sts.get("ece_after") or []
+    brier_before, brier_after = sts.get("brier_before") or [], sts.get("brier_after") or []
     kept = sts.get("kept") or []
     rows = [[str(k + 1), fmt_number(t, 3), fmt_number(_at(before, k), 4), fmt_number(_at(after, k), 4),
+             fmt_number(_at(brier_before, k), 4), fmt_number(_at(brier_after, k), 4),
              "fitted" if k < len(kept) and _at(kept, k) is None else (_at(kept, k) or "–")]
             for k, t in enumerate(sts["temperatures"])]
     return "\n".join([
         f"Sequential Temperature Scaling fitted on {split.get('fit_requests', '?')} requests "
         f"({split.get('fit_rounds', '?')} rounds) of DSpark's T = 1 evaluation, ECE of a_k = Π c_i measured on the "
         f"{sts.get('evaluated_on', '?')} part ({split.get('test_requests', '?')} requests).", "",
-        markdown_table(["k", "T_k", "ECE before", "ECE after", "T_k = 1 kept because"], rows), "",
+        markdown_table(["k", "T_k", "ECE before", "ECE after", "Brier before", "Brier after", "T_k = 1 kept because"], rows), "",
         "STS moves T_k off 1 only where the fit half holds `calibrate.min_events` accepted and rejected "
         "prefixes and a cross-fitted ECE gain whose 95 % interval excludes 0 (`dspark/scheduling/sts.py`).", "",
         f"Reliability diagrams: {_link(run, 'sts_reliability.png')}; the STS file: {_link(run, 'sts.json')}.",
@@ -543,6 +547,45 @@ def simulate_section(run: Mapping[str, Any]) -> str:
     ])
 
 
+def _triple(entry: Mapping[str, Any] | None, key: str, bench: str = "macro") -> str:
+    """A [estimate, lo, hi] of bench/llamacpp.py's results as "x ± h"; "–" when missing."""
+    value = ((entry or {}).get(key) or {}).get(bench)
+    return fmt_ci(value[0], value[1:]) if value else "–"
+
+
+def llamacpp_section(run: Mapping[str, Any]) -> str:
+    """The same drafters served by llama.cpp (bench/llamacpp.py): macro τ in both engines, llama.cpp's
+    tokens/s with and without the drafter, greedy outputs equal to the target's, and the target
+    alone in both engines."""
+    results = run.get("llamacpp")
+    if not isinstance(results, Mapping) or not results.get("temperatures"):
+        return "Not run (no llamacpp/results.json): see bench/llamacpp.py."
+    settings = results.get("settings", {})
+    rows = []
+    for temp, entry in results["temperatures"].items():
+        t = "greedy" if float(temp) == 0.0 else f"T = {float(temp):g}"
+        target = entry.get("target", {})
+        for name, d in sorted(entry.get("drafters", {}).items(), key=lambda kv: _drafter_order(kv[0])):
+            equal = d.get("greedy_equal")
+            rows.append([DRAFTER_NAMES.get(str(settings.get("drafters", {}).get(name, {}).get("variant")), name), t,
+                         _triple(d, "tau"), _triple(d, "dspark_tau"), _triple(target, "tokens_per_s"),
+                         _triple(d, "tokens_per_s"), _triple(d, "speedup"),
+                         f"{equal[0]}/{equal[1]}" if equal else "–"])
+        rows.append(["target alone", t, "–", "–", _triple(target, "tokens_per_s"),
+                     f"dspark loop: {_triple(target, 'dspark_tokens_per_s')}", _triple(target, "llamacpp_over_dspark"),
+                     "–"])
+    header = ["drafter", "", "τ llama.cpp", "τ dspark", "llama.cpp tok/s, target alone", "tok/s with the drafter",
+              "speedup (target alone: llama.cpp / dspark)", "greedy output = target's"]
+    return "\n".join([
+        markdown_table(header, rows), "",
+        f"The drafters exported to GGUF and served by `llama-server` ({settings.get('threads', '?')} threads) with "
+        f"the target's Q4_1 GGUF, on the {settings.get('requests', '?')} requests of the evaluation. Macro averages "
+        "over the benchmarks, ± half the 95 % bootstrap interval over requests; τ counts the target's token of "
+        "each round in both engines; tokens/s are the server's, prefill excluded. Per benchmark: "
+        f"{_link(run, 'llamacpp/README.md')}.",
+    ])
+
+
 def _draft_charge(overhead: Any) -> str:
     if overhead == "measured":
         return "as measured (each step pays every phase it took but the target's verification)"
@@ -570,6 +613,7 @@ FILES = (
     ("sts.json", "STS temperatures and ECE before / after (sts_reliability.png)"),
     ("sched/*/", "scheduled evaluations, one folder per policy and R"),
     ("simulate/", "the serving simulation: results.md / .json, rounds.jsonl, figure8.png, frontier.png"),
+    ("llamacpp/", "llama.cpp beside dspark: results.json, README.md, requests.jsonl, the drafters' GGUFs, server logs"),
 )
 
 
@@ -604,6 +648,7 @@ def summary_markdown(run: Mapping[str, Any]) -> str:
         "", "## 3. Calibration of DSpark's confidences", "", calibration_section(run),
         "", "## 4. Scheduled verification", "", sched_section(run),
         "", "## 5. Serving simulation (Fig. 8 analogue)", "", simulate_section(run),
+        *(["", "## 5b. llama.cpp beside dspark", "", llamacpp_section(run)] if run.get("llamacpp") else []),
         "", "## 6. Time per stage", "", timings_section(run),
         "", "## 7. Files", "", files_section(run), "",
     ]
@@ -626,6 +671,9 @@ def summary_short(run: Mapping[str, Any]) -> str:
     if isinstance(sts, Mapping) and sts.get("ece_before"):
         pairs = [f"{fmt_number(b, 3)}->{fmt_number(a, 3)}" for b, a in zip(sts["ece_before"], sts.get("ece_after", []))]
         lines.append("ECE per position before->after STS: " + " ".join(pairs))
+        if sts.get("brier_before"):
+            pairs = [f"{fmt_number(b, 3)}->{fmt_number(a, 3)}" for b, a in zip(sts["brier_before"], sts.get("brier_after", []))]
+            lines.append("Brier per position before->after STS: " + " ".join(pairs))
     for x in sched_rows(run):
         lines.append(f"{x['policy']:>12} R={x['R']}: τ {fmt_ci(x['tau'], x['tau_ci'])}, mean ℓ {fmt_number(x['mean_ell'])}, "
                      f"wall speedup {fmt_ci(x['speedup'], x['speedup_ci'])}, SPS-clock Θ ratio {fmt_number(x['theta_ratio'])}"
@@ -637,12 +685,33 @@ def summary_short(run: Mapping[str, Any]) -> str:
             speed, speed_ci = _fmt_ratio(x["paired"].speedup)
             lines.append(f"{x['policy']:>12} / {PAIRED_BASELINE} (paired, R=1): speedup ratio {speed} {speed_ci}, "
                          f"{_paired_verdict(x['paired'].speedup, PAIRED_BASELINE)}; τ ratio {_fmt_ratio(x['paired'].tau)[0]}")
+    for line in _llamacpp_short(run):
+        lines.append(line)
     if run["timings"]:
         lines.append("minutes per stage: " + ", ".join(f"{k} {float(v) / 60:.1f}" for k, v in run["timings"].items())
                      + f"; total {sum(float(v) for v in run['timings'].values()) / 60:.1f}")
     lines.append(f"files in {run['dir']}: data/, <drafter>/drafter/, eval-T*/<drafter>/ (report.md, rounds.jsonl), "
                  "sps.json, sts.json, sched/<policy>-R1/, simulate/ (figure8.png); README.md lists each")
     return "\n".join(lines)
+
+
+def _llamacpp_short(run: Mapping[str, Any]) -> list[str]:
+    """One line per drafter and temperature of the llama.cpp results (macro estimates only)."""
+    results = run.get("llamacpp")
+    if not isinstance(results, Mapping):
+        return []
+
+    def est(entry: Any, key: str, digits: int = 2) -> str:
+        value = ((entry or {}).get(key) or {}).get("macro")
+        return fmt_number(value[0], digits) if value else "–"
+
+    lines = []
+    for temp, entry in (results.get("temperatures") or {}).items():
+        for name, d in entry.get("drafters", {}).items():
+            lines.append(f"llama.cpp {name} T={temp}: τ {est(d, 'tau')} (dspark {est(d, 'dspark_tau')}), "
+                         f"tok/s {est(entry.get('target'), 'tokens_per_s', 1)} -> {est(d, 'tokens_per_s', 1)} "
+                         f"(x{est(d, 'speedup')})")
+    return lines
 
 
 def write_summary(run_dir: str | os.PathLike) -> tuple[Path, str]:
