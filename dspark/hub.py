@@ -25,8 +25,9 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
+
+from dspark.io.atomic import file_lock
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ def ensure_smollm2() -> Path:
     if _is_complete(final):
         return final
     targets.mkdir(parents=True, exist_ok=True)
-    with _file_lock(targets / f".{SMOLLM2_FOLDER}.lock"):
+    with file_lock(targets / f".{SMOLLM2_FOLDER}.lock"):
         if _is_complete(final):  # another process finished while we waited
             return final
         logger.info(
@@ -143,21 +144,6 @@ def _install_folder(tmp: Path, final: Path) -> None:
         if not _is_complete(final):
             raise
         # Another process (without the lock, e.g. on another host sharing the cache) won the race.
-
-
-@contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    try:
-        import fcntl
-    except ImportError:  # no POSIX locks (Windows): rely on the atomic rename alone
-        yield
-        return
-    with open(path, "a") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
 
 def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:

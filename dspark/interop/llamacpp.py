@@ -78,6 +78,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from dspark.hub import cache_dir
+from dspark.io.atomic import file_lock
 
 __all__ = [
     "BUILD_TIME_HINT",
@@ -275,7 +276,7 @@ def build_llama_server(
     root = llamacpp_cache_dir()
     root.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    with _file_lock(root / ".build.lock"):
+    with file_lock(root / ".build.lock"):
         if not force and _executable(final / "bin" / SERVER_NAME):
             return final / "bin" / SERVER_NAME
         work = Path(tempfile.mkdtemp(prefix=".build-tmp-", dir=root))
@@ -332,20 +333,6 @@ def _tail(path: Path, lines: int = 30) -> str:
         return str(path)
     return f"{path}:\n" + "\n".join(text[-lines:])
 
-
-@contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    try:
-        import fcntl
-    except ImportError:  # no POSIX locks: the atomic rename alone
-        yield
-        return
-    with open(path, "a") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
 
 # ---------------------------------------------------------------------------

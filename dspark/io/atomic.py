@@ -125,3 +125,21 @@ def replace_dir(tmp: str | os.PathLike, final: str | os.PathLike) -> None:
     else:
         os.replace(tmp, final)
     fsync_dir(final.parent)
+
+
+@contextlib.contextmanager
+def file_lock(path: str | os.PathLike) -> Iterator[None]:
+    """Hold an exclusive POSIX advisory lock on ``path`` (created if missing) for the block, so that
+    two processes filling the same cache entry take turns; where ``fcntl`` is missing (Windows) the
+    block runs unlocked and the atomic rename of the result is the only guard."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(path, "a") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
