@@ -61,6 +61,7 @@ def run_dir(tmp_path: Path) -> Path:
     _write(root / "eval-T0.0" / "dspark_x" / "report.json", _eval_report(1.05))
     _write(root / "sps.json", SPS)
     _write(root / "sts.json", {"temperatures": [1.5, 1.0], "ece_before": [0.2, 0.1], "ece_after": [0.05, 0.1],
+                               "brier_before": [0.09, 0.01], "brier_after": [0.08, 0.01],
                                "kept": [None, "0 accepted prefixes < min_events=10"],
                                "evaluated_on": "test", "split": {"fit_requests": 3, "test_requests": 4}})
     _write(root / "sched" / "algorithm1-R1" / "report.json", _sched_report())
@@ -119,8 +120,8 @@ def test_the_page_has_every_section_with_intervals_links_and_missing_stages_name
     assert "| GSM8K | 1.14 ± 0.05 | 1.05 |" in page  # per benchmark: ([1.10, 1.20] → ± 0.05), and no interval at T = 0
     assert "| **Avg** | 1.14 ± 0.05 | 1.05 |" in page
     assert "| dspark_x | dspark | 4 | 2 | 5 | 2.5 | 1.020 | 1.080 | yes |" in page
-    assert "| 1 | 1.500 | 0.2000 | 0.0500 | fitted |" in page
-    assert "| 2 | 1.000 | 0.1000 | 0.1000 | 0 accepted prefixes < min_events=10 |" in page  # STS's guard, said
+    assert "| 1 | 1.500 | 0.2000 | 0.0500 | 0.0900 | 0.0800 | fitted |" in page  # ECE and Brier before/after
+    assert "| 2 | 1.000 | 0.1000 | 0.1000 | 0.0100 | 0.0100 | 0 accepted prefixes < min_events=10 |" in page  # STS's guard, said
     assert "[dspark_x T=1.0](eval-T1.0/dspark_x/acceptance.png)" in page
     assert "dspark_x T=0.0 (missing)" in page
     assert "simulate/figure8.png (missing)" in page
