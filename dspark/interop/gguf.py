@@ -73,6 +73,7 @@ import numpy as np
 import torch
 
 from dspark.interop.export import ExportRefused
+from dspark.io.atomic import temp_name
 
 OUTTYPES = ("f16", "bf16", "f32")
 DEFAULT_OUTTYPE = "f16"
@@ -376,6 +377,56 @@ def draft_n_max(drafter) -> int:
     return int(drafter.config.block_size)
 
 
+def _eagle3_keys_and_tensors(w, arch: str, drafter, base: dict[str, Any], outtype: str) -> dict[str, Any]:
+    """Write an Eagle3 drafter's hyper-parameters to ``w``; return its tensors by GGUF name (q/k rows
+    permuted as llama.cpp's Llama graph expects; ``d2t`` only with a draft vocabulary, ``t2d`` never)."""
+    from dspark.interop import export as ex
+
+    config = drafter.config
+    w.add_array(f"{arch}.target_layers", [i + 1 for i in config.target_layer_ids])
+    w.add_uint32(f"{arch}.target_hidden_size", int(config.hidden_size))
+    w.add_bool(f"{arch}.norm_before_residual", False)
+    w.add_bool(f"{arch}.norm_before_fc", False)
+    _common_keys(w, arch, base, 1, outtype, "dspark EAGLE-3 drafter")
+    w.add_uint32(f"{arch}.vocab_size", int(config.vocab_size))
+    heads = int(base["num_attention_heads"])
+    w.add_uint32(f"{arch}.rope.dimension_count", int(base.get("head_dim") or config.hidden_size // heads))
+    kv_heads = int(base.get("num_key_value_heads") or heads)
+    out = {}
+    for name, t in ex.eagle3_serving_tensors(drafter).items():
+        if name == "t2d" or (name == "d2t" and not config.draft_vocab_size):
+            continue
+        if name == "d2t":
+            out["d2t"] = t
+            continue
+        if name.endswith("self_attn.q_proj.weight"):
+            t = _rope_permute(t, heads)
+        elif name.endswith("self_attn.k_proj.weight"):
+            t = _rope_permute(t, kv_heads)
+        out[_rename(name, _EAGLE3_NAMES, "midlayer.")] = t
+    return out
+
+
+def _dflash_keys_and_tensors(w, arch: str, drafter, base: dict[str, Any], outtype: str) -> dict[str, Any]:
+    """Write a DSpark / DFlash drafter's hyper-parameters to ``w`` (block size γ with
+    ``sample_from_anchor`` for anchor-first blocks, γ + 1 for z-lab's anchor + masks); return its
+    tensors by GGUF name (``t2d`` dropped)."""
+    from dspark.interop import export as ex
+
+    config = drafter.config
+    _common_keys(w, arch, base, config.num_draft_layers, outtype, f"dspark {config.variant} drafter")
+    zlab = config.block_layout == "anchor_plus_masks"
+    w.add_uint32(f"{arch}.block_size", int(config.block_size) + (1 if zlab else 0))
+    w.add_array(f"{arch}.target_layers", [i + 1 for i in config.target_layer_ids])
+    if not zlab:
+        w.add_bool(f"{arch}.sample_from_anchor", True)
+        w.add_bool(f"{arch}.has_confidence_head", bool(config.has_confidence_head))
+    state = ex._zlab_tensors(drafter) if zlab else ex._tensors(drafter, include_shared=False)
+    state = ex._with_draft_head(drafter, state)
+    return {("d2t" if name == "d2t" else _rename(name, _DFLASH_NAMES, "layers.")): t
+            for name, t in state.items() if name != "t2d"}
+
+
 def export_gguf(drafter, path: str | os.PathLike, *, target: Any, outtype: str = DEFAULT_OUTTYPE,
                 tokenizer_pre: str | None = None) -> Path:
     """Write `drafter` (a loaded dspark Drafter or Eagle3Drafter, with its target's LM head attached
@@ -412,7 +463,7 @@ def export_gguf(drafter, path: str | os.PathLike, *, target: Any, outtype: str =
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = temp_name(path)
     arch = EAGLE3_ARCH if is_eagle3 else DFLASH_ARCH
     w = gguf.GGUFWriter(str(tmp), arch)
     try:
@@ -424,44 +475,9 @@ def export_gguf(drafter, path: str | os.PathLike, *, target: Any, outtype: str =
         else:
             base = ex.deepspec_config(config)
         if is_eagle3:
-            ids = [i + 1 for i in config.target_layer_ids]
-            w.add_array(f"{arch}.target_layers", ids)
-            w.add_uint32(f"{arch}.target_hidden_size", int(config.hidden_size))
-            w.add_bool(f"{arch}.norm_before_residual", False)
-            w.add_bool(f"{arch}.norm_before_fc", False)
-            _common_keys(w, arch, base, 1, outtype, "dspark EAGLE-3 drafter")
-            w.add_uint32(f"{arch}.vocab_size", vocab_size)
-            heads = int(base["num_attention_heads"])
-            w.add_uint32(f"{arch}.rope.dimension_count", int(base.get("head_dim") or config.hidden_size // heads))
-            tensors = ex.eagle3_serving_tensors(drafter)
-            kv_heads = int(base.get("num_key_value_heads") or heads)
-            out = {}
-            for name, t in tensors.items():
-                if name == "t2d" or (name == "d2t" and not config.draft_vocab_size):
-                    continue
-                if name == "d2t":
-                    out["d2t"] = t
-                    continue
-                if name.endswith("self_attn.q_proj.weight"):
-                    t = _rope_permute(t, heads)
-                elif name.endswith("self_attn.k_proj.weight"):
-                    t = _rope_permute(t, kv_heads)
-                out[_rename(name, _EAGLE3_NAMES, "midlayer.")] = t
+            out = _eagle3_keys_and_tensors(w, arch, drafter, base, outtype)
         else:
-            _common_keys(w, arch, base, config.num_draft_layers, outtype, f"dspark {config.variant} drafter")
-            zlab = config.block_layout == "anchor_plus_masks"
-            w.add_uint32(f"{arch}.block_size", int(config.block_size) + (1 if zlab else 0))
-            w.add_array(f"{arch}.target_layers", [i + 1 for i in config.target_layer_ids])
-            if not zlab:
-                w.add_bool(f"{arch}.sample_from_anchor", True)
-                w.add_bool(f"{arch}.has_confidence_head", bool(config.has_confidence_head))
-            state = ex._zlab_tensors(drafter) if zlab else ex._tensors(drafter, include_shared=False)
-            state = ex._with_draft_head(drafter, state)
-            out = {}
-            for name, t in state.items():
-                if name == "t2d":
-                    continue
-                out["d2t" if name == "d2t" else _rename(name, _DFLASH_NAMES, "layers.")] = t
+            out = _dflash_keys_and_tensors(w, arch, drafter, base, outtype)
         _add_fields(w, tok)
         if not is_eagle3:
             w.add_uint32("tokenizer.ggml.mask_token_id", int(config.mask_token_id))
