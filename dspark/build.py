@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 
 import torch
 
 from dspark.kernels import cpu_linear
-from dspark.config import Config, DrafterSpec
+from dspark.config import Config, DrafterSpec, init_from_target_choice
 from dspark.modeling import Drafter, DrafterConfig, Eagle3Drafter, make_drafter
+from dspark.modeling.init import check_init_from_target, choose_layer_ids, init_draft_layers_from_target
 from dspark.target import TargetModel
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_CHOICES = ("auto", *DTYPES)
@@ -124,12 +128,32 @@ def drafter_config(spec: DrafterSpec, target: TargetModel, num_anchors: int = 51
     )
 
 
+def init_layer_ids(config: Config, target: TargetModel) -> list[int]:
+    """The target decoder layers that `drafter.init_from_target` copies into draft layers 0, 1, ...
+    ([] for a random init), checked against `target` (dspark.modeling.init.check_init_from_target:
+    configs and shapes only, cheap enough to run before the data work)."""
+    choice = init_from_target_choice(config.drafter.init_from_target)
+    if not choice:
+        return []
+    arch = drafter_config(config.drafter, target, config.data.num_anchors)
+    ids = choose_layer_ids(choice, arch.num_draft_layers, len(target.layers))
+    check_init_from_target(arch, target, ids)
+    return ids
+
+
 def build_drafter(config: Config, target: TargetModel, seed: int | None = None) -> Drafter | Eagle3Drafter:
     """A freshly initialised drafter attached to `target` (seeded by config.seed), in
-    `config.drafter.dtype` (the training master weights)."""
+    `config.drafter.dtype` (the training master weights); with `drafter.init_from_target` its
+    decoder layers start as copies of the target's (dspark.modeling.init). A resumed run then
+    overwrites every tensor with the checkpoint's (`Trainer.load_checkpoint`)."""
+    layer_ids = init_layer_ids(config, target)
     torch.manual_seed(config.seed if seed is None else seed)
     drafter = make_drafter(drafter_config(config.drafter, target, config.data.num_anchors))
     drafter.to(device=target.device, dtype=DTYPES[config.drafter.dtype])
+    if layer_ids:
+        report = init_draft_layers_from_target(drafter, target, layer_ids)
+        log.info("draft layers initialised from target layers %s: %d tensors copied whole, %d into the hidden "
+                 "half, %d kept at init", layer_ids, len(report.copied), len(report.hidden_half), len(report.kept))
     return drafter.attach_target(target)
 
 

@@ -84,13 +84,18 @@ class DrafterSpec:
     # of the training data (`dspark vocab` writes them); 0 = the full target vocabulary.
     draft_vocab_size: int = 0
     draft_vocab: str = ""  # the vocabulary file ("" = <data_dir>/draft_vocab_<k>.safetensors)
+    # Start the draft layers from target decoder layers (dspark.modeling.init): "" (random init), "last"
+    # (its last num_draft_layers layers), "spread" (evenly spaced, first and last included) or ids "10,20".
+    init_from_target: str = ""
 
 
 @dataclass
 class DataConfig:
-    train_prompts: str = "hub:mlabonne/open-perfectblend"  # "builtin", a .jsonl path, or "hub:<dataset name>"
+    # "builtin", a .jsonl path, or "hub:<dataset name>"; any of them + "+self:N" adds N prompts the target
+    # writes itself (dspark.data.self_prompts), "self:N" uses only those (split_train_prompts)
+    train_prompts: str = "hub:mlabonne/open-perfectblend"
     holdout_fraction: float = 0.05
-    max_samples: int = 0  # 0 = all
+    max_samples: int = 0  # 0 = all; caps the prompts of the source, not the self-written ones
     max_length: int = 4096
     min_loss_tokens: int = 14
     num_anchors: int = 512
@@ -369,6 +374,39 @@ _NON_NEGATIVE = (
 )
 
 
+def split_train_prompts(spec: str) -> tuple[str, int]:
+    """data.train_prompts as (source, number of self-written prompts): "builtin+self:N" ->
+    ("builtin", N), "self:N" -> ("", N), a source without "+self:N" -> (source, 0)."""
+    source, plus, last = spec.rpartition("+")
+    if last != "self" and not last.startswith("self:"):
+        return spec, 0
+    count = last[len("self:"):]
+    problem = ""
+    if not count.isdigit() or int(count) < 1:
+        problem = f"the number of self-written prompts must be an integer >= 1, got {count!r}"
+    elif plus and not source or "+self" in source:
+        problem = "'+self:N' must follow one source ('builtin', a .jsonl path or 'hub:<dataset>')"
+    if problem:
+        raise ValueError(
+            f"data.train_prompts={spec!r}: {problem}; write '<source>+self:N' (e.g. 'builtin+self:2000', the "
+            "built-in prompts plus N the target writes itself) or 'self:N' (only self-written ones)"
+        )
+    return source, int(count)
+
+
+def init_from_target_choice(value: str) -> str | list[int]:
+    """`drafter.init_from_target` read: "" (random init), "last", "spread", or the target decoder layer
+    ids of "10,20" (or "[10, 20]"), one per draft layer in draft-layer order."""
+    text = value.strip()
+    if text in ("", "last", "spread"):
+        return text
+    parts = [p.strip() for p in text.strip("[]").split(",")]
+    if not all(p.isdigit() for p in parts):
+        raise ValueError(f"drafter.init_from_target={value!r}; use '' (random init), 'last', 'spread' or "
+                         "target decoder layer ids such as '10,20' (one per draft layer)")
+    return [int(p) for p in parts]
+
+
 def validate(config: Config) -> None:
     for key, choices in _CHOICES.items():
         value = get_key(config, key)
@@ -402,6 +440,11 @@ def validate(config: Config) -> None:
         )
     if not 0 < config.drafter.step_loss_decay <= 1:
         raise ValueError(f"drafter.step_loss_decay must lie in (0, 1], got {config.drafter.step_loss_decay}")
+    layers = init_from_target_choice(config.drafter.init_from_target)
+    if isinstance(layers, list) and len(layers) != config.drafter.num_draft_layers:
+        raise ValueError(f"drafter.init_from_target={config.drafter.init_from_target!r} names {len(layers)} "
+                         f"target layers for drafter.num_draft_layers={config.drafter.num_draft_layers}: "
+                         "give one per draft layer")
     if config.train.global_batch_size % config.train.micro_batch_size:
         raise ValueError(
             f"train.global_batch_size={config.train.global_batch_size} must be a multiple of "
@@ -409,6 +452,7 @@ def validate(config: Config) -> None:
         )
     if config.calibrate.folds == 1:
         raise ValueError("calibrate.folds=1 has no held-out fold: use 0 (no check) or K >= 2")
+    split_train_prompts(config.data.train_prompts)
     for key in ("data.holdout_fraction", "calibrate.fit_fraction"):
         if not 0 <= get_key(config, key) < 1:
             raise ValueError(f"{key} must be in [0, 1), got {get_key(config, key)}")

@@ -104,13 +104,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     import torch
 
     from dspark.data.prepare import training_sources
-    from dspark.build import build_drafter, load_target
+    from dspark.build import build_drafter, init_layer_ids, load_target
     from dspark.training.trainer import Trainer, setup_distributed
 
     config = _config(args)
     rank, world, _ = setup_distributed()
     torch.manual_seed(config.seed)
     target = load_target(config)
+    init_layer_ids(config, target)  # drafter.init_from_target fits the target: checked before the data work
     train_src, eval_src = training_sources(config, target)
     drafter = build_drafter(config, target)
     if config.drafter.draft_vocab_size:
@@ -199,9 +200,17 @@ def cmd_profile_sps(args: argparse.Namespace) -> int:
 
     config = _config(args)
 
-    def show(b: int, seconds: float) -> None:
-        print(f"  B = {b:>5}: {seconds * 1e3:9.2f} ms  {1 / seconds:9.2f} steps/s  {b / seconds:10.1f} tokens/s",
-              flush=True)
+    from tqdm import tqdm
+
+    bar = None
+
+    def show(done: int, repeats: int) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(total=repeats, desc="sweeps over B", unit="sweep")
+        bar.update(done - bar.n)
+        if done == repeats:
+            bar.close()
 
     paths = profile_sps(config, progress=show, announce=lambda text: print(text, flush=True))
     print(f"SPS table: {paths['table']} (SGLang format); timings: {paths['details']}; plot: {paths['plot']}")

@@ -250,20 +250,28 @@ def reliability_grid(
 
 
 def plot_sps(profile: SPSProfile, path: PathLike, title: str = "") -> None:
-    """PNG: steps/s (left) and tokens/s = B · steps/s (right) against B (log scale)."""
+    """PNG: steps/s (left) and tokens/s = B · steps/s (right) against B (log scale): the
+    medians with their 95 % intervals, and on the left the noise-aware table the scheduler uses."""
     fig = _new_figure((9.0, 3.6))
     xs = profile.batch_tokens
     sps = profile.steps_per_sec
-    for index, (ys, label) in enumerate(((sps, "steps / s  (SPS)"), ([b * s for b, s in zip(xs, sps)], "tokens / s"))):
+    lo, hi = zip(*profile.steps_per_sec_interval)
+    for index, scale in enumerate(((1,) * len(xs), xs)):
         ax = fig.add_subplot(1, 2, index + 1)
-        ax.plot(xs, ys, marker="o")
+        ys = [k * s for k, s in zip(scale, sps)]
+        err = [[k * (s - a) for k, s, a in zip(scale, sps, lo)], [k * (b - s) for k, s, b in zip(scale, sps, hi)]]
+        ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label="median, 95 % interval")
+        if index == 0:
+            ax.plot(xs, profile.table.sample_steps_per_sec, color="0.4", linestyle="--",
+                    label="table (rises within the noise flattened)")
+            ax.legend(fontsize=7)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("batch tokens B")
-        ax.set_ylabel(label)
+        ax.set_ylabel("steps / s  (SPS)" if index == 0 else "tokens / s")
         ax.grid(alpha=0.3)
     layout = "one sequence" if profile.tokens_per_request is None else f"{profile.tokens_per_request} tokens/request"
     fig.suptitle(title or f"Target verification speed ({profile.device}, {profile.dtype}, {profile.threads} threads, "
-                 f"context {profile.context_len}, {layout})", fontsize=9)
+                 f"context {profile.context_len}, {layout}, {profile.repeats} interleaved sweeps)", fontsize=9)
     _save_png(fig, path)
 
 

@@ -517,13 +517,16 @@ def write_sts_report(
 
 
 def write_profile(profile: SPSProfile, path: PathLike, meta: dict[str, Any] | None = None) -> dict[str, Path]:
-    """Write the SGLang table JSON at ``path``, ``<stem>.profile.json`` (timings, settings,
-    ``meta``) and ``<stem>.png`` next to it; returns the three paths."""
+    """Write the SGLang table JSON at ``path``, ``<stem>.profile.json`` (timings, settings, the
+    raw medians' speeds with their 95 % intervals, the noise-aware table's speeds, ``meta``)
+    and ``<stem>.png`` next to it; returns the three paths."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     profile.table.to_json(path)
     details = path.with_name(path.stem + ".profile.json")
-    data = {**asdict(profile), "steps_per_sec": profile.steps_per_sec, **(meta or {})}
+    data = {**asdict(profile), "steps_per_sec": profile.steps_per_sec,
+            "steps_per_sec_interval": [list(x) for x in profile.steps_per_sec_interval],
+            "table_steps_per_sec": list(profile.table.sample_steps_per_sec), **(meta or {})}
     with details.open("w", encoding="utf-8") as f:
         json.dump(data, f, indent=2, default=str, allow_nan=False)
         f.write("\n")

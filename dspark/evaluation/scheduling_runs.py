@@ -36,11 +36,12 @@ def _silent(_: str) -> None:
     return None
 
 
-def profile_sps(config: Config, *, progress: Callable[[int, float], None] | None = None,
+def profile_sps(config: Config, *, progress: Callable[[int, int], None] | None = None,
                 announce: Announce = _silent) -> dict[str, Path]:
     """Profile the target of `config` (capturing the layers of `eval.draft` when given, as
     verification does) at `profile.batch_tokens`; write the table at `profile.out` (default
-    <run_dir>/sps.json) with its timings and plot next to it; returns the three paths."""
+    <run_dir>/sps.json) with its timings and plot next to it; returns the three paths.
+    ``progress(done, repeats)`` after each timed sweep; one announced line per B at the end."""
     from dspark.modeling.checkpoint import read_config
     from dspark.evaluation.report import write_profile
     from dspark.build import dtype_name, load_target
@@ -56,6 +57,12 @@ def profile_sps(config: Config, *, progress: Callable[[int, float], None] | None
              f"context {p.context_len}, B = {sizes}")
     profile = profile_sps_runs(target, sizes, context_len=p.context_len, warmup=p.warmup, repeats=p.repeats,
                                tokens_per_request=p.tokens_per_request or None, progress=progress)
+    table = profile.table
+    for b, median, (lo, hi), kept in zip(profile.batch_tokens, profile.median_s, profile.steps_per_sec_interval,
+                                         table.sample_steps_per_sec):
+        announce(f"  B = {b:>5}: {median * 1e3:9.2f} ms  {1 / median:9.2f} steps/s [{lo:.2f}, {hi:.2f}]"
+                 f"{'' if kept == 1 / median else f' (table {kept:.2f}: within the noise)'}  "
+                 f"{b / median:10.1f} tokens/s")
     meta = {"target": config.target.name_or_path, "torch": torch.__version__,
             "load_average_before": list(load) if load else None, "config": config.to_dict()}
     return write_profile(profile, config.path(p.out, "sps.json"), meta)

@@ -31,7 +31,14 @@ What is real and what is modelled:
   K/V projection for every draft layer) of every live request, summed over
   them, and the policy's decision ("schedule") once. Only the target's
   verification forward is modelled (by the SPS table); every phase the
-  request's ``PhaseClock`` records except "verify" and "prefill" is charged.
+  request's ``PhaseClock`` records except "verify" and "prefill" is charged,
+  on the table's time scale: the measured seconds times ``SimResult.time_scale``,
+  the table's price of this run's own verification forwards (Σ 1 / SPS(1 + ℓ_r)
+  over every request's forward) over their measured seconds. A table profiled
+  while the machine ran faster or slower, or at other context lengths, then
+  prices the drafting on the same scale as the verification, and the ratio to
+  target-only decoding does not depend on it (it assumes the other phases and
+  the verification forwards run on the same device and slow down together).
   This process runs the requests one at a time at batch 1, so at R > 1 this
   is the cost of unbatched drafting and bookkeeping, an upper bound for a
   batched engine; at R = 1 it is what a round costs on the wall clock, the
@@ -220,14 +227,18 @@ class SimResult:
       per-round phase but verify (draft, accept, bookkeeping of every request, the policy's
       schedule once per step), what "measured" charges; draft_clock = how the clock charged them
       ("none", "fraction <f>" or "measured"); target_step_s = 1 / SPS(1) and target_only_throughput
-      = R · SPS(R), what R requests decoding with the target alone reach (NaN without a table).
+      = R · SPS(R), what R requests decoding with the target alone reach (NaN without a table);
+      verify_s = Σ measured seconds of the verification forwards (one per request-step) and
+      verify_table_s = Σ their price in the table, 1 / SPS(1 + ℓ_r); time_scale = verify_table_s /
+      verify_s, what "measured" multiplies overhead_s by (1 otherwise, and when nothing was verified).
     requests: one dict per request admitted, in admission order: index, tag, prompt_tokens,
       tokens (count), rounds (count), finished; once finished also finished_by_eos,
       timings (its own phases) and result (its DecodeResult).
     rounds: one dict per round (step, request, tag, round, proposed, accepted, eos_accepted, emitted,
       confidences (raw c_1..c_γ or None), expected_accepted (Σ_{j≤ℓ} a_j of the
       confidences the policy saw, None without), batch_tokens).
-    step_log: one dict per step (step, live, drafted, batch_tokens, draft_s, overhead_s, step_time_s, tokens).
+    step_log: one dict per step (step, live, drafted, batch_tokens, draft_s, overhead_s, verify_s,
+      verify_table_s, verify_step_s = 1 / SPS(B), step_time_s, tokens).
     """
 
     policy: str
@@ -248,6 +259,9 @@ class SimResult:
     draft_clock: str = "none"
     target_step_s: float = math.nan
     target_only_throughput: float = math.nan
+    verify_s: float = 0.0
+    verify_table_s: float = 0.0
+    time_scale: float = 1.0
     wall_s: float = 0.0
     requests: list[dict[str, Any]] = field(default_factory=list)
     rounds: list[dict[str, Any]] = field(default_factory=list)
@@ -290,8 +304,8 @@ class SimResult:
 
     @property
     def draft_cost_steps(self) -> float:
-        """The drafting cost of a round in target steps: measured draft seconds · SPS(1)."""
-        return self.draft_s_per_round / self.target_step_s
+        """The drafting cost of a round in target steps: measured draft seconds · time_scale · SPS(1)."""
+        return self.draft_s_per_round * self.time_scale / self.target_step_s
 
     @property
     def skip_rate(self) -> float:
@@ -325,6 +339,9 @@ class SimResult:
             "draft_s": self.draft_s,
             "draft_s_per_round": self.draft_s_per_round,
             "overhead_s": self.overhead_s,
+            "verify_s": self.verify_s,
+            "verify_table_s": self.verify_table_s,
+            "time_scale": self.time_scale,
             "target_step_s": self.target_step_s,
             "draft_cost_steps": self.draft_cost_steps,
             "draft_clock": self.draft_clock,
@@ -402,7 +419,22 @@ def run_requests(
         if on_step is not None:
             on_step(result)
     result.wall_s = time.perf_counter() - started
+    if sps is not None and clock == MEASURED:
+        _on_table_scale(result)
     return result
+
+
+def _on_table_scale(result: SimResult) -> None:
+    """Charge every step's measured overhead on the SPS table's time scale (module docstring):
+    time_scale = verify_table_s / verify_s, each step 1 / SPS(B) + overhead_s · time_scale."""
+    if not result.verify_s > 0 or not math.isfinite(result.verify_table_s):
+        return
+    result.time_scale = result.verify_table_s / result.verify_s
+    result.sim_time_s = result.live_time_s = 0.0
+    for row in result.step_log:
+        row["step_time_s"] = row["verify_step_s"] + row["overhead_s"] * result.time_scale
+        result.sim_time_s += row["step_time_s"]
+        result.live_time_s += row["step_time_s"] * row["live"]
 
 
 def _resolve(serving: ServeSettings) -> tuple[Policy, SPSTable | None, np.ndarray | None]:
@@ -514,9 +546,14 @@ def _step(
         expected = float(a[row, :ell].sum()) if raw[row] is not None else None
         step_tokens += _verify(entry, ell, expected, batch, result)
     overhead_s = _overhead_s(live, before, schedule_s)
+    verify_s = sum(entry.request.clock.totals.get("verify", 0.0) - start.get("verify", 0.0)
+                   for entry, start in zip(live, before))
+    verify_table_s = math.nan if sps is None else sum(1.0 / _speed(sps, 1 + ell) for ell in lengths.tolist())
     step_time = _step_time(sps, batch, draft_overhead, draft_times, overhead_s)
     _account_step(result, live=len(live), drafted=len(draft_times), proposed=int(lengths.sum()), batch=batch,
-                  draft_s=sum(draft_times), overhead_s=overhead_s, step_time=step_time, tokens=step_tokens)
+                  draft_s=sum(draft_times), overhead_s=overhead_s, step_time=step_time, tokens=step_tokens,
+                  verify_s=verify_s, verify_table_s=verify_table_s,
+                  verify_step_s=math.nan if sps is None else 1.0 / _speed(sps, batch))
 
 
 def _overhead_s(live: list[_Live], before: Sequence[Mapping[str, float]], schedule_s: float) -> float:
@@ -586,11 +623,15 @@ def _verify(entry: _Live, ell: int | None, expected: float | None, batch: int, r
 
 
 def _account_step(result: SimResult, *, live: int, drafted: int, proposed: int, batch: int, draft_s: float,
-                  overhead_s: float, step_time: float, tokens: int) -> None:
+                  overhead_s: float, step_time: float, tokens: int, verify_s: float = 0.0,
+                  verify_table_s: float = math.nan, verify_step_s: float = math.nan) -> None:
     """Add one step to the run's counters, its SPS clock and its step log."""
     result.step_log.append({"step": result.steps, "live": live, "drafted": drafted, "batch_tokens": batch,
-                            "draft_s": draft_s, "overhead_s": overhead_s, "step_time_s": step_time,
-                            "tokens": tokens})
+                            "draft_s": draft_s, "overhead_s": overhead_s, "verify_s": verify_s,
+                            "verify_table_s": verify_table_s, "verify_step_s": verify_step_s,
+                            "step_time_s": step_time, "tokens": tokens})
+    result.verify_s += verify_s
+    result.verify_table_s += verify_table_s
     result.steps += 1
     result.sim_time_s += step_time
     result.live_time_s += step_time * live

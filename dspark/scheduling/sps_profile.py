@@ -13,13 +13,24 @@ Two layouts of the B tokens:
   of B / q requests looks (attention reads B / q contexts). B must then be a
   multiple of q; other sizes are skipped.
 
-Each B gets ``warmup`` untimed forwards, then ``repeats`` timed ones (the
-cache is cropped back to ``context_len`` after each, outside the timing; on
-CUDA the device is synchronised around each timed forward). SPS(B) = 1 /
-median seconds; the table made from them is noise-aware (``SPSProfile.table``):
-a rise of SPS with B no larger than the spread of the repeats is flattened, so
-noise never makes a larger verification batch look cheaper. Token ids are
-random (speed does not depend on them).
+The repeats are interleaved: after ``warmup`` untimed sweeps over every B, each
+of ``repeats`` timed sweeps runs one forward at every B, in increasing order on
+even sweeps and decreasing order on odd ones (the cache is cropped back to
+``context_len`` after each forward, outside the timing; on CUDA the device is
+synchronised around each timed forward). A machine whose speed drifts during
+the profile (frequency scaling, a neighbour's load, a shared host) then slows
+every B alike, where timing all repeats of one B before the next would let the
+drift pass for a cost of B (on a shared 2-core CPU that made a flat curve look
+steep; ``bench/README.md``, "SPS profile").
+
+SPS(B) = 1 / median seconds. Each median carries its 95 % distribution-free
+interval (order statistics of the repeats, ``median_interval``; from 6 repeats
+up, below that the whole range), and the table is noise-aware
+(``SPSProfile.table``): a rise of SPS with B no larger than the width of those
+intervals is flattened, so noise never makes a larger verification batch look
+cheaper, and Algorithm 1 (which stops at its first non-improving step) never
+buys longer verification with timing jitter. Token ids are random (speed does
+not depend on them).
 
 ``profile_sps`` returns the ``SPSTable`` (SGLang's ``{sample_batch_tokens,
 sample_steps_per_sec, max_batch_tokens}``); ``profile_sps_runs`` also keeps
@@ -30,6 +41,7 @@ steps/s and tokens/s against B (``dspark.evaluation.plots.plot_sps``).
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -41,7 +53,7 @@ import torch
 
 from dspark.scheduling.algorithm1 import SPSTable
 
-__all__ = ["DEFAULT_BATCH_TOKENS", "SPSProfile", "profile_sps", "profile_sps_runs"]
+__all__ = ["DEFAULT_BATCH_TOKENS", "SPSProfile", "median_interval", "profile_sps", "profile_sps_runs"]
 
 DEFAULT_BATCH_TOKENS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
@@ -50,11 +62,12 @@ DEFAULT_BATCH_TOKENS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 class SPSProfile:
     """A profiling run: the table plus what it was measured from.
 
-    batch_tokens: the B measured (increasing); seconds: per B, the timed forwards (s);
-    median_s: per B, their median; steps_per_sec = 1 / median_s; steps_per_sec_spread: per B,
-    the range (max − min) of the speeds 1 / seconds of the repeats.
+    batch_tokens: the B measured (increasing); seconds: per B, the timed forwards (s), in
+    the order of the sweeps (sweep i is repeat i of every B); median_s: per B, their median;
+    steps_per_sec = 1 / median_s; steps_per_sec_interval: per B, the 95 % interval of that
+    speed (``median_interval`` of the seconds, inverted); steps_per_sec_spread: its width.
     ``table``: the noise-aware SPS table (``SPSTable.noise_aware``): steps_per_sec with
-    every rise in B that lies within the repeats' spread flattened away, the spread carried.
+    every rise in B that lies within the interval widths flattened away, the widths carried.
     """
 
     batch_tokens: list[int]
@@ -73,13 +86,41 @@ class SPSProfile:
         return [1.0 / s for s in self.median_s]
 
     @property
+    def steps_per_sec_interval(self) -> list[tuple[float, float]]:
+        out = []
+        for s in self.seconds:
+            lo, hi = median_interval(s)
+            out.append((1.0 / hi, 1.0 / lo))
+        return out
+
+    @property
     def steps_per_sec_spread(self) -> list[float]:
-        return [1.0 / min(s) - 1.0 / max(s) for s in self.seconds]
+        return [hi - lo for lo, hi in self.steps_per_sec_interval]
 
     @property
     def table(self) -> SPSTable:
         return SPSTable(self.batch_tokens, self.steps_per_sec, max(self.batch_tokens),
                         sample_spread=self.steps_per_sec_spread).noise_aware()
+
+
+def median_interval(samples: Sequence[float], level: float = 0.95) -> tuple[float, float]:
+    """A distribution-free interval for the median of ``samples``: (x_(k), x_(n+1−k)) of the
+    sorted samples with the largest k whose coverage 1 − 2·P(Bin(n, ½) ≤ k − 1) is at
+    least ``level`` (for any continuous distribution of independent repeats). With too
+    few samples for that (n < 6 at 95 %) it is the whole range (min, max), whose coverage
+    1 − 2^(1−n) is below ``level``."""
+    xs = sorted(float(x) for x in samples)
+    n = len(xs)
+    if n == 0:
+        raise ValueError("median_interval needs at least one sample")
+    k, tail = 0, 0.0  # tail = P(Bin(n, 1/2) <= k - 1)
+    while k + 1 <= n // 2:
+        next_tail = tail + math.comb(n, k) / 2.0 ** n
+        if 1.0 - 2.0 * next_tail < level:
+            break
+        k, tail = k + 1, next_tail
+    k = max(k, 1)
+    return xs[k - 1], xs[n - k]
 
 
 def _check_int(value: Any, name: str, low: int) -> int:
@@ -111,29 +152,17 @@ def _sizes_to_measure(
     return sizes
 
 
-def _time_forwards(
-    target: Any,
-    cache: Any,
-    new_tokens: Callable[[], torch.Tensor],
-    context_len: int,
-    warmup: int,
-    repeats: int,
-    sync: Callable[[], None],
-) -> list[float]:
-    """``warmup`` untimed, then ``repeats`` timed verification forwards of ``new_tokens()``
-    continuing ``cache``, cropped back to ``context_len`` after each: the timed seconds."""
-    samples = []
-    for i in range(warmup + repeats):
-        x = new_tokens()
-        sync()
-        start = time.perf_counter()
-        target(x, past_key_values=cache, use_cache=True)  # logits at every new position, as verify
-        sync()
-        elapsed = time.perf_counter() - start
-        target.crop_cache(cache, context_len)
-        if i >= warmup:
-            samples.append(elapsed)
-    return samples
+def _timed_forward(target: Any, cache: Any, x: torch.Tensor, context_len: int,
+                   sync: Callable[[], None]) -> float:
+    """Seconds of one verification forward of ``x`` continuing ``cache``, cropped back to
+    ``context_len`` afterwards (outside the timing)."""
+    sync()
+    start = time.perf_counter()
+    target(x, past_key_values=cache, use_cache=True)  # logits at every new position, as verify
+    sync()
+    elapsed = time.perf_counter() - start
+    target.crop_cache(cache, context_len)
+    return elapsed
 
 
 @torch.no_grad()
@@ -146,11 +175,11 @@ def profile_sps_runs(
     repeats: int = 5,
     tokens_per_request: int | None = None,
     seed: int = 0,
-    progress: Callable[[int, float], None] | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> SPSProfile:
     """Time the verification forward at every B of ``batch_tokens`` (see the module docstring).
 
-    ``progress(B, median_seconds)`` is called after each B."""
+    ``progress(done, repeats)`` is called after each timed sweep."""
     sizes = _sizes_to_measure(batch_tokens, context_len, warmup, repeats, tokens_per_request)
     device = torch.device(target.device)
     sync: Callable[[], None] = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -160,18 +189,23 @@ def profile_sps_runs(
     def ids(rows: int, length: int) -> torch.Tensor:
         return torch.randint(0, vocab, (rows, length), generator=gen).to(device)  # [rows, length]
 
-    seconds: list[list[float]] = []
-    cache, cache_rows = None, 0
-    for b in sizes:
-        rows, width = (1, b) if tokens_per_request is None else (b // tokens_per_request, tokens_per_request)
-        if cache is None or cache_rows != rows:
-            cache, cache_rows = target.new_cache(), rows
-            if context_len > 0:
-                target(ids(rows, context_len), past_key_values=cache, use_cache=True, logits_to_keep=1)
-        samples = _time_forwards(target, cache, partial(ids, rows, width), context_len, warmup, repeats, sync)
-        seconds.append(samples)
-        if progress is not None:
-            progress(b, statistics.median(samples))
+    layout = {b: (1, b) if tokens_per_request is None else (b // tokens_per_request, tokens_per_request)
+              for b in sizes}  # B -> (rows, tokens per row)
+    caches: dict[int, Any] = {}  # rows -> a cache holding context_len tokens per row
+    for rows in sorted({r for r, _ in layout.values()}):
+        caches[rows] = target.new_cache()
+        if context_len > 0:
+            target(ids(rows, context_len), past_key_values=caches[rows], use_cache=True, logits_to_keep=1)
+    timed: dict[int, list[float]] = {b: [] for b in sizes}
+    for sweep in range(warmup + repeats):
+        for b in (sizes if sweep % 2 == 0 else sizes[::-1]):
+            rows, width = layout[b]
+            elapsed = _timed_forward(target, caches[rows], ids(rows, width), context_len, sync)
+            if sweep >= warmup:
+                timed[b].append(elapsed)
+        if progress is not None and sweep >= warmup:
+            progress(sweep - warmup + 1, repeats)
+    seconds = [timed[b] for b in sizes]
     return SPSProfile(
         batch_tokens=sizes,
         seconds=seconds,
@@ -188,8 +222,8 @@ def profile_sps_runs(
 
 def profile_sps(target: Any, batch_tokens: Sequence[int] = DEFAULT_BATCH_TOKENS, **settings: Any) -> SPSTable:
     """SPS(B) table of ``target`` on its current device: steps/s = 1 / median seconds of one
-    verification forward over B tokens after ``context_len`` cached tokens, rises within
-    the repeats' spread flattened (module docstring).
+    verification forward over B tokens after ``context_len`` cached tokens, timed in
+    interleaved sweeps, rises within the medians' 95 % intervals flattened (module docstring).
 
     ``settings``: the keyword arguments of :func:`profile_sps_runs` (context_len, warmup,
     repeats, tokens_per_request, seed)."""

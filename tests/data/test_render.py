@@ -12,7 +12,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, train
 from transformers import PreTrainedTokenizerFast
 
 from dspark.data.prompts import prompt_only
-from helpers.bpe import train_bpe
+from helpers.bpe import chat_tokenizer, train_bpe
 from dspark.data.render import (
     RenderedSample,
     render_conversation,
@@ -120,12 +120,7 @@ def tokenizer_json() -> str:
 @pytest.fixture(scope="module")
 def make_tokenizer(tokenizer_json):
     def make(family: str) -> PreTrainedTokenizerFast:
-        kwargs = dict(FAMILIES[family])
-        chat_template = kwargs.pop("chat_template")
-        tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(tokenizer_json), **kwargs)
-        tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS})
-        tokenizer.chat_template = chat_template
-        return tokenizer
+        return chat_tokenizer(tokenizer_json, FAMILIES[family], SPECIAL_TOKENS)
 
     return make
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from dspark.cli.main import main
-from dspark.evaluation.demo_page import (fmt_ci, load_run, metric, results_table, sched_row, summary_markdown,
+from dspark.evaluation.demo_page import (clock_agreement, fmt_ci, load_run, metric, results_table, sched_row, summary_markdown,
                                           write_summary)
 
 SPS = {"sample_batch_tokens": [1, 4], "sample_steps_per_sec": [10.0, 8.0], "max_batch_tokens": 512}
@@ -102,6 +102,15 @@ def test_a_scheduling_row_accounts_the_round_in_target_steps_and_compares_the_sp
     assert row["tau_ci"] == (1.1, 1.3) and row["speedup"] == 0.75 and row["speedup_ci"] is None
     # target-only Θ at R = 1 is SPS(1) = 10
     assert (row["theta"], row["theta_target"], row["theta_ratio"]) == pytest.approx((20.0, 10.0, 2.0))
+
+
+def test_the_clocks_agree_when_the_sps_ratio_lies_in_the_decode_only_wall_interval():
+    assert clock_agreement(0.90, (0.84, 0.95)) == "agree"
+    assert clock_agreement(0.84, (0.84, 0.95)) == "agree"  # the interval is closed
+    assert clock_agreement(0.61, (0.84, 0.95)) == "SPS clock below"
+    assert clock_agreement(1.02, (0.84, 0.95)) == "SPS clock above"
+    assert clock_agreement(None, (0.84, 0.95)) == clock_agreement(0.9, None) == "–"
+    assert clock_agreement(0.9, (float("nan"), 0.95)) == "–"
 
 
 def test_a_row_without_a_scheduled_evaluation_takes_tau_and_ell_from_the_simulator(run_dir):

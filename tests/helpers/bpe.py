@@ -20,3 +20,17 @@ def train_bpe(corpus: Sequence[str], vocab_size: int, special_tokens: Sequence[s
     )
     tokenizer.train_from_iterator(corpus, trainer)
     return tokenizer
+
+
+def chat_tokenizer(tokenizer_json: str, settings: dict, special_tokens: list[str]):
+    """A PreTrainedTokenizerFast from a trained BPE's JSON, with ``settings`` (its keyword arguments
+    plus a "chat_template") and ``special_tokens`` added as additional special tokens."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    kwargs = dict(settings)
+    template = kwargs.pop("chat_template")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(tokenizer_json), **kwargs)
+    tokenizer.add_special_tokens({"additional_special_tokens": special_tokens})
+    tokenizer.chat_template = template
+    return tokenizer

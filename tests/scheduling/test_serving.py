@@ -235,8 +235,8 @@ def test_the_policys_decision_time_is_inside_each_requests_wall_time():
 def test_measured_overhead_charges_the_context_update_and_every_phase_but_verify():
     """A drafter whose context update sleeps 20 ms: with draft_overhead="measured" every step
     that updates the context (all but the last) costs 1 / SPS(B) plus at least 20 ms on the SPS
-    clock, and each step costs 1 / SPS(B) plus exactly its measured draft, accept, bookkeeping
-    and schedule seconds; a fraction f charges none of them."""
+    clock's time scale, and each step costs 1 / SPS(B) plus exactly its measured draft, accept,
+    bookkeeping and schedule seconds times the run's time_scale; a fraction f charges none of them."""
     import time
 
     target = make_tiny_target("llama")
@@ -256,13 +256,16 @@ def test_measured_overhead_charges_the_context_update_and_every_phase_but_verify
             for overhead in ("measured", 0.0)}
     sim = sims["measured"]
     assert sim.steps == 3  # 1 + 3 + 3 + 3 tokens, the last round ends the request: no context update
+    scale = sim.time_scale
+    assert scale == pytest.approx(sim.steps / 1000 / sim.verify_s)  # the table prices each forward at 1 ms
     for step in sim.step_log[:-1]:
-        assert step["step_time_s"] >= 1 / 1000 + pause
+        assert step["step_time_s"] >= 1 / 1000 + pause * scale
     timings = sim.requests[0]["timings"]
     charged = sum(v for k, v in timings.items() if k not in ("verify", "prefill", "total"))
     assert sim.overhead_s == pytest.approx(charged) and charged >= timings["draft"] + 2 * pause
-    assert sim.sim_time_s == pytest.approx(sim.steps / 1000 + sim.overhead_s)
-    assert all(s["step_time_s"] == pytest.approx(1 / 1000 + s["overhead_s"]) for s in sim.step_log)
+    assert sim.verify_s == pytest.approx(timings["verify"])
+    assert sim.sim_time_s == pytest.approx(sim.steps / 1000 + sim.overhead_s * scale)
+    assert all(s["step_time_s"] == pytest.approx(1 / 1000 + s["overhead_s"] * scale) for s in sim.step_log)
     assert sims[0.0].sim_time_s == pytest.approx(3 / 1000)
 
 
@@ -487,9 +490,10 @@ def test_a_job_seed_is_derived_from_the_run_seed_and_the_request_index():
 @pytest.mark.parametrize("policy", ["static", "algorithm1"])
 def test_at_r_1_the_measured_sps_clock_agrees_with_the_wall_clock(policy):
     """R = 1 on a tiny target, an SPS table profiled for it here: with draft_overhead="measured"
-    the SPS clock charges 1 / SPS(1 + ℓ) for the verification forward and the measured seconds
-    of everything else, so its decode time matches the wall clock's (every phase of the
-    requests but the prefill) up to the timing noise of the verification forwards."""
+    the SPS clock's ratio to target-only decoding, Θ / SPS(1), matches the wall clock's
+    decode-only speedup (tokens per second of the requests' phases but the prefill, against
+    target-only decoding of the same prompts timed here, step = decode + sample) up to the
+    timing noise of a shared CPU; the overhead charged is exactly the measured non-verify time."""
     from dspark.scheduling.sps_profile import profile_sps
 
     target = make_tiny_target("llama")
@@ -502,4 +506,39 @@ def test_at_r_1_the_measured_sps_clock_agrees_with_the_wall_clock(policy):
     wall = sum(v for req in sim.requests for k, v in req["timings"].items() if k not in ("prefill", "total"))
     verify = sum(req["timings"]["verify"] for req in sim.requests)
     assert sim.overhead_s == pytest.approx(wall - verify)
-    assert sim.sim_time_s == pytest.approx(wall, rel=0.4)  # loose: shared-CPU timing noise
+    base = [target_generate(target, p, max_new_tokens=32, temperature=0.0) for p in PROMPTS]
+    step = sum(b.timings["decode"] + b.timings["sample"] for b in base) / sum(len(b.tokens) - 1 for b in base)
+    wall_ratio = sim.tokens / wall * step
+    sps_ratio = sim.throughput / sim.target_only_throughput
+    assert sps_ratio == pytest.approx(wall_ratio, rel=0.25)  # loose: shared-CPU timing noise
+
+
+def test_measured_overhead_is_charged_on_the_tables_time_scale():
+    """The same greedy run priced by a table and by the same table twice as fast: time_scale is the
+    table's price of the run's verification forwards over their measured seconds, every step costs
+    1 / SPS(B) + overhead · time_scale, and the ratio to target-only decoding R·SPS(R) does not
+    depend on the table's speed (without the scale the faster table would leave the measured
+    drafting twice as heavy against it)."""
+    from dspark.scheduling.sps_profile import profile_sps
+
+    target = make_tiny_target("llama")
+    drafter = random_drafter(target, gamma=4)
+    sps = profile_sps(target, [1, 2, 3, 4, 5], context_len=24, warmup=3, repeats=9)
+    fast = SPSTable(sps.sample_batch_tokens, [2 * x for x in sps.sample_steps_per_sec], sps.max_batch_tokens)
+    decoding = DecodeSettings(max_new_tokens=24, temperature=0.0, seed=0)
+    simulate(target, drafter, PROMPTS[:1], decoding=decoding,
+             serving=ServeSettings(policy="static", sps=sps, draft_overhead="measured"), cycle=False)  # warm-up
+    runs = [simulate(target, drafter, PROMPTS, decoding=decoding, cycle=False,
+                     serving=ServeSettings(policy="static", sps=table, draft_overhead="measured"))
+            for table in (sps, fast)]
+    for run, table in zip(runs, (sps, fast)):
+        assert run.time_scale == pytest.approx(run.verify_table_s / run.verify_s)
+        assert run.verify_table_s == pytest.approx(sum(1 / table(1 + r["proposed"]) for r in run.rounds))
+        assert run.sim_time_s == pytest.approx(sum(1 / table(row["batch_tokens"]) for row in run.step_log)
+                                               + run.overhead_s * run.time_scale)
+    assert runs[1].time_scale == pytest.approx(runs[0].time_scale / 2, rel=0.3)  # the forwards' own timing noise
+    ratios = [run.throughput / run.target_only_throughput for run in runs]
+    assert ratios[1] == pytest.approx(ratios[0], rel=0.2)
+    unscaled = [run.tokens / (run.sim_time_s - run.overhead_s * (run.time_scale - 1)) / run.target_only_throughput
+                for run in runs]
+    assert unscaled[1] < 0.9 * unscaled[0] or runs[0].overhead_s < 0.1 * runs[0].verify_s

@@ -192,9 +192,10 @@ def test_a_skipped_request_adds_one_token_to_the_batch_and_no_draft_time():
     draft_steps = [s for s in sim.step_log if s["drafted"]]
     assert all(s["draft_s"] > 0 for s in draft_steps) and all(s["draft_s"] == 0 for s in sim.step_log[2:])
     assert sim.draft_s == pytest.approx(sum(s["draft_s"] for s in draft_steps))
-    assert sim.sim_time_s == pytest.approx(sum(1 / DECAYING(s["batch_tokens"]) for s in sim.step_log) + sim.overhead_s)
+    assert sim.sim_time_s == pytest.approx(sum(1 / DECAYING(s["batch_tokens"]) for s in sim.step_log)
+                                           + sim.overhead_s * sim.time_scale)
     assert sim.overhead_s > sim.draft_s  # accept, bookkeeping and schedule are charged too
-    assert sim.draft_cost_steps == pytest.approx(sim.draft_s / 2 * DECAYING(1))
+    assert sim.draft_cost_steps == pytest.approx(sim.draft_s / 2 * sim.time_scale * DECAYING(1))
     summary = sim.summary()
     assert summary["skipped_rounds"] == sim.skipped and summary["draft_clock"] == "measured"
 
