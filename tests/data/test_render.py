@@ -12,7 +12,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, train
 from transformers import PreTrainedTokenizerFast
 
 from dspark.data.prompts import prompt_only
-from helpers.bpe import chat_tokenizer, train_bpe
+from helpers.bpe import LLAMA3_TEMPLATE, chat_tokenizer, train_bpe
 from dspark.data.render import (
     RenderedSample,
     render_conversation,
@@ -65,13 +65,6 @@ QWEN3_TEMPLATE = (
     "{%- endif -%}"
 )
 
-LLAMA3_TEMPLATE = (
-    "{{- bos_token -}}"
-    "{%- for message in messages -%}"
-    "{{- '<|start_header_id|>' + message.role + '<|end_header_id|>\\n\\n' + message.content | trim + '<|eot_id|>' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}{%- endif -%}"
-)
 
 # Gemma: no system role; the system text is prepended to the first user turn.
 GEMMA_TEMPLATE = (

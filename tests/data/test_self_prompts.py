@@ -24,7 +24,7 @@ from dspark.data.prepare import load_train_prompts, prepare, split_indices
 from dspark.data.prompts import builtin_eval_sets
 from dspark.data.dataset import load_rendered
 from dspark.hub import CHATML_TEMPLATE
-from helpers.bpe import chat_tokenizer, train_bpe
+from helpers.bpe import LLAMA3_TEMPLATE, chat_tokenizer, train_bpe
 from helpers.targets import build_tiny_model
 
 SPECIAL_TOKENS = [
@@ -32,13 +32,6 @@ SPECIAL_TOKENS = [
     "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
     "<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>",
 ]
-LLAMA3_TEMPLATE = (
-    "{{- bos_token -}}"
-    "{%- for message in messages -%}"
-    "{{- '<|start_header_id|>' + message.role + '<|end_header_id|>\\n\\n' + message.content | trim + '<|eot_id|>' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}{%- endif -%}"
-)
 GEMMA_TEMPLATE = (
     "{{- bos_token -}}"
     "{%- for message in messages -%}"

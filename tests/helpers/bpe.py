@@ -6,6 +6,15 @@ from collections.abc import Sequence
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+# A Llama-3-style chat template (header ids around the role, <|eot_id|> after each turn).
+LLAMA3_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- for message in messages -%}"
+    "{{- '<|start_header_id|>' + message.role + '<|end_header_id|>\\n\\n' + message.content | trim + '<|eot_id|>' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}{%- endif -%}"
+)
+
 
 def train_bpe(corpus: Sequence[str], vocab_size: int, special_tokens: Sequence[str]) -> Tokenizer:
     """Byte-level BPE with `special_tokens` first in the vocabulary, trained on `corpus`."""
