@@ -84,9 +84,10 @@ class RenderStats:
     num_loss_tokens: int = 0  # over kept samples
 
 
-def _render_text(
+def render_text(
     tokenizer: Any, messages: Conversation, add_generation_prompt: bool, enable_thinking: bool
 ) -> str:
+    """The text of ``messages`` under the tokenizer's chat template (no tokenization)."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError(
             "tokenizer has no chat_template; use the tokenizer of an instruct/chat model "
@@ -111,17 +112,17 @@ def _answer_char_spans(
 ) -> tuple[str, list[tuple[int, int]], int]:
     """The full rendering, the [start, end) character span of each assistant turn that
     passes the text prefix property, and the number of turns that do not."""
-    full = _render_text(tokenizer, conversation, False, enable_thinking)
+    full = render_text(tokenizer, conversation, False, enable_thinking)
     spans: list[tuple[int, int]] = []
     outside = 0
     for i, message in enumerate(conversation):
         if message["role"] != "assistant":
             continue
-        before = _render_text(tokenizer, conversation[:i], True, enable_thinking)
+        before = render_text(tokenizer, conversation[:i], True, enable_thinking)
         if i + 1 == len(conversation):
             through = full
         else:
-            through = _render_text(tokenizer, conversation[: i + 1], False, enable_thinking)
+            through = render_text(tokenizer, conversation[: i + 1], False, enable_thinking)
         start, end = len(before), len(through.rstrip())
         previous_end = spans[-1][1] if spans else 0
         if previous_end <= start < end and full.startswith(before) and full.startswith(through[:end]):
@@ -233,4 +234,4 @@ def render_prompt(
             "the prompt ends with an assistant turn; pass prompt_only(conversation) "
             "or a conversation ending with a user message"
         )
-    return _tokenize(tokenizer, _render_text(tokenizer, conversation, True, enable_thinking))
+    return _tokenize(tokenizer, render_text(tokenizer, conversation, True, enable_thinking))

@@ -47,6 +47,7 @@ from tqdm.auto import tqdm
 from dspark.data.benchmarks import BENCHMARKS, eval_data_folder
 from dspark.data.generate import end_of_turn_token_ids, split_completion
 from dspark.data.prompts import Conversation, builtin_eval_sets, load_eval_benchmark
+from dspark.data.render import render_text
 from dspark.io.atomic import atomic_write_text
 
 logger = logging.getLogger(__name__)
@@ -133,12 +134,8 @@ class UserTurn:
 
 # ------------------------------------------------------------------ template
 def _render(tokenizer: Any, messages: Conversation) -> str:
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError(
-            "tokenizer has no chat_template; self-written prompts need the target's chat template "
-            "(use an instruct/chat model's tokenizer or set tokenizer.chat_template)"
-        )
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False, enable_thinking=False)
+    """``messages`` under the chat template, no generation prompt, thinking off."""
+    return render_text(tokenizer, messages, False, False)
 
 
 def user_turn_prefix(tokenizer: Any) -> str:

@@ -549,11 +549,11 @@ def _step(
     verify_s = sum(entry.request.clock.totals.get("verify", 0.0) - start.get("verify", 0.0)
                    for entry, start in zip(live, before))
     verify_table_s = math.nan if sps is None else sum(1.0 / _speed(sps, 1 + ell) for ell in lengths.tolist())
-    step_time = _step_time(sps, batch, draft_overhead, draft_times, overhead_s)
+    verify_step_s = math.nan if sps is None else 1.0 / _speed(sps, batch)
+    step_time = _step_time(verify_step_s, draft_overhead, draft_times, overhead_s)
     _account_step(result, live=len(live), drafted=len(draft_times), proposed=int(lengths.sum()), batch=batch,
                   draft_s=sum(draft_times), overhead_s=overhead_s, step_time=step_time, tokens=step_tokens,
-                  verify_s=verify_s, verify_table_s=verify_table_s,
-                  verify_step_s=math.nan if sps is None else 1.0 / _speed(sps, batch))
+                  verify_s=verify_s, verify_table_s=verify_table_s, verify_step_s=verify_step_s)
 
 
 def _overhead_s(live: list[_Live], before: Sequence[Mapping[str, float]], schedule_s: float) -> float:
@@ -707,14 +707,14 @@ def _speed(sps: SPSTable, batch: int) -> float:
     return speed
 
 
-def _step_time(sps: SPSTable | None, batch: int, draft_overhead: float | str, draft_times: Sequence[float],
+def _step_time(verify: float, draft_overhead: float | str, draft_times: Sequence[float],
                overhead_s: float) -> float:
-    """Simulated seconds of one step: 1 / SPS(B), plus what ``draft_overhead`` says: with
-    "measured" the step's measured non-verify seconds ``overhead_s``; with a fraction f,
+    """Simulated seconds of one step: ``verify`` = 1 / SPS(B) (NaN without a table), plus what
+    ``draft_overhead`` says: with "measured" the step's measured non-verify seconds ``overhead_s``
+    (put on the table's time scale at the end of the run, ``_on_table_scale``); with a fraction f,
     f / SPS(B) when some request drafted (module docstring)."""
-    if sps is None:
+    if math.isnan(verify):
         return math.nan
-    verify = 1.0 / _speed(sps, batch)
     if draft_overhead == MEASURED:
         return verify + overhead_s
     if not draft_times:

@@ -21,7 +21,7 @@ synchronised around each timed forward). A machine whose speed drifts during
 the profile (frequency scaling, a neighbour's load, a shared host) then slows
 every B alike, where timing all repeats of one B before the next would let the
 drift pass for a cost of B (on a shared 2-core CPU that made a flat curve look
-steep; ``bench/README.md``, "SPS profile").
+steep; ``bench/README.md``, "The demo, default mode").
 
 SPS(B) = 1 / median seconds. Each median carries its 95 % distribution-free
 interval (order statistics of the repeats, ``median_interval``; from 6 repeats
