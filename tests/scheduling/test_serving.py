@@ -487,30 +487,60 @@ def test_a_job_seed_is_derived_from_the_run_seed_and_the_request_index():
 
 
 
+def slowed(target, base: float = 0.02, per_token: float = 0.004):
+    """``target`` with every forward held for ``base + per_token · (tokens in the input)`` seconds on
+    the wall clock, so that verification costs dominate the tiny model's microsecond compute and its
+    Python noise on a shared CPU: the SPS table and the decode loop then time the same known cost."""
+    import time
+
+    def hold(module, args, kwargs):
+        ids = args[0] if args else kwargs["input_ids"]
+        time.sleep(base + per_token * ids.numel())
+
+    target.register_forward_pre_hook(hold, with_kwargs=True)
+    return target
+
+
+def slow_drafting(drafter, pause: float):
+    """``drafter`` with every proposal held ``pause`` more seconds: drafting a known share of a round."""
+    import time
+
+    propose = drafter.propose
+
+    def slow_propose(*args, **kwargs):
+        time.sleep(pause)
+        return propose(*args, **kwargs)
+
+    drafter.propose = slow_propose
+    return drafter
+
+
 @pytest.mark.parametrize("policy", ["static", "algorithm1"])
 def test_at_r_1_the_measured_sps_clock_agrees_with_the_wall_clock(policy):
-    """R = 1 on a tiny target, an SPS table profiled for it here: with draft_overhead="measured"
-    the SPS clock's ratio to target-only decoding, Θ / SPS(1), matches the wall clock's
-    decode-only speedup (tokens per second of the requests' phases but the prefill, against
-    target-only decoding of the same prompts timed here, step = decode + sample) up to the
-    timing noise of a shared CPU; the overhead charged is exactly the measured non-verify time."""
+    """R = 1 on a tiny target whose forwards take a known time growing with the tokens verified and
+    a drafter whose proposals take a known time, an SPS table profiled for the target here: with
+    draft_overhead="measured" the SPS clock's ratio to target-only decoding, Θ / SPS(1), matches
+    the wall clock's decode-only speedup (tokens per second of the requests' phases but the
+    prefill, against target-only decoding of the same prompts timed here, step = decode +
+    sample); the overhead charged is exactly the measured non-verify time. Charging no overhead
+    reads about 1.5x the wall clock here, outside the tolerance."""
     from dspark.scheduling.sps_profile import profile_sps
 
-    target = make_tiny_target("llama")
-    drafter = random_drafter(target, gamma=4)
+    target = slowed(make_tiny_target("llama"))
+    drafter = slow_drafting(random_drafter(target, gamma=4), 0.02)  # half a verification: must be charged
     sps = profile_sps(target, [1, 2, 3, 4, 5], context_len=24, warmup=3, repeats=9)
-    decoding = DecodeSettings(max_new_tokens=32, temperature=0.0, seed=0)
+    decoding = DecodeSettings(max_new_tokens=20, temperature=0.0, seed=0)
     serving = ServeSettings(policy=policy, sps=sps, draft_overhead="measured")
     simulate(target, drafter, PROMPTS[:1], decoding=decoding, serving=serving, cycle=False)  # warm-up
     sim = simulate(target, drafter, PROMPTS, decoding=decoding, serving=serving, cycle=False)
     wall = sum(v for req in sim.requests for k, v in req["timings"].items() if k not in ("prefill", "total"))
     verify = sum(req["timings"]["verify"] for req in sim.requests)
     assert sim.overhead_s == pytest.approx(wall - verify)
-    base = [target_generate(target, p, max_new_tokens=32, temperature=0.0) for p in PROMPTS]
+    base = [target_generate(target, p, max_new_tokens=20, temperature=0.0) for p in PROMPTS]
     step = sum(b.timings["decode"] + b.timings["sample"] for b in base) / sum(len(b.tokens) - 1 for b in base)
     wall_ratio = sim.tokens / wall * step
     sps_ratio = sim.throughput / sim.target_only_throughput
-    assert sps_ratio == pytest.approx(wall_ratio, rel=0.25)  # loose: shared-CPU timing noise
+    assert sps_ratio == pytest.approx(wall_ratio, rel=0.2)  # wake-up latency and the drafter's compute on a busy CPU
 
 
 def test_measured_overhead_is_charged_on_the_tables_time_scale():
@@ -521,8 +551,8 @@ def test_measured_overhead_is_charged_on_the_tables_time_scale():
     drafting twice as heavy against it)."""
     from dspark.scheduling.sps_profile import profile_sps
 
-    target = make_tiny_target("llama")
-    drafter = random_drafter(target, gamma=4)
+    target = slowed(make_tiny_target("llama"))
+    drafter = slow_drafting(random_drafter(target, gamma=4), 0.012)  # the scale's effect is plain
     sps = profile_sps(target, [1, 2, 3, 4, 5], context_len=24, warmup=3, repeats=9)
     fast = SPSTable(sps.sample_batch_tokens, [2 * x for x in sps.sample_steps_per_sec], sps.max_batch_tokens)
     decoding = DecodeSettings(max_new_tokens=24, temperature=0.0, seed=0)
@@ -536,9 +566,9 @@ def test_measured_overhead_is_charged_on_the_tables_time_scale():
         assert run.verify_table_s == pytest.approx(sum(1 / table(1 + r["proposed"]) for r in run.rounds))
         assert run.sim_time_s == pytest.approx(sum(1 / table(row["batch_tokens"]) for row in run.step_log)
                                                + run.overhead_s * run.time_scale)
-    assert runs[1].time_scale == pytest.approx(runs[0].time_scale / 2, rel=0.3)  # the forwards' own timing noise
+    assert runs[1].time_scale == pytest.approx(runs[0].time_scale / 2, rel=0.1)  # sleep overshoot
     ratios = [run.throughput / run.target_only_throughput for run in runs]
-    assert ratios[1] == pytest.approx(ratios[0], rel=0.2)
+    assert ratios[1] == pytest.approx(ratios[0], rel=0.08)
     unscaled = [run.tokens / (run.sim_time_s - run.overhead_s * (run.time_scale - 1)) / run.target_only_throughput
                 for run in runs]
-    assert unscaled[1] < 0.9 * unscaled[0] or runs[0].overhead_s < 0.1 * runs[0].verify_s
+    assert unscaled[1] < 0.85 * unscaled[0]
