@@ -314,23 +314,30 @@ def sched_row(run: Mapping[str, Any], policy: str, r: int, report: Mapping[str, 
     speedup, speedup_ci = metric(a, "speedup")
     decode, decode_ci = metric(a, "decode_speedup")
     ratio = theta / theta0 if isinstance(theta, (int, float)) and theta0 else None
+    ratio_ci = sim.get("vs_target_only_table_ci")
+    if not (isinstance(ratio_ci, Sequence) and len(ratio_ci) == 2 and ratio is not None):
+        ratio_ci = None
     return {"policy": policy, "R": r, "tau": tau, "tau_ci": tau_ci, "mean_ell": mean_ell,
             "tokens_per_s": a.get("tokens_per_s"), "baseline_tokens_per_s": a.get("baseline_tokens_per_s"),
             "speedup": speedup, "speedup_ci": speedup_ci, "decode_speedup": decode, "decode_speedup_ci": decode_ci,
-            "theta": theta, "theta_target": theta0, "theta_ratio": ratio,
-            "clocks": clock_agreement(ratio, decode_ci), **_round_costs(report or {})}
+            "theta": theta, "theta_target": theta0, "theta_ratio": ratio, "theta_ratio_ci": ratio_ci,
+            "clocks": clock_agreement(ratio, decode_ci, ratio_ci), **_round_costs(report or {})}
 
 
-def clock_agreement(theta_ratio: float | None, decode_ci: Sequence[float] | None) -> str:
-    """Whether the SPS clock's ratio to target-only decoding (R = 1) lies inside the 95 % interval
-    of the wall clock's decode-only speedup (both leave the prefills out): "agree", "SPS clock
-    above" / "SPS clock below" the interval, or "–" when either is missing."""
+def clock_agreement(theta_ratio: float | None, decode_ci: Sequence[float] | None,
+                    theta_ci: Sequence[float] | None = None) -> str:
+    """Whether the SPS clock's ratio to target-only decoding (R = 1) agrees with the wall clock's
+    decode-only speedup (both leave the prefills out): with ``theta_ci`` (the ratio's 95 % interval
+    over the SPS table's own timing noise, ``dspark.scheduling.sps_profile.table_interval``) the
+    two intervals overlap, without it the ratio lies inside the wall clock's interval. "agree",
+    "SPS clock above" / "SPS clock below", or "–" when either clock is missing."""
     if theta_ratio is None or decode_ci is None or not all(math.isfinite(x) for x in decode_ci):
         return "–"
     lo, hi = decode_ci
-    if theta_ratio < lo:
+    sps_lo, sps_hi = (theta_ratio, theta_ratio) if theta_ci is None else theta_ci
+    if sps_hi < lo:
         return "SPS clock below"
-    if theta_ratio > hi:
+    if sps_lo > hi:
         return "SPS clock above"
     return "agree"
 
@@ -451,7 +458,7 @@ def sched_section(run: Mapping[str, Any]) -> str:
     cells = [[x["policy"], str(x["R"]), fmt_ci(x["tau"], x["tau_ci"]), fmt_number(x["mean_ell"]),
               fmt_number(x["tokens_per_s"], 1), fmt_number(x["baseline_tokens_per_s"], 1),
               fmt_ci(x["speedup"], x["speedup_ci"]), fmt_ci(x["decode_speedup"], x["decode_speedup_ci"]),
-              fmt_number(x["theta"], 1), fmt_number(x["theta_target"], 1), fmt_number(x["theta_ratio"]),
+              fmt_number(x["theta"], 1), fmt_number(x["theta_target"], 1), fmt_ci(x["theta_ratio"], x["theta_ratio_ci"]),
               x["clocks"], fmt_number(x["draft_steps"]), fmt_number(x["verify_steps"])]
              for x in rows]
     note = (
@@ -465,9 +472,11 @@ def sched_section(run: Mapping[str, Any]) -> str:
         "B = Σ(1 + ℓ_r) tokens from the measured table plus every other phase measured in it (drafting, acceptance, cache and context bookkeeping, the policy's decision; the demo runs it with `--draft-overhead measured`), put on the table's time scale by the ratio of the table's price of the run's verification forwards to their measured seconds, against R·SPS(R) for target-only "
         "decoding; the serving loop verifies each request on its own, so its wall clock says nothing about "
         "batching and only the SPS clock measures R > 1. Rows without a scheduled evaluation (R > 1) show the "
-        "simulator's τ and mean ℓ. **SPS vs wall clock** (R = 1, where both exist): whether the Θ ratio lies in "
-        "the 95 % interval of the decode-only wall speedup (both leave the prefills out; the SPS table is timed "
-        "in interleaved sweeps over B, so a machine whose speed drifts does not tilt it).")
+        "simulator's τ and mean ℓ. The Θ ratio's interval is the SPS table's own timing noise: the run's steps "
+        "priced by 1000 tables of the profile's timings resampled (every decision kept). **SPS vs wall clock** "
+        "(R = 1, where both exist): whether that interval overlaps the 95 % interval of the decode-only wall "
+        "speedup (both leave the prefills out; the SPS table is timed in interleaved sweeps over B, so a machine "
+        "whose speed drifts does not tilt it).")
     paired = paired_section(run)
     return "\n".join([markdown_table(header, cells), "", note] + (["", paired] if paired else []))
 
@@ -697,7 +706,7 @@ def summary_short(run: Mapping[str, Any]) -> str:
     for x in sched_rows(run):
         lines.append(f"{x['policy']:>12} R={x['R']}: τ {fmt_ci(x['tau'], x['tau_ci'])}, mean ℓ {fmt_number(x['mean_ell'])}, "
                      f"wall speedup {fmt_ci(x['speedup'], x['speedup_ci'])}, decode-only {fmt_ci(x['decode_speedup'], x['decode_speedup_ci'])}, "
-                     f"SPS-clock Θ ratio {fmt_number(x['theta_ratio'])}{'' if x['clocks'] == '–' else ' (' + x['clocks'] + ')'}"
+                     f"SPS-clock Θ ratio {fmt_ci(x['theta_ratio'], x['theta_ratio_ci'])}{'' if x['clocks'] == '–' else ' (' + x['clocks'] + ')'}"
                      f", draft/round {fmt_number(x['draft_steps'])} steps")
     if run["sched"] or run["simulate"]:
         lines.append("(R = 1: wall clock of dspark eval --policy; R > 1: the simulator's SPS clock)")

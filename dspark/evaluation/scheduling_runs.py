@@ -102,6 +102,7 @@ def simulate(config: Config, *, progress: Callable[[Any], None] | None = None,
     from dspark.scheduling.algorithm1 import SPSTable
     from dspark.config import SIMULATE_POLICIES
     from dspark.scheduling.simulator import DecodeSettings, ServeSettings, make_policy, simulate_grid
+    from dspark.scheduling.sps_profile import table_interval
 
     s, e = config.serve, config.eval
     if not s.sps:
@@ -126,6 +127,8 @@ def simulate(config: Config, *, progress: Callable[[Any], None] | None = None,
     announce(f"target {config.target.name_or_path} on {target.device}; drafter {origin}; γ = {gamma}; "
              f"{len(prompts)} prompts from {', '.join(f'{n} ({len(v)})' for n, v in sets.items())}; "
              f"STS {'from ' + s.sts if temps is not None else 'off (raw confidences)'}")
+    profile = _table_profile(s.sps, sps)
+    announce(f"SPS clock intervals: {'from the timings in ' + str(profile_path(s.sps)) if profile else 'none'}")
     results = []
     for spec in policies:
         for concurrency in s.concurrencies:
@@ -138,6 +141,8 @@ def simulate(config: Config, *, progress: Callable[[Any], None] | None = None,
                                             eos_token_ids=eos),
                     serving=ServeSettings(sps=sps, sts_temperatures=temps, draft_overhead=s.draft_overhead),
                     cycle=s.cycle, num_requests=s.num_requests or None)
+                if profile is not None:
+                    result.table_ci = list(table_interval(result, profile, seed=e.seed))
                 _append_cell(out, spec, result)
             results.append(result)
             if progress is not None:
@@ -152,6 +157,28 @@ def simulate(config: Config, *, progress: Callable[[Any], None] | None = None,
     }
     out = write_results(out, results, summary)
     return results, out
+
+
+def profile_path(sps: str | os.PathLike) -> Path:
+    """The ``.profile.json`` that `dspark profile-sps` writes next to a table JSON."""
+    sps = Path(sps)
+    return sps.with_name(sps.stem + ".profile.json")
+
+
+def _table_profile(sps_path: str | os.PathLike, table: Any) -> Any:
+    """The profile behind the table at ``sps_path`` when it is there and its table is this one
+    (else None: no interval for the SPS clock)."""
+    from dspark.scheduling.sps_profile import load_profile
+
+    path = profile_path(sps_path)
+    if not path.exists():
+        return None
+    profile = load_profile(path)
+    ours = profile.table
+    if list(ours.sample_batch_tokens) != list(table.sample_batch_tokens) or not all(
+            math.isclose(a, b, rel_tol=1e-9) for a, b in zip(ours.sample_steps_per_sec, table.sample_steps_per_sec)):
+        return None
+    return profile
 
 
 _CELL_ROWS = ("rounds", "step_log")  # SimResult fields kept in rounds.jsonl, or not kept

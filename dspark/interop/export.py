@@ -59,22 +59,28 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from dspark.interop.layouts import (  # noqa: F401  (ExportRefused: the error export_drafter raises)
+    DEEPSPEC_ARCH,
+    ExportRefused,
+    check_eagle3_servable,
+    deepspec_config,
+    drafter_tensors,
+    eagle3_serving_config,
+    eagle3_serving_tensors,
+    refuse,
+    refuse_draft_vocab,
+    with_draft_head,
+    zlab_config,
+    zlab_tensors,
+)
 from dspark.io.atomic import replace_dir
-from dspark.modeling.config import OWN_FIELDS, DrafterConfig
-from dspark.modeling.drafter import SHARED_PARAMS, Drafter
+from dspark.modeling.config import DrafterConfig
+from dspark.modeling.drafter import Drafter
 from dspark.modeling.eagle3 import Eagle3Drafter
 
 DESTINATIONS = ("vllm", "sglang", "deepspec", "zlab", "llamacpp")
 GGUF_NAME = "draft.gguf"
 SERVE_NAME = "SERVE.md"
-DEEPSPEC_ARCH = {"qwen3": "Qwen3DSparkModel", "gemma4": "Gemma4DSparkModel"}
-DSPARK_HEAD_FIELDS = ("markov_head_type", "confidence_head_with_markov")
-EAGLE3_SERVING_ARCH = "LlamaForCausalLMEagle3"
-EAGLE3_FUSED_LAYERS = 3  # vLLM and SGLang build fc with 3·H inputs
-# Our Eagle3 config.json fields that the serving layout does not carry (DeepSpec's and our own).
-EAGLE3_OWN_FIELDS = ("target_layer_ids", "ttt_length", "step_loss_decay", "draft_num_hidden_layers", "block_size",
-                     "dspark_variant", "eagle3_preset", "target_num_hidden_layers", "mask_token_id", "num_anchors",
-                     "layer_types", "auto_map")
 
 
 @dataclass
@@ -87,126 +93,47 @@ class Layout:
     files: dict[str, Path] = field(default_factory=dict)  # extra files copied next to the weights
 
 
-class ExportRefused(ValueError):
-    """A destination cannot serve this drafter; the message says why."""
-
-
-def _refuse(destination: str, reason: str) -> None:
-    raise ExportRefused(f"cannot export to {destination}: {reason}")
-
-
-# ------------------------------------------------------------------ config.json of each family
-def deepspec_config(config: DrafterConfig) -> dict[str, Any]:
-    """DeepSpec's config.json: the target config + flat DSpark fields, written as its
-    `build_draft_config` writes them (DFlash: `markov_rank` 0 and no head fields)."""
-    out = config.to_hf_dict()
-    for key in OWN_FIELDS:
-        out.pop(key, None)
-    out["architectures"] = [DEEPSPEC_ARCH[config.family]]
-    out["tie_word_embeddings"] = False  # DeepSpec keeps its own frozen copies of both tables
-    if not config.has_sequential_head:
-        out.pop("markov_head_type", None)
-    if not config.has_confidence_head:
-        out.pop("confidence_head_with_markov", None)
-    return out
-
-
-def zlab_config(config: DrafterConfig) -> dict[str, Any]:
-    """z-lab's DFlashDraftModel config.json (anchor + γ masks, block_size = γ + 1)."""
-    out = config.to_hf_dict()
-    for key in (*OWN_FIELDS, "mask_token_id", "target_layer_ids", "num_anchors", "markov_rank",
-                *DSPARK_HEAD_FIELDS, "enable_confidence_head"):
-        out.pop(key, None)
-    out["architectures"] = ["DFlashDraftModel"]
-    out["layer_types"] = ["full_attention"] * config.num_draft_layers
-    out["block_size"] = config.block_size + 1
-    out["num_target_layers"] = config.num_target_layers
-    out["dflash_config"] = {"mask_token_id": config.mask_token_id, "target_layer_ids": list(config.target_layer_ids)}
-    return out
-
-
-def _tensors(drafter: Drafter, *, include_shared: bool) -> dict[str, torch.Tensor]:
-    """The drafter's tensors under DeepSpec's names (ours are the same), copied to CPU."""
-    state = {name: t.detach().cpu().contiguous().clone() for name, t in drafter.state_dict().items()}
-    head = drafter.markov_head
-    if head is not None and drafter.config.markov_head_type == "rnn" and head.joint_proj.bias is None:
-        state["markov_head.joint_proj.bias"] = torch.zeros(head.joint_proj.out_features, dtype=head.joint_proj.weight.dtype)
-    if include_shared:
-        try:
-            shared = drafter.shared_weights()
-        except RuntimeError:
-            raise ValueError(
-                "this destination needs the embedding and LM head in the folder, and the drafter has none: "
-                "load it with its target (dspark export --target T)"
-            ) from None
-        state.update({name: shared[name].detach().cpu().clone() for name in SHARED_PARAMS})
-    return state
-
-
-def _zlab_tensors(drafter: Drafter) -> dict[str, torch.Tensor]:
-    return {k: v for k, v in _tensors(drafter, include_shared=False).items() if not k.startswith(("markov_head", "confidence_head"))}
-
-
-def _with_draft_head(drafter: Drafter, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """vLLM with a draft vocabulary: the LM head's k rows next to `d2t` (from the state)."""
-    if drafter.vocab is None:
-        return tensors
-    try:
-        head = drafter.shared_weights()["lm_head.weight"]
-    except RuntimeError:
-        raise ValueError("a draft vocabulary's LM head rows go into the folder, and the drafter has no LM head: "
-                         "load it with its target (dspark export --target T)") from None
-    return {**tensors, "lm_head.weight": head.detach().cpu().contiguous().clone()}
-
-
-def _refuse_draft_vocab(config: DrafterConfig, destination: str, why: str) -> None:
-    if config.draft_vocab_size:
-        _refuse(destination, f"this drafter has a draft vocabulary of {config.draft_vocab_size} ids and {why}; "
-                             "vLLM serves it (--to vllm); for this destination train with drafter.draft_vocab_size=0 "
-                             "(the full vocabulary)")
-
-
 # ------------------------------------------------------------------ what each destination can serve
 def _check_zlab(config: DrafterConfig, destination: str) -> None:
     if config.variant != "dflash":
-        _refuse(destination, f"a z-lab DFlash is a DFlash drafter (no sequential or confidence head); this is a {config.variant} drafter")
+        refuse(destination, f"a z-lab DFlash is a DFlash drafter (no sequential or confidence head); this is a {config.variant} drafter")
     if config.block_layout != "anchor_plus_masks":
-        _refuse(destination, "an anchor-first DFlash is not a z-lab DFlash: z-lab's slot 0 is the anchor and "
+        refuse(destination, "an anchor-first DFlash is not a z-lab DFlash: z-lab's slot 0 is the anchor and "
                              "slot k predicts anchor + k (block_layout 'anchor_plus_masks'); renaming would give τ ≈ 1")
     if config.family != "qwen3":
-        _refuse(destination, f"z-lab's DFlashDraftModel is built from Qwen3 layers (with q/k norms); this drafter is "
+        refuse(destination, f"z-lab's DFlashDraftModel is built from Qwen3 layers (with q/k norms); this drafter is "
                              f"{config.family} (a Llama-family drafter has no q/k norms to write: train it with drafter.layer_family=qwen3)")
 
 
 def _check_anchor_first(config: DrafterConfig, destination: str) -> None:
     if config.block_layout != "anchor_first":
-        _refuse(destination, "its DSpark/DFlash model is anchor-first (slot k predicts anchor + k + 1); this "
+        refuse(destination, "its DSpark/DFlash model is anchor-first (slot k predicts anchor + k + 1); this "
                              "drafter is 'anchor_plus_masks' (export a DFlash of that layout to zlab)")
     if config.family not in DEEPSPEC_ARCH:
-        _refuse(destination, f"it has DSpark models for Qwen3 and Gemma4 only ({sorted(DEEPSPEC_ARCH)}), whose layers have "
+        refuse(destination, f"it has DSpark models for Qwen3 and Gemma4 only ({sorted(DEEPSPEC_ARCH)}), whose layers have "
                              f"q/k norms; this drafter is {config.family} (a Llama-family drafter has no q/k norms: train it with drafter.layer_family=qwen3)")
 
 
 def _deepspec(drafter: Drafter, folder: Path, options: dict) -> Layout:
     config = drafter.config
     _check_anchor_first(config, "deepspec")
-    _refuse_draft_vocab(config, "deepspec", "DeepSpec's DSpark model has a full-vocabulary LM head and no d2t")
+    refuse_draft_vocab(config, "deepspec", "DeepSpec's DSpark model has a full-vocabulary LM head and no d2t")
     serve = (f"DeepSpec loads this folder with `{DEEPSPEC_ARCH[config.family]}.from_pretrained(\"{folder}\")` "
              "(embedding and LM head included). Evaluate it with DeepSpec's evaluator, e.g. its eval "
              f"script with the draft model path set to `{folder}`.\n")
-    return Layout(deepspec_config(config), _tensors(drafter, include_shared=True), serve)
+    return Layout(deepspec_config(config), drafter_tensors(drafter, include_shared=True), serve)
 
 
 def _zlab(drafter: Drafter, folder: Path, options: dict) -> Layout:
     config = drafter.config
     _check_zlab(config, "zlab")
-    _refuse_draft_vocab(config, "zlab", "z-lab's DFlashDraftModel uses the target's full LM head")
+    refuse_draft_vocab(config, "zlab", "z-lab's DFlashDraftModel uses the target's full LM head")
     serve = (
         "z-lab DFlash (github.com/z-lab/dflash):\n\n```python\nfrom dflash.model import DFlashDraftModel\n"
         f"draft = DFlashDraftModel.from_pretrained(\"{folder}\")\n```\n\n"
         + _vllm_dflash_command(folder, config, options) + "\n" + _sglang_dflash_command(folder, config, options)
     )
-    return Layout(zlab_config(config), _zlab_tensors(drafter), serve)
+    return Layout(zlab_config(config), zlab_tensors(drafter), serve)
 
 
 def _vllm_dflash_command(folder: Path, config: DrafterConfig, options: dict) -> str:
@@ -232,40 +159,40 @@ def _vllm(drafter: Drafter, folder: Path, options: dict) -> Layout:
         cfg = zlab_config(config)
         if config.draft_vocab_size:
             cfg["draft_vocab_size"] = config.draft_vocab_size
-        return Layout(cfg, _with_draft_head(drafter, _zlab_tensors(drafter)), _vllm_dflash_command(folder, config, options))
+        return Layout(cfg, with_draft_head(drafter, zlab_tensors(drafter)), _vllm_dflash_command(folder, config, options))
     _check_anchor_first(config, "vllm (method dspark)")
     if config.has_sequential_head and config.markov_head_type != "vanilla":
-        _refuse("vllm (method dspark)", f"vLLM's DSpark serves only the vanilla Markov head; this drafter has the "
+        refuse("vllm (method dspark)", f"vLLM's DSpark serves only the vanilla Markov head; this drafter has the "
                                         f"{config.markov_head_type!r} head (SGLang serves it: --to sglang)")
     spec = json.dumps({"method": "dspark", "model": str(folder), "num_speculative_tokens": config.block_size}, separators=(",", ":"))
     serve = (f"vLLM:\n\n```bash\nvllm serve {target} --speculative-config '{spec}'\n```\n\n"
              "Calibration is online in vLLM (no STS/SPS files).\n")
     if not config.has_sequential_head:
         serve += "\nThis is an anchor-first (DeepSpec-style) DFlash: it is served as `dspark` with markov_rank 0.\n"
-    return Layout(deepspec_config(config), _with_draft_head(drafter, _tensors(drafter, include_shared=False)), serve)
+    return Layout(deepspec_config(config), with_draft_head(drafter, drafter_tensors(drafter, include_shared=False)), serve)
 
 
 def _sglang(drafter: Drafter, folder: Path, options: dict) -> Layout:
     config = drafter.config
     target = options.get("target") or "TARGET"
     sts, sps = options.get("sts"), options.get("sps")
-    _refuse_draft_vocab(config, "sglang", "SGLang's DSPARK and DFLASH take the target's full LM head")
+    refuse_draft_vocab(config, "sglang", "SGLang's DSPARK and DFLASH take the target's full LM head")
     if config.variant == "dflash" and config.block_layout == "anchor_plus_masks":
         _check_zlab(config, "sglang (DFLASH)")
         if sts or sps:
-            _refuse("sglang (DFLASH)", "--sts/--sps are files of SGLang's DSPARK confidence scheduling; a DFlash has no confidence head")
-        return Layout(zlab_config(config), _zlab_tensors(drafter), _sglang_dflash_command(folder, config, options))
+            refuse("sglang (DFLASH)", "--sts/--sps are files of SGLang's DSPARK confidence scheduling; a DFlash has no confidence head")
+        return Layout(zlab_config(config), zlab_tensors(drafter), _sglang_dflash_command(folder, config, options))
     _check_anchor_first(config, "sglang (DSPARK)")
     if config.family != "qwen3":
-        _refuse("sglang (DSPARK)", f"SGLang's DSPARK loads Qwen3DSparkModel only; this drafter is {config.family}")
+        refuse("sglang (DSPARK)", f"SGLang's DSPARK loads Qwen3DSparkModel only; this drafter is {config.family}")
     if not config.has_sequential_head:
-        _refuse("sglang (DSPARK)", "SGLang DSpark needs markov_rank > 0, and an anchor-first DFlash (markov_rank 0) "
+        refuse("sglang (DSPARK)", "SGLang DSpark needs markov_rank > 0, and an anchor-first DFlash (markov_rank 0) "
                                    "is not a z-lab DFlash either, so SGLang cannot serve this drafter")
-    layout = Layout(deepspec_config(config), _tensors(drafter, include_shared=False), "")
+    layout = Layout(deepspec_config(config), drafter_tensors(drafter, include_shared=False), "")
     env, flags = "", ""
     if sts or sps:
         if sts and not config.has_confidence_head:
-            _refuse("sglang (DSPARK)", "--sts calibrates the confidence head, and this drafter has none")
+            refuse("sglang (DSPARK)", "--sts calibrates the confidence head, and this drafter has none")
         env = "SGLANG_RAGGED_VERIFY_MODE=cap-accept SGLANG_PREP_IN_CUDA_GRAPH=1 "
     if sts:
         _check_sts(Path(sts), config.block_size)
@@ -305,72 +232,14 @@ BUILDERS = {"deepspec": _deepspec, "zlab": _zlab, "vllm": _vllm, "sglang": _sgla
 
 
 # ------------------------------------------------------------------ Eagle3: the standard EAGLE-3 layout
-def _check_eagle3_servable(drafter: Eagle3Drafter, destination: str) -> None:
-    """What LlamaForCausalLMEagle3 can express: one Llama layer over exactly 3 fused layers."""
-    config = drafter.config
-    ids = list(config.target_layer_ids)
-    if len(ids) != EAGLE3_FUSED_LAYERS:
-        _refuse(destination, f"its EAGLE-3 model (LlamaForCausalLMEagle3) fuses exactly {EAGLE3_FUSED_LAYERS} target "
-                             f"layers (fc input fixed at 3·H); this drafter fuses {len(ids)} ({ids}; the eagle3_deepspec "
-                             "preset's 5 are DeepSpec's: train the 'eagle3' preset to serve it)")
-    if drafter.layers[0].self_attn.q_norm is not None:
-        _refuse(destination, "its EAGLE-3 layer is Llama's, without q/k norms; this drafter has q/k norms (the "
-                             "eagle3_deepspec preset: train the 'eagle3' preset to serve it)")
-    base = config.base_config
-    act = base.get("hidden_activation") or base.get("hidden_act") or "silu"
-    reasons = [
-        (act != "silu", f"its activation is {act!r}, Llama's is 'silu'"),
-        (config.embed_scale != 1.0, f"its embeddings are scaled by {config.embed_scale:g} ({config.family})"),
-        (bool(config.final_logit_softcapping), "its logits are soft-capped"),
-        (bool(base.get("attention_bias") or base.get("mlp_bias")), "its layer has biases"),
-    ]
-    for bad, why in reasons:
-        if bad:
-            _refuse(destination, f"its EAGLE-3 layer is a plain Llama layer and {why}")
-
-
-def eagle3_serving_config(config: DrafterConfig) -> dict[str, Any]:
-    """The config.json vLLM and SGLang load as LlamaForCausalLMEagle3 (see the module docstring)."""
-    out = config.to_hf_dict()
-    for key in EAGLE3_OWN_FIELDS:
-        out.pop(key, None)
-    ids = list(config.target_layer_ids)
-    out.update(
-        architectures=[EAGLE3_SERVING_ARCH],
-        model_type="llama",
-        num_hidden_layers=1,
-        tie_word_embeddings=False,
-        target_hidden_size=config.hidden_size,
-        draft_vocab_size=config.output_vocab_size,
-        num_target_layers=config.num_target_layers,  # ours, for the way back (formats.py)
-        eagle_aux_hidden_state_layer_ids=[i + 1 for i in ids],  # vLLM: input-of-layer, read as written
-        eagle_config={"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},  # SGLang adds 1
-    )
-    out.setdefault("head_dim", config.base_config.get("head_dim") or config.hidden_size // int(out["num_attention_heads"]))
-    return out
-
-
-def eagle3_serving_tensors(drafter: Eagle3Drafter) -> dict[str, torch.Tensor]:
-    """fc, midlayer.* (= layers.0.*), norm, lm_head (the k or V rows it drafts over), d2t / t2d."""
-    try:
-        head = drafter.shared_weights()["lm_head.weight"]
-    except RuntimeError:
-        raise ValueError("the EAGLE-3 layout holds the drafter's LM head rows, and the drafter has no LM head: load it "
-                         "with its target (dspark export --target T)") from None
-    state = {name: t.detach().cpu().contiguous().clone() for name, t in drafter.state_dict().items()}
-    out = {("midlayer." + name[len("layers.0."):] if name.startswith("layers.0.") else name): t for name, t in state.items()}
-    out["lm_head.weight"] = head.detach().cpu().contiguous().clone()
-    return out
-
-
 def _eagle3(drafter: Eagle3Drafter, folder: Path, to: str, options: dict) -> Layout:
     if to not in ("vllm", "sglang"):
-        _refuse(to, f"{to} has no EAGLE-3 serving layout; an Eagle3 drafter goes to vLLM or SGLang (--to vllm|sglang), "
+        refuse(to, f"{to} has no EAGLE-3 serving layout; an Eagle3 drafter goes to vLLM or SGLang (--to vllm|sglang), "
                     "and its own folder (dspark train output) is DeepSpec's Qwen3Eagle3Model layout for the "
                     "eagle3_deepspec preset on a Qwen3 target")
     if options.get("sts") or options.get("sps"):
-        _refuse(to, "--sts/--sps are the files of SGLang's DSPARK confidence scheduling; an Eagle3 drafter has no confidence head")
-    _check_eagle3_servable(drafter, f"{to} (EAGLE-3)")
+        refuse(to, "--sts/--sps are the files of SGLang's DSPARK confidence scheduling; an Eagle3 drafter has no confidence head")
+    check_eagle3_servable(drafter, f"{to} (EAGLE-3)")
     target, gamma = options.get("target") or "TARGET", drafter.config.block_size
     if to == "vllm":
         spec = json.dumps({"method": "eagle3", "model": str(folder), "num_speculative_tokens": gamma}, separators=(",", ":"))
@@ -406,9 +275,9 @@ def export_drafter(
     if to not in DESTINATIONS:
         raise ValueError(f"--to {to!r}: choose one of {list(DESTINATIONS)}")
     if (sts or sps) and to != "sglang":
-        _refuse(to, "--sts/--sps are the files of SGLang's DSPARK confidence scheduling (use --to sglang)")
+        refuse(to, "--sts/--sps are the files of SGLang's DSPARK confidence scheduling (use --to sglang)")
     if (outtype or tokenizer_pre) and to != "llamacpp":
-        _refuse(to, "--outtype/--tokenizer-pre are options of the GGUF export (use --to llamacpp)")
+        refuse(to, "--outtype/--tokenizer-pre are options of the GGUF export (use --to llamacpp)")
     folder = Path(out).resolve()
     if to == "llamacpp":
         return _export_llamacpp(drafter, folder, target=target, outtype=outtype, tokenizer_pre=tokenizer_pre)

@@ -72,7 +72,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from dspark.interop.export import ExportRefused
+from dspark.interop.layouts import (
+    ExportRefused,
+    check_eagle3_servable,
+    deepspec_config,
+    drafter_tensors,
+    eagle3_serving_config,
+    eagle3_serving_tensors,
+    with_draft_head,
+    zlab_config,
+    zlab_tensors,
+)
 from dspark.io.atomic import temp_name
 
 OUTTYPES = ("f16", "bf16", "f32")
@@ -380,8 +390,6 @@ def draft_n_max(drafter) -> int:
 def _eagle3_keys_and_tensors(w, arch: str, drafter, base: dict[str, Any], outtype: str) -> dict[str, Any]:
     """Write an Eagle3 drafter's hyper-parameters to ``w``; return its tensors by GGUF name (q/k rows
     permuted as llama.cpp's Llama graph expects; ``d2t`` only with a draft vocabulary, ``t2d`` never)."""
-    from dspark.interop import export as ex
-
     config = drafter.config
     w.add_array(f"{arch}.target_layers", [i + 1 for i in config.target_layer_ids])
     w.add_uint32(f"{arch}.target_hidden_size", int(config.hidden_size))
@@ -393,7 +401,7 @@ def _eagle3_keys_and_tensors(w, arch: str, drafter, base: dict[str, Any], outtyp
     w.add_uint32(f"{arch}.rope.dimension_count", int(base.get("head_dim") or config.hidden_size // heads))
     kv_heads = int(base.get("num_key_value_heads") or heads)
     out = {}
-    for name, t in ex.eagle3_serving_tensors(drafter).items():
+    for name, t in eagle3_serving_tensors(drafter).items():
         if name == "t2d" or (name == "d2t" and not config.draft_vocab_size):
             continue
         if name == "d2t":
@@ -411,8 +419,6 @@ def _dflash_keys_and_tensors(w, arch: str, drafter, base: dict[str, Any], outtyp
     """Write a DSpark / DFlash drafter's hyper-parameters to ``w`` (block size γ with
     ``sample_from_anchor`` for anchor-first blocks, γ + 1 for z-lab's anchor + masks); return its
     tensors by GGUF name (``t2d`` dropped)."""
-    from dspark.interop import export as ex
-
     config = drafter.config
     _common_keys(w, arch, base, config.num_draft_layers, outtype, f"dspark {config.variant} drafter")
     zlab = config.block_layout == "anchor_plus_masks"
@@ -421,8 +427,8 @@ def _dflash_keys_and_tensors(w, arch: str, drafter, base: dict[str, Any], outtyp
     if not zlab:
         w.add_bool(f"{arch}.sample_from_anchor", True)
         w.add_bool(f"{arch}.has_confidence_head", bool(config.has_confidence_head))
-    state = ex._zlab_tensors(drafter) if zlab else ex._tensors(drafter, include_shared=False)
-    state = ex._with_draft_head(drafter, state)
+    state = zlab_tensors(drafter) if zlab else drafter_tensors(drafter, include_shared=False)
+    state = with_draft_head(drafter, state)
     return {("d2t" if name == "d2t" else _rename(name, _DFLASH_NAMES, "layers.")): t
             for name, t in state.items() if name != "t2d"}
 
@@ -441,12 +447,10 @@ def export_gguf(drafter, path: str | os.PathLike, *, target: Any, outtype: str =
 
     if outtype not in OUTTYPES:
         raise ValueError(f"outtype {outtype!r}: choose one of {list(OUTTYPES)}")
-    from dspark.interop import export as ex
-
     config = drafter.config
     is_eagle3 = config.variant == "eagle3"
     if is_eagle3:
-        ex._check_eagle3_servable(drafter, "llama.cpp (EAGLE-3)")
+        check_eagle3_servable(drafter, "llama.cpp (EAGLE-3)")
         _check_base(config.to_hf_dict(), "the EAGLE-3 layer")
         _check_feature_layers(list(config.target_layer_ids), config.num_target_layers)
     else:
@@ -469,11 +473,11 @@ def export_gguf(drafter, path: str | os.PathLike, *, target: Any, outtype: str =
     try:
         # the hyper-parameters as the vLLM folder's config.json states them (what the converter reads)
         if is_eagle3:
-            base = ex.eagle3_serving_config(config)
+            base = eagle3_serving_config(config)
         elif config.block_layout == "anchor_plus_masks":
-            base = ex.zlab_config(config)
+            base = zlab_config(config)
         else:
-            base = ex.deepspec_config(config)
+            base = deepspec_config(config)
         if is_eagle3:
             out = _eagle3_keys_and_tensors(w, arch, drafter, base, outtype)
         else:

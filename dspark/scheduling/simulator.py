@@ -231,6 +231,9 @@ class SimResult:
       verify_s = Σ measured seconds of the verification forwards (one per request-step) and
       verify_table_s = Σ their price in the table, 1 / SPS(1 + ℓ_r); time_scale = verify_table_s /
       verify_s, what "measured" multiplies overhead_s by (1 otherwise, and when nothing was verified).
+    table_ci: the 95 % interval of vs_target_only over the SPS table's own timing noise
+      (``dspark.scheduling.sps_profile.table_interval``: this run's steps priced by tables of the
+      profile's timings resampled), or None when no profile was given.
     requests: one dict per request admitted, in admission order: index, tag, prompt_tokens,
       tokens (count), rounds (count), finished; once finished also finished_by_eos,
       timings (its own phases) and result (its DecodeResult).
@@ -263,6 +266,7 @@ class SimResult:
     verify_table_s: float = 0.0
     time_scale: float = 1.0
     wall_s: float = 0.0
+    table_ci: list[float] | None = None
     requests: list[dict[str, Any]] = field(default_factory=list)
     rounds: list[dict[str, Any]] = field(default_factory=list)
     step_log: list[dict[str, Any]] = field(default_factory=list)
@@ -316,6 +320,42 @@ class SimResult:
     def requests_finished(self) -> int:
         return sum(1 for r in self.requests if r["finished"])
 
+    def priced_by(self, sps: SPSTable) -> float:
+        """vs_target_only of this run's steps priced by another SPS table, every decision kept:
+        Θ' / (R · SPS'(R)). Each step costs 1 / SPS'(B) plus its charge as the run made it: with
+        "measured" its overhead_s times the time scale of SPS' (Σ_r 1 / SPS'(1 + ℓ_r) over verify_s),
+        otherwise its charge scaled with its verification price ((1 + f) / SPS'(B)). Pricing by the
+        run's own table gives vs_target_only. Needs step_log (a cell read back from cells.jsonl has none)."""
+        return self.pricing()(sps)
+
+    def pricing(self) -> Callable[[SPSTable], float]:
+        """``priced_by`` as a function of the table, with the run's steps grouped by B once (what
+        pricing by many tables needs: ``dspark.scheduling.sps_profile.table_interval``)."""
+        if not self.step_log:
+            raise ValueError("SimResult.priced_by needs the run's step_log; a result read back from "
+                             "cells.jsonl keeps none: run the cell again")
+        measured = self.draft_clock == MEASURED
+        steps: dict[int, float] = {}  # B -> what 1 / SPS'(B) is multiplied by, summed over the steps
+        for row in self.step_log:
+            b = int(row["batch_tokens"])
+            steps[b] = steps.get(b, 0.0) + (1.0 if measured else row["step_time_s"] / row["verify_step_s"])
+        overhead = sum(row["overhead_s"] for row in self.step_log) if measured else 0.0
+        forwards: dict[int, int] = {}  # 1 + ℓ_r -> verification forwards of that size
+        if measured and self.verify_s > 0:
+            for r in self.rounds:
+                forwards[1 + int(r["proposed"])] = forwards.get(1 + int(r["proposed"]), 0) + 1
+        tokens, r, verify_s = self.tokens, self.concurrency, self.verify_s
+
+        def price(sps: SPSTable) -> float:
+            total = sum(w / _speed(sps, b) for b, w in steps.items())
+            if forwards:
+                total += overhead * sum(n / _speed(sps, b) for b, n in forwards.items()) / verify_s
+            else:
+                total += overhead
+            return tokens / total / (r * _speed(sps, r))
+
+        return price
+
     def summary(self) -> dict[str, Any]:
         """The scalar results as a dict (what results.json and the tables hold)."""
         return {
@@ -347,6 +387,7 @@ class SimResult:
             "draft_clock": self.draft_clock,
             "target_only_throughput": self.target_only_throughput,
             "vs_target_only": self.throughput / self.target_only_throughput,
+            "vs_target_only_table_ci": self.table_ci,
             "requests_admitted": len(self.requests),
             "requests_finished": self.requests_finished,
             "wall_s": self.wall_s,

@@ -32,6 +32,12 @@ cheaper, and Algorithm 1 (which stops at its first non-improving step) never
 buys longer verification with timing jitter. Token ids are random (speed does
 not depend on them).
 
+The table's own timing noise reaches every number priced by it. ``bootstrap_tables`` draws
+tables from the profile's timings resampled (per B, the repeats drawn with replacement, their
+median, the noise-aware table); ``table_interval`` prices one simulator run
+(``SimResult.priced_by``) by each and returns the 95 % percentile interval of its ratio to
+target-only decoding: the SPS clock's uncertainty, to set beside the wall clock's own interval.
+
 ``profile_sps`` returns the ``SPSTable`` (SGLang's ``{sample_batch_tokens,
 sample_steps_per_sec, max_batch_tokens}``); ``profile_sps_runs`` also keeps
 every timing; ``dspark.evaluation.report.write_profile`` writes the table JSON, a
@@ -44,16 +50,20 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+import json
+import os
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, fields
 from functools import partial
 from typing import Any
 
+import numpy as np
 import torch
 
 from dspark.scheduling.algorithm1 import SPSTable
 
-__all__ = ["DEFAULT_BATCH_TOKENS", "SPSProfile", "median_interval", "profile_sps", "profile_sps_runs"]
+__all__ = ["DEFAULT_BATCH_TOKENS", "SPSProfile", "bootstrap_tables", "load_profile", "median_interval", "profile_sps",
+           "profile_sps_runs", "table_interval"]
 
 DEFAULT_BATCH_TOKENS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
@@ -101,6 +111,44 @@ class SPSProfile:
     def table(self) -> SPSTable:
         return SPSTable(self.batch_tokens, self.steps_per_sec, max(self.batch_tokens),
                         sample_spread=self.steps_per_sec_spread).noise_aware()
+
+
+def load_profile(path: str | os.PathLike) -> SPSProfile:
+    """The SPSProfile a ``.profile.json`` holds (``dspark.evaluation.report.write_profile``)."""
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    names = [f.name for f in fields(SPSProfile)]
+    missing = [n for n in names if n not in data]
+    if missing:
+        raise ValueError(f"{path}: not an SPS profile (`dspark profile-sps` writes <table>.profile.json); "
+                         f"missing {missing}")
+    return SPSProfile(**{n: data[n] for n in names})
+
+
+def bootstrap_tables(profile: SPSProfile, resamples: int = 1000, seed: int = 0) -> Iterator[SPSTable]:
+    """``resamples`` tables drawn from the profile's timing noise: per B, its repeats drawn with
+    replacement and their median taken, then the noise-aware table with the profile's spreads
+    (as ``SPSProfile.table``). Their spread is the table's uncertainty."""
+    rng = np.random.default_rng(seed)
+    speeds = np.empty((resamples, len(profile.seconds)))  # [resample, B]
+    for j, s in enumerate(profile.seconds):
+        s = np.asarray(s, dtype=float)
+        speeds[:, j] = 1.0 / np.median(s[rng.integers(0, len(s), (resamples, len(s)))], axis=1)
+    spread = profile.steps_per_sec_spread
+    top = max(profile.batch_tokens)
+    for row in speeds.tolist():
+        yield SPSTable(profile.batch_tokens, row, top, sample_spread=spread).noise_aware()
+
+
+def table_interval(result: Any, profile: SPSProfile, resamples: int = 1000, seed: int = 0,
+                   level: float = 0.95) -> tuple[float, float]:
+    """The ``level`` percentile interval of a simulator run's ratio to target-only decoding over
+    the SPS table's timing noise: ``result.priced_by(table)`` (every decision of the run kept) for
+    each of ``bootstrap_tables(profile, resamples, seed)`` (``result.pricing()``: that price as a function)."""
+    price = result.pricing()
+    ratios = np.array([price(table) for table in bootstrap_tables(profile, resamples, seed)])
+    tail = (1.0 - level) / 2.0
+    return float(np.quantile(ratios, tail)), float(np.quantile(ratios, 1.0 - tail))
 
 
 def median_interval(samples: Sequence[float], level: float = 0.95) -> tuple[float, float]:

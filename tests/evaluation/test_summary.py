@@ -113,6 +113,21 @@ def test_the_clocks_agree_when_the_sps_ratio_lies_in_the_decode_only_wall_interv
     assert clock_agreement(0.9, (float("nan"), 0.95)) == "–"
 
 
+def test_with_the_sps_clocks_own_interval_the_clocks_agree_when_the_intervals_overlap():
+    assert clock_agreement(0.91, (0.93, 1.03), (0.87, 0.95)) == "agree"
+    assert clock_agreement(0.91, (0.93, 1.03), (0.88, 0.93)) == "agree"  # both closed
+    assert clock_agreement(0.85, (0.93, 1.03), (0.80, 0.92)) == "SPS clock below"
+    assert clock_agreement(1.10, (0.93, 1.03), (1.05, 1.15)) == "SPS clock above"
+
+
+def test_a_scheduling_row_carries_the_simulators_table_interval(run_dir):
+    run = load_run(run_dir)
+    simulated = {"throughput": 20.0, "tau": 1.05, "mean_ell": 0.5, "vs_target_only_table_ci": [1.8, 2.2]}
+    row = sched_row(run, "algorithm1", 1, run["sched"][("algorithm1", 1)], simulated)
+    assert row["theta_ratio"] == pytest.approx(2.0) and row["theta_ratio_ci"] == [1.8, 2.2]
+    assert sched_row(run, "algorithm1", 1, None, {"throughput": 20.0})["theta_ratio_ci"] is None
+
+
 def test_a_row_without_a_scheduled_evaluation_takes_tau_and_ell_from_the_simulator(run_dir):
     row = sched_row(load_run(run_dir), "algorithm1", 4, None, {"throughput": 20.0, "tau": 1.05, "mean_ell": 0.5})
     assert (row["tau"], row["tau_ci"], row["mean_ell"]) == (1.05, None, 0.5)

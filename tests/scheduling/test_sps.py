@@ -162,3 +162,116 @@ def test_interleaved_sweeps_keep_a_drifting_machine_from_sloping_the_table(monke
     assert max(speeds) / min(speeds) < 1.03
     table = profile.table.sample_steps_per_sec
     assert max(table) / min(table) < 1.03
+
+
+# --------------------------------------------------------------------------- the SPS clock's own interval
+def _hand_run(draft_clock: str = "measured"):
+    """A hand-made R = 1 run of three steps verifying 1, 3 and 3 tokens (ℓ = 0, 2, 2), 5 tokens out,
+    measured overheads 0.01, 0.02, 0.03 s and 0.3 s of measured verification."""
+    from dspark.scheduling.simulator import SimResult
+
+    table = SPSTable([1, 2, 4], [10.0, 8.0, 5.0], 4)
+    batches, overheads = [1, 3, 3], [0.01, 0.02, 0.03]
+    step_log = [{"batch_tokens": b, "overhead_s": o, "verify_step_s": 1 / table(b),
+                 "step_time_s": (1.5 if draft_clock != "measured" and b > 1 else 1.0) / table(b)}
+                for b, o in zip(batches, overheads)]
+    rounds = [{"proposed": b - 1} for b in batches]
+    return SimResult(policy="static", concurrency=1, tokens=5, draft_clock=draft_clock, verify_s=0.3,
+                     step_log=step_log, rounds=rounds), table
+
+
+def test_a_run_priced_by_a_table_by_hand():
+    """SPS(3) = 6.5 by interpolation. Measured: verification 1/10 + 2/6.5 = 0.40769 s; the table
+    prices the three forwards the same, so time_scale = 0.40769 / 0.3 and the overhead 0.06 s costs
+    0.08154; Θ = 5 / 0.48923 = 10.220 against SPS(1) = 10. A fraction f = 0.5 charged on the
+    drafting steps: 1/10 + 2 · 1.5/6.5 = 0.56154 s, Θ / SPS(1) = 0.8904. A table twice as fast gives
+    the same ratios (the overhead goes on its time scale)."""
+    run, table = _hand_run()
+    verify = 1 / 10 + 2 / 6.5
+    expected = 5 / (verify + 0.06 * verify / 0.3) / 10
+    assert run.priced_by(table) == pytest.approx(expected, rel=1e-12)
+    assert expected == pytest.approx(1.0220, abs=1e-4)
+    fast = SPSTable([1, 2, 4], [20.0, 16.0, 10.0], 4)
+    assert run.priced_by(fast) == pytest.approx(expected, rel=1e-12)
+    frac, _ = _hand_run("fraction 0.5")
+    assert frac.priced_by(table) == pytest.approx(5 / (1 / 10 + 3 / 6.5) / 10, rel=1e-12)
+    assert frac.priced_by(fast) == pytest.approx(frac.priced_by(table), rel=1e-12)
+    steeper = SPSTable([1, 2, 4], [10.0, 6.0, 3.0], 4)  # SPS(3) = 4.5: verification dearer against SPS(1)
+    assert run.priced_by(steeper) == pytest.approx(5 / ((1 / 10 + 2 / 4.5) * (1 + 0.06 / 0.3)) / 10, rel=1e-12)
+    with pytest.raises(ValueError, match="step_log"):
+        type(run)(policy="static", concurrency=1).priced_by(table)
+
+
+def test_a_simulated_run_priced_by_its_own_table_gives_its_ratio():
+    """The simulator's vs_target_only is priced_by(its table), for measured overheads and a fraction."""
+    from dspark.scheduling.simulator import DecodeSettings, ServeSettings, simulate
+    from helpers.decoding import random_drafter
+    from helpers.serving import PROMPTS
+
+    target = make_tiny_target("llama")
+    drafter = random_drafter(target, gamma=4)
+    table = SPSTable([1, 2, 4, 8, 16], [100.0, 90.0, 70.0, 40.0, 25.0], 16)
+    for overhead in ("measured", 0.3, 0.0):
+        for r in (1, 2):
+            sim = simulate(target, drafter, PROMPTS, decoding=DecodeSettings(max_new_tokens=12, temperature=1.0, seed=3),
+                           serving=ServeSettings(policy="static", sps=table, draft_overhead=overhead, concurrency=r),
+                           num_requests=4)
+            assert sim.priced_by(table) == pytest.approx(sim.throughput / sim.target_only_throughput, rel=1e-9)
+
+
+def _profile(seconds, batch_tokens):
+    import statistics
+
+    from dspark.scheduling.sps_profile import SPSProfile
+
+    return SPSProfile(list(batch_tokens), [list(s) for s in seconds], [statistics.median(s) for s in seconds],
+                      128, None, 1, len(seconds[0]), "cpu", "float32", 1)
+
+
+def test_bootstrap_tables_of_noiseless_timings_are_the_table_and_a_profile_round_trips(tmp_path):
+    from dspark.scheduling.sps_profile import bootstrap_tables, load_profile, table_interval
+
+    profile = _profile([[0.1] * 8, [0.125] * 8, [0.2] * 8], [1, 2, 4])
+    tables = list(bootstrap_tables(profile, resamples=5, seed=0))
+    assert len(tables) == 5
+    for t in tables:
+        assert t.sample_steps_per_sec == pytest.approx(profile.table.sample_steps_per_sec)
+    run, _ = _hand_run()
+    lo, hi = table_interval(run, profile, resamples=20)
+    assert lo == pytest.approx(hi) and lo == pytest.approx(run.priced_by(profile.table))
+    write_profile(profile, tmp_path / "sps.json")
+    back = load_profile(tmp_path / "sps.profile.json")
+    assert back == profile
+    (tmp_path / "bad.profile.json").write_text(json.dumps({"batch_tokens": [1]}))
+    with pytest.raises(ValueError, match="not an SPS profile"):
+        load_profile(tmp_path / "bad.profile.json")
+
+
+def test_the_sps_clock_interval_covers_at_the_demos_design():
+    """The demo's design: 8 B (1 … 128), 20 interleaved repeats, a table flat up to B = 4 and then
+    falling (the demo's own shape), timing noise lognormal with σ = 0.08 per forward plus a drift
+    shared by every B of a sweep (σ = 0.04), and an R = 1 run verifying 1 … 8 tokens with a
+    measured overhead. The 95 % interval of table_interval covers the ratio priced by the true
+    table in at least 92 % of 300 profiles (the binomial noise of 300 draws at 95 % is ± 1.3 %)."""
+    import numpy as np
+
+    from dspark.scheduling.simulator import SimResult
+    from dspark.scheduling.sps_profile import table_interval
+
+    batch_tokens = [1, 2, 4, 8, 16, 32, 64, 128]
+    true_sps = np.array([25.3, 25.3, 25.3, 23.6, 21.5, 16.2, 9.4, 6.0])
+    truth_table = SPSTable(batch_tokens, list(true_sps), 128)
+    rng = np.random.default_rng(11)
+    ells = rng.integers(0, 8, 300)
+    run = SimResult(policy="async", concurrency=1, tokens=450, draft_clock="measured", verify_s=300 * 0.045,
+                    step_log=[{"batch_tokens": 1 + int(ell), "overhead_s": 0.012, "verify_step_s": 0.04,
+                               "step_time_s": 0.05} for ell in ells],
+                    rounds=[{"proposed": int(ell)} for ell in ells])
+    truth = run.priced_by(truth_table)
+    covered, draws = 0, 300
+    for d in range(draws):
+        drift = np.exp(rng.normal(0.0, 0.04, 20))
+        seconds = [(1 / v) * drift * np.exp(rng.normal(0.0, 0.08, 20)) for v in true_sps]
+        lo, hi = table_interval(run, _profile(seconds, batch_tokens), resamples=300, seed=d)
+        covered += lo <= truth <= hi
+    assert covered / draws >= 0.92
