@@ -333,13 +333,14 @@ def plot_learning_curves(runs: Mapping[str, PathLike], path: PathLike, key: str 
     The format follows the extension of ``path`` (PNG, PDF, SVG, ...)."""
     fig = _new_figure((6.4, 4.2), dpi=120)
     ax = fig.add_subplot(1, 1, 1)
-    for label, run_dir in runs.items():
+    for i, (label, run_dir) in enumerate(runs.items()):
         pts = curve(read_log(run_dir), key)
-        if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3, label=label)
+        if pts:  # the colour cycle has 10 colours: the next 10 runs dashed, then dotted
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3, label=label,
+                    linestyle=("-", "--", ":")[min(i // 10, 2)])
     ax.set_xlabel("wall-clock minutes of training")
     ax.set_ylabel("held-out τ (probabilistic)" if key == "eval_tau_prob" else key)
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize="small", ncol=2 if len(runs) > 6 else 1)
     fig.tight_layout()
     fig.savefig(os.fspath(path))
