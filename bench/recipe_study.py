@@ -34,6 +34,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from dspark.io.atomic import atomic_write_text  # noqa: E402  (after the path above)
+
 # The SmolLM2 demo's DSpark recipe (config/dspark/dspark_smollm2_135m.py, 3 epochs) and one lever
 # changed per variant. Each list is the `--set` overrides on top of the config.
 VARIANTS: dict[str, list[str]] = {
@@ -120,13 +122,14 @@ def evaluate(args, run: Path, temperature: float) -> dict:
 
 
 def training_summary(run: Path) -> dict:
-    """Steps, minutes and the last held-out τ_prob of a run's train_log.jsonl."""
-    rows = [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines() if line.strip()]
-    evals = [r for r in rows if "eval_tau_prob" in r]
-    last = rows[-1]
-    return {"steps": last["step"], "minutes": last.get("wall_min", 0.0),
-            "heldout_tau_prob": evals[-1]["eval_tau_prob"] if evals else None,
-            "heldout_tau_prob_start": evals[0]["eval_tau_prob"] if evals else None}
+    """Steps, minutes and the held-out τ_prob at the start and the end of a run's train_log.jsonl."""
+    from dspark.evaluation.curves import curve, read_log
+
+    rows = read_log(run)
+    evals = curve(rows, "eval_tau_prob")  # (minutes, value, step)
+    return {"steps": rows[-1]["step"], "minutes": rows[-1].get("wall_min", 0.0),
+            "heldout_tau_prob": evals[-1][1] if evals else None,
+            "heldout_tau_prob_start": evals[0][1] if evals else None}
 
 
 def benchmark_summary(report: dict) -> dict:
@@ -167,13 +170,11 @@ def main(argv=None) -> int:
         run = train(args, name, sets)
         bench = {str(t): benchmark_summary(evaluate(args, run, t)) for t in args.temperatures}
         results[name] = {"sets": sets, "train": training_summary(run), "bench": bench}
-        tmp = out / "study.json.tmp"
-        tmp.write_text(json.dumps({"minutes_cap": args.minutes, "config": args.config, "data": args.data,
-                                   "num_samples": args.num_samples, "max_new_tokens": args.max_new_tokens,
-                                   "results": results}, indent=2))
-        os.replace(tmp, out / "study.json")
+        atomic_write_text(out / "study.json", json.dumps(
+            {"minutes_cap": args.minutes, "config": args.config, "data": args.data, "num_samples": args.num_samples,
+             "max_new_tokens": args.max_new_tokens, "results": results}, indent=2))
     text = table(results, args.temperatures)
-    (out / "study.md").write_text(text + "\n")
+    atomic_write_text(out / "study.md", text + "\n")
     print(text)
     from dspark.evaluation.plots import plot_learning_curves
 

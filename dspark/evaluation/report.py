@@ -520,10 +520,12 @@ def write_profile(profile: SPSProfile, path: PathLike, meta: dict[str, Any] | No
     """Write the SGLang table JSON at ``path``, ``<stem>.profile.json`` (timings, settings, the
     raw medians' speeds with their 95 % intervals, the noise-aware table's speeds, ``meta``)
     and ``<stem>.png`` next to it; returns the three paths."""
+    from dspark.scheduling.sps_profile import profile_path
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     profile.table.to_json(path)
-    details = path.with_name(path.stem + ".profile.json")
+    details = profile_path(path)
     data = {**asdict(profile), "steps_per_sec": profile.steps_per_sec,
             "steps_per_sec_interval": [list(x) for x in profile.steps_per_sec_interval],
             "table_steps_per_sec": list(profile.table.sample_steps_per_sec), **(meta or {})}

@@ -102,7 +102,7 @@ def simulate(config: Config, *, progress: Callable[[Any], None] | None = None,
     from dspark.scheduling.algorithm1 import SPSTable
     from dspark.config import SIMULATE_POLICIES
     from dspark.scheduling.simulator import DecodeSettings, ServeSettings, make_policy, simulate_grid
-    from dspark.scheduling.sps_profile import table_interval
+    from dspark.scheduling.sps_profile import profile_path, table_interval
 
     s, e = config.serve, config.eval
     if not s.sps:
@@ -159,16 +159,10 @@ def simulate(config: Config, *, progress: Callable[[Any], None] | None = None,
     return results, out
 
 
-def profile_path(sps: str | os.PathLike) -> Path:
-    """The ``.profile.json`` that `dspark profile-sps` writes next to a table JSON."""
-    sps = Path(sps)
-    return sps.with_name(sps.stem + ".profile.json")
-
-
 def _table_profile(sps_path: str | os.PathLike, table: Any) -> Any:
     """The profile behind the table at ``sps_path`` when it is there and its table is this one
     (else None: no interval for the SPS clock)."""
-    from dspark.scheduling.sps_profile import load_profile
+    from dspark.scheduling.sps_profile import load_profile, profile_path
 
     path = profile_path(sps_path)
     if not path.exists():

@@ -342,8 +342,9 @@ class SimResult:
         overhead = sum(row["overhead_s"] for row in self.step_log) if measured else 0.0
         forwards: dict[int, int] = {}  # 1 + ℓ_r -> verification forwards of that size
         if measured and self.verify_s > 0:
-            for r in self.rounds:
-                forwards[1 + int(r["proposed"])] = forwards.get(1 + int(r["proposed"]), 0) + 1
+            for row in self.rounds:
+                size = 1 + int(row["proposed"])
+                forwards[size] = forwards.get(size, 0) + 1
         tokens, r, verify_s = self.tokens, self.concurrency, self.verify_s
 
         def price(sps: SPSTable) -> float:

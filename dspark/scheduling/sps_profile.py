@@ -47,14 +47,15 @@ steps/s and tokens/s against B (``dspark.evaluation.plots.plot_sps``).
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import statistics
 import time
-import json
-import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, fields
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -62,8 +63,8 @@ import torch
 
 from dspark.scheduling.algorithm1 import SPSTable
 
-__all__ = ["DEFAULT_BATCH_TOKENS", "SPSProfile", "bootstrap_tables", "load_profile", "median_interval", "profile_sps",
-           "profile_sps_runs", "table_interval"]
+__all__ = ["DEFAULT_BATCH_TOKENS", "SPSProfile", "bootstrap_tables", "load_profile", "median_interval", "profile_path",
+           "profile_sps", "profile_sps_runs", "table_interval"]
 
 DEFAULT_BATCH_TOKENS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
@@ -111,6 +112,12 @@ class SPSProfile:
     def table(self) -> SPSTable:
         return SPSTable(self.batch_tokens, self.steps_per_sec, max(self.batch_tokens),
                         sample_spread=self.steps_per_sec_spread).noise_aware()
+
+
+def profile_path(table_path: str | os.PathLike) -> Path:
+    """The ``.profile.json`` written next to a table JSON (``<stem>.profile.json``)."""
+    table_path = Path(table_path)
+    return table_path.with_name(table_path.stem + ".profile.json")
 
 
 def load_profile(path: str | os.PathLike) -> SPSProfile:
