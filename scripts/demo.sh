@@ -49,8 +49,8 @@ DTYPE="${DSPARK_EVAL_DTYPE:-auto}"  # evaluation, profiling and simulation use t
 BENCHMARKS=()                        # empty: all nine
 PREP_SET=()
 TRAIN_SET=()
-# Budgets. Training: epochs over the ~200 regenerated answers (the LR schedule is set by it; the
-# wall-clock cap only guards a much slower machine). Evaluation: prompts per benchmark x new tokens;
+# Budgets. Training: epochs over the ~200 regenerated answers (the LR schedule is set by it), and one
+# wall-clock cap for every drafter (it stops Eagle3, whose steps cost the most, first). Evaluation: prompts per benchmark x new tokens;
 # fewer tokens on more prompts narrow the bootstrap interval over requests faster.
 case "$MODE" in
   quick)
@@ -61,11 +61,11 @@ case "$MODE" in
     SAMPLES=1; MAXNEW=12; SCHED_SAMPLES=1; SCHED_MAXNEW=12
     SPS_B=1,2,4,8,16,32; SPS_REPEATS=1; SIM_R=1,4 ;;
   long)
-    OUT="$OUT-long"; EPOCHS=5; CAP_MIN=40
+    OUT="$OUT-long"; EPOCHS=20; CAP_MIN=24
     SAMPLES=8; MAXNEW=64; SCHED_SAMPLES=4; SCHED_MAXNEW=64
     SPS_B=1,2,4,8,16,32,64,128,256,512; SPS_REPEATS=20; SIM_R=1,4,16,64 ;;
   *)
-    EPOCHS=3; CAP_MIN=7
+    EPOCHS=5; CAP_MIN=6
     SAMPLES=4; MAXNEW=24; SCHED_SAMPLES=4; SCHED_MAXNEW=24
     SPS_B=1,2,4,8,16,32,64,128; SPS_REPEATS=20; SIM_R=1,4 ;;
 esac

@@ -251,6 +251,106 @@ def tau_section(run: Mapping[str, Any]) -> str:
     return "\n".join([table, "", note, "", f"Acceptance plots: {plots}."])
 
 
+def acceptance_rows(run: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Per evaluation (T = 1 first, then DSpark, DFlash, the rest), the conditional acceptance
+    P(k accepted | 1..k−1 accepted) over all rounds (paper Fig. 2): ``values`` (γ floats),
+    ``cis`` (γ intervals or None: the report's 95 % bootstrap interval over requests) and
+    ``reached`` (γ round counts, the denominators each position rests on)."""
+    rows = []
+    for temp, name in _eval_columns(run):
+        report = run["evals"][(temp, name)]
+        pooled = report.get("all") or {}
+        values = pooled.get("conditional_acceptance")
+        if not values:
+            continue
+        gamma = len(values)
+        cis = list(pooled.get("conditional_acceptance_ci") or [])[:gamma]
+        reached = list(pooled.get("conditional_acceptance_den") or [])[:gamma]
+        rows.append({"temperature": temp, "name": name, "label": report.get("label") or name,
+                     "values": [None if v is None or (isinstance(v, float) and math.isnan(v)) else float(v) for v in values],
+                     "cis": [_interval(ci) for ci in cis] + [None] * (gamma - len(cis)),
+                     "reached": reached + [None] * (gamma - len(reached))})
+    return rows
+
+
+def position_verdicts(row: Mapping[str, Any], other: Mapping[str, Any], first: int = 2) -> dict[str, list[int]]:
+    """Positions k ≥ ``first`` at which ``row``'s conditional acceptance lies "above" or "below"
+    ``other``'s beyond both 95 % intervals (they do not overlap), where the intervals "overlap",
+    and where either has no interval ("unmeasured": no round reached k, or no interval was
+    computed). Separate intervals that do not overlap are a conservative test of a difference."""
+    out: dict[str, list[int]] = {"above": [], "below": [], "overlap": [], "unmeasured": []}
+    for k in range(first, min(len(row["cis"]), len(other["cis"])) + 1):
+        a, b = row["cis"][k - 1], other["cis"][k - 1]
+        if a is None or b is None:
+            out["unmeasured"].append(k)
+        elif a[0] > b[1]:
+            out["above"].append(k)
+        elif a[1] < b[0]:
+            out["below"].append(k)
+        else:
+            out["overlap"].append(k)
+    return out
+
+
+def _positions(ks: Sequence[int]) -> str:
+    return ", ".join(str(k) for k in ks)
+
+
+def dspark_vs_dflash(run: Mapping[str, Any]) -> list[str]:
+    """One sentence per temperature on the paper's first claim (Section 3: a semi-autoregressive
+    head keeps acceptance from decaying along the block): where DSpark's conditional acceptance at
+    positions k ≥ 2 lies above DFlash's beyond both intervals. [] without both evaluations."""
+    rows = acceptance_rows(run)
+    sentences = []
+    for temp in dict.fromkeys(r["temperature"] for r in rows):
+        mine = {r["name"].split("_")[0]: r for r in rows if r["temperature"] == temp}
+        if "dspark" not in mine or "dflash" not in mine:
+            continue
+        v = position_verdicts(mine["dspark"], mine["dflash"])
+        parts = [f"above beyond both intervals at k = {_positions(v['above'])}" if v["above"] else
+                 "above beyond both intervals at no position k ≥ 2"]
+        if v["below"]:
+            parts.append(f"below at k = {_positions(v['below'])}")
+        if v["overlap"]:
+            parts.append(f"intervals overlap at k = {_positions(v['overlap'])}")
+        if v["unmeasured"]:
+            parts.append(f"no interval at k = {_positions(v['unmeasured'])}")
+        sentences.append(f"T={temp}: DSpark against DFlash: " + "; ".join(parts) + ".")
+    return sentences
+
+
+def acceptance_table(run: Mapping[str, Any], last: int | None = None) -> str:
+    """One row per evaluation, one column per draft position (up to ``last``): the conditional
+    acceptance ± half its 95 % interval, and in brackets the rounds that reached the position."""
+    rows = acceptance_rows(run)
+    if not rows:
+        return ""
+    gamma = max(len(r["values"]) for r in rows)
+    gamma = min(gamma, last) if last else gamma
+
+    def cell(row: Mapping[str, Any], k: int) -> str:
+        if k > len(row["values"]):
+            return ""
+        reached = row["reached"][k - 1]
+        value = fmt_ci(row["values"][k - 1], row["cis"][k - 1], 2)
+        return value if reached is None else f"{value} ({reached})"
+
+    body = [[f"{r['label']} T={r['temperature']}"] + [cell(r, k) for k in range(1, gamma + 1)] for r in rows]
+    return markdown_table(["drafter", *(f"k={k}" for k in range(1, gamma + 1))], body)
+
+
+def acceptance_section(run: Mapping[str, Any]) -> str:
+    table = acceptance_table(run)
+    if not table:
+        return "No evaluation report found."
+    temps = list(dict.fromkeys(r["temperature"] for r in acceptance_rows(run)))
+    figures = ", ".join(_link(run, f"report-T{t}-acceptance.png", f"T={t}") for t in temps)
+    note = ("P(k accepted | 1..k−1 accepted, k verified) over all rounds of the nine benchmarks (paper Fig. 2), "
+            "± half the 95 % bootstrap interval over requests; in brackets the rounds that reached position k, "
+            "the count each value rests on. Every draft is verified (γ positions per round).")
+    return "\n".join([table, "", note, "", *dspark_vs_dflash(run), "", f"Figures (the three drafters, intervals as bars): {figures}."])
+
+
 def calibration_section(run: Mapping[str, Any]) -> str:
     sts = run["sts"]
     if not isinstance(sts, Mapping) or "temperatures" not in sts:
@@ -637,7 +737,7 @@ FILES = (
     ("*/drafter/", "the trained drafters (config.json + model.safetensors); train_log.jsonl and checkpoints/ next to them"),
     ("curves.png", "held-out τ_prob against wall-clock minutes"),
     ("eval-T*/*/", "evaluations: report.md / report.json, requests.jsonl, rounds.jsonl (the log STS is fitted on), plots"),
-    ("report-T*.md", "Table-1-style comparisons (dspark compare)"),
+    ("report-T*.md", "Table-1-style comparisons (dspark compare; report-T*-acceptance.png: the conditional acceptance of every drafter)"),
     ("sps.json", "the SPS table (sps.profile.json: timings; sps.png)"),
     ("sts.json", "STS temperatures and ECE before / after (sts_reliability.png)"),
     ("sched/*/", "scheduled evaluations, one folder per policy and R"),
@@ -674,6 +774,7 @@ def summary_markdown(run: Mapping[str, Any]) -> str:
         "", "## 1. What was trained", "", training_section(run),
         "", f"Learning curves: {_link(run, 'curves.png')}.",
         "", "## 2. Accepted length τ", "", tau_section(run),
+        "", "### Conditional acceptance per draft position", "", acceptance_section(run),
         "", "## 3. Calibration of DSpark's confidences", "", calibration_section(run),
         "", "## 4. Scheduled verification", "", sched_section(run),
         "", "## 5. Serving simulation (Fig. 8 analogue)", "", simulate_section(run),
@@ -696,6 +797,9 @@ def summary_short(run: Mapping[str, Any]) -> str:
                      f" (speedup {fmt_ci(*metric(report.get('macro'), 'speedup', 'avg'))}x)")
     if run["evals"]:
         lines += ["", "accepted length τ (± half the 95 % interval over requests, where reported):", tau_table(run), ""]
+    if acceptance_rows(run):
+        lines += ["conditional acceptance per draft position (± half the 95 % interval; rounds reaching k):",
+                  acceptance_table(run, last=4), *dspark_vs_dflash(run), ""]
     sts = run["sts"]
     if isinstance(sts, Mapping) and sts.get("ece_before"):
         pairs = [f"{fmt_number(b, 3)}->{fmt_number(a, 3)}" for b, a in zip(sts["ece_before"], sts.get("ece_after", []))]

@@ -96,15 +96,22 @@ def plot_acceptance(report: Mapping[str, Any], path: PathLike) -> None:
 def acceptance_comparison_figure(reports: Mapping[str, Mapping[str, Any]]):
     """The figure of several drafters' conditional acceptance P(k accepted | 1..k−1 accepted), over
     all rounds of each report (``report["all"]``), one line per drafter labelled by its name (paper
-    Fig. 2: DFlash's decays with k, Eagle3's stays flat). Reports of different γ share the axes."""
+    Fig. 2: DFlash's decays with k, Eagle3's stays flat), with a vertical bar per position for its
+    95 % interval over requests where the report has one (``conditional_acceptance_ci``). Reports of
+    different γ share the axes."""
     fig = _new_figure((5.6, 3.8))
     ax = fig.add_subplot(1, 1, 1)
     gamma = 1
-    for label, report in reports.items():
+    for i, (label, report) in enumerate(reports.items()):
         ys = np.array([np.nan if y is None else y for y in report["all"]["conditional_acceptance"]], dtype=float)
         k = np.arange(1, len(ys) + 1)
         gamma = max(gamma, len(ys))
-        ax.plot(k, ys, marker="o", label=label)
+        (line,) = ax.plot(k, ys, marker="o", label=label)
+        lo, hi = _position_intervals(report["all"].get("conditional_acceptance_ci"), len(ys))
+        shown = np.isfinite(ys) & np.isfinite(lo) & np.isfinite(hi)
+        if shown.any():  # each drafter's bars a little apart, so that overlapping intervals stay readable
+            shift = (i - (len(reports) - 1) / 2) * 0.08
+            ax.vlines(k[shown] + shift, lo[shown], hi[shown], color=line.get_color(), lw=2.0, alpha=0.6)
     ax.set_xticks(np.arange(1, gamma + 1))
     ax.set_xlim(0.7, gamma + 0.3)
     ax.set_ylim(0.0, 1.02)
@@ -114,6 +121,16 @@ def acceptance_comparison_figure(reports: Mapping[str, Mapping[str, Any]]):
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return fig
+
+
+def _position_intervals(cis: Any, gamma: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-position [lo, hi] of a report's ``conditional_acceptance_ci`` as two arrays of length
+    γ (NaN where a position has none, or the report no intervals)."""
+    lo, hi = np.full(gamma, np.nan), np.full(gamma, np.nan)
+    for j, ci in enumerate((cis or [])[:gamma]):
+        if isinstance(ci, (list, tuple)) and len(ci) == 2 and None not in ci:
+            lo[j], hi[j] = float(ci[0]), float(ci[1])
+    return lo, hi
 
 
 def plot_acceptance_comparison(reports: Mapping[str, Mapping[str, Any]], path: PathLike) -> None:

@@ -65,6 +65,26 @@ def test_the_figure_has_one_line_per_drafter_with_its_curve():
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["dspark", "dflash", "eagle3"]
 
 
+def test_the_figure_draws_each_positions_interval_as_a_bar_in_the_drafters_colour():
+    with_ci = {"dspark": {**DSPARK, "all": {**DSPARK["all"], "conditional_acceptance_ci": [[0.8, 0.95], [0.7, 0.9], None, [0.6, 0.9]]}},
+               "dflash": DFLASH}  # no intervals: no bars
+    fig = acceptance_comparison_figure(with_ci)
+    (ax,) = fig.axes
+    (bars,) = ax.collections
+    segments = bars.get_segments()
+    # three bars (position 3 has none), shifted −0.04 from k so that two drafters' bars stay apart
+    assert len(segments) == 3
+    np.testing.assert_allclose([s[:, 0].mean() for s in segments], [0.96, 1.96, 3.96])
+    np.testing.assert_allclose([sorted(s[:, 1]) for s in segments], [[0.8, 0.95], [0.7, 0.9], [0.6, 0.9]])
+    assert tuple(bars.get_colors()[0][:3]) == pytest.approx(matplotlib_rgb(ax.get_lines()[0].get_color()))
+
+
+def matplotlib_rgb(color):
+    from matplotlib.colors import to_rgb
+
+    return to_rgb(color)
+
+
 def test_write_comparison_puts_the_figure_next_to_the_markdown_and_links_it(tmp_path):
     out, figure = write_comparison(REPORTS, tmp_path / "cmp" / "report.md")
     assert figure == tmp_path / "cmp" / "report-acceptance.png" == acceptance_path(out)

@@ -211,3 +211,61 @@ def test_the_results_table_is_empty_without_evaluations_and_leads_the_page(run_d
     page = summary_markdown(load_run(run_dir))
     assert page.index("## Results") < page.index("## 1. What was trained")
     assert results_table(load_run(run_dir)) in page
+
+
+def _acceptance_report(label, values, cis, reached):
+    """An eval report whose pooled rounds carry the conditional acceptance per position."""
+    return {"label": label, "gamma": len(values), "benchmarks": {}, "macro": {},
+            "all": {"conditional_acceptance": values, "conditional_acceptance_ci": cis,
+                    "conditional_acceptance_den": reached}}
+
+
+@pytest.fixture
+def acceptance_run(tmp_path: Path) -> Path:
+    """DSpark and DFlash at T = 0 over γ = 4: k = 2 DSpark's interval wholly above, k = 3 overlapping,
+    k = 4 reached by no DFlash round (no interval)."""
+    root = tmp_path / "acc"
+    _write(root / "eval-T0.0" / "dspark_x" / "report.json", _acceptance_report(
+        "dspark", [0.30, 0.20, 0.10, 0.0], [[0.26, 0.34], [0.15, 0.25], [0.02, 0.20], [0.0, 0.0]], [900, 270, 54, 5]))
+    _write(root / "eval-T0.0" / "dflash_x" / "report.json", _acceptance_report(
+        "dflash", [0.28, 0.05, 0.12, None], [[0.24, 0.32], [0.01, 0.09], [0.0, 0.30], None], [900, 252, 13, 0]))
+    return root
+
+
+def test_the_acceptance_table_shows_each_position_with_its_interval_and_the_rounds_it_rests_on(acceptance_run):
+    from dspark.evaluation.demo_page import acceptance_table
+
+    rows = acceptance_table(load_run(acceptance_run)).splitlines()
+    assert rows[0] == "| drafter | k=1 | k=2 | k=3 | k=4 |"
+    # [0.26, 0.34] → ± 0.04; DSpark first; a position no round reached shows a dash and its zero count
+    assert rows[2] == "| dspark T=0.0 | 0.30 ± 0.04 (900) | 0.20 ± 0.05 (270) | 0.10 ± 0.09 (54) | 0.00 ± 0.00 (5) |"
+    assert rows[3] == "| dflash T=0.0 | 0.28 ± 0.04 (900) | 0.05 ± 0.04 (252) | 0.12 ± 0.15 (13) | – (0) |"
+    assert acceptance_table(load_run(acceptance_run), last=2).splitlines()[0] == "| drafter | k=1 | k=2 |"
+
+
+def test_dspark_is_above_dflash_only_where_the_two_intervals_are_apart(acceptance_run):
+    from dspark.evaluation.demo_page import acceptance_rows, dspark_vs_dflash, position_verdicts
+
+    dspark, dflash = acceptance_rows(load_run(acceptance_run))
+    # k = 2: 0.15 > 0.09 apart; k = 3: [0.02, 0.20] and [0.0, 0.30] overlap; k = 4: DFlash has none.
+    assert position_verdicts(dspark, dflash) == {"above": [2], "below": [], "overlap": [3], "unmeasured": [4]}
+    assert position_verdicts(dflash, dspark) == {"above": [], "below": [2], "overlap": [3], "unmeasured": [4]}
+    assert dspark_vs_dflash(load_run(acceptance_run)) == [
+        "T=0.0: DSpark against DFlash: above beyond both intervals at k = 2; intervals overlap at k = 3; "
+        "no interval at k = 4."]
+
+
+def test_the_page_and_the_short_text_carry_the_acceptance_table_and_the_verdict(acceptance_run):
+    page = summary_markdown(load_run(acceptance_run))
+    assert "### Conditional acceptance per draft position" in page
+    assert "| dspark T=0.0 | 0.30 ± 0.04 (900) |" in page
+    assert "T=0.0 (missing)" in page  # the comparison figure of `dspark compare` is not in this folder
+    _, short = write_summary(acceptance_run)
+    assert "above beyond both intervals at k = 2" in short and "| dflash T=0.0 |" in short
+
+
+def test_without_dflash_there_is_no_verdict_and_without_evaluations_no_table(run_dir, tmp_path):
+    from dspark.evaluation.demo_page import acceptance_section, dspark_vs_dflash
+
+    run = load_run(run_dir)  # DSpark alone, reports without per-position curves
+    assert dspark_vs_dflash(run) == [] and acceptance_section(run) == "No evaluation report found."

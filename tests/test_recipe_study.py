@@ -1,0 +1,87 @@
+"""bench/recipe_study.py: each variant is its overrides on top of the study's pinned starting recipe
+(whatever the demo config says), and its benchmark τ is paired against the baseline's on the same
+requests (oracle: the hand-computed pooled τ ratio 8/7 of two small evaluations)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from dspark.config import apply_overrides, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def study():
+    spec = importlib.util.spec_from_file_location("recipe_study", ROOT / "bench" / "recipe_study.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _trained_config(study, tmp_path, monkeypatch, name):
+    """The Config `dspark train` would build for variant ``name`` (its CLI call captured, not run)."""
+    calls = []
+    monkeypatch.setattr(study, "_dspark", lambda *cli: calls.append(cli))
+    args = study.parse_args(["--out", str(tmp_path / "study"), "--data", "runs/x/data"])
+    study.train(args, name, study.VARIANTS[name])
+    (cli,) = calls
+    assert cli[:3] == ("train", "--config", args.config)
+    sets = list(cli[cli.index("--set") + 1:])
+    return apply_overrides(load_config(ROOT / args.config), sets)
+
+
+def test_the_base_is_the_pinned_recipe_whatever_the_demo_config_trains(study, tmp_path, monkeypatch):
+    c = _trained_config(study, tmp_path, monkeypatch, "base")
+    t = c.train
+    assert (t.global_batch_size, t.micro_batch_size, t.epochs, t.eval_every, c.data.num_anchors) == (8, 4, 3.0, 8, 64)
+    assert (t.max_wall_minutes, c.drafter.draft_vocab_size, str(c.data.data_dir)) == (4.5, 16384, "runs/x/data")
+
+
+def test_a_variants_overrides_win_over_the_pinned_recipe(study, tmp_path, monkeypatch):
+    c = _trained_config(study, tmp_path, monkeypatch, "b2a32")
+    t = c.train
+    assert (t.global_batch_size, t.micro_batch_size, t.epochs, c.data.num_anchors) == (2, 2, 5.0, 32)
+    assert t.eval_every == 8  # not a lever: the same held-out looks as the base
+    # The demo config is the b2a32 recipe (held-out τ looked at less often).
+    demo = load_config(ROOT / "config" / "dspark" / "dspark_smollm2_135m.py")
+    assert (demo.train.global_batch_size, demo.train.micro_batch_size, demo.train.epochs,
+            demo.data.num_anchors) == (2, 2, 5.0, 32)
+
+
+def _evaluation(folder: Path, accepted: dict[int, list[int]]) -> None:
+    folder.mkdir(parents=True)
+    (folder / "report.json").write_text(json.dumps({"gamma": 3, "bootstrap": {"resamples": 200, "seed": 0}}))
+    (folder / "requests.jsonl").write_text("".join(
+        json.dumps({"benchmark": "gsm8k", "request": r, "prompt_tokens": 10, "tokens": 10, "wall_s": 1.0}) + "\n"
+        for r in accepted))
+    (folder / "rounds.jsonl").write_text("".join(
+        json.dumps({"benchmark": "gsm8k", "request": r, "round": i, "proposed": 3, "accepted": m}) + "\n"
+        for r, ms in accepted.items() for i, m in enumerate(ms)))
+
+
+def test_paired_tau_ratio_against_the_baseline_and_its_table_cell(study, tmp_path):
+    out = tmp_path / "study"
+    # τ pooled: A (2 + 1 + 4 + 1) / 4 rounds = 2, base (1 + 2 + 2 + 2) / 4 = 7/4: ratio 8/7.
+    _evaluation(out / "mine" / "eval-T0.0", {0: [1, 0], 1: [3], 2: [0]})
+    _evaluation(out / "base" / "eval-T0.0", {0: [0], 1: [1], 2: [1, 1]})
+    paired = study.paired_summary(out / "mine", out / "base", 0.0)
+    assert paired["ratio"] == pytest.approx(8 / 7) and paired["requests"] == 3
+    assert paired["ci"][0] <= 8 / 7 <= paired["ci"][1]
+    assert study.paired_summary(out / "base", out / "base", 0.0) is None  # the baseline itself
+    assert study.paired_summary(out / "mine", out / "absent", 0.0) is None  # no baseline run
+    bench = {"tau": 2.0, "tau_ci": [1.5, 2.5], "cond_accept": [0.5, None, None], "cond_accept_den": [4, 2, 0]}
+    results = {"mine": {"sets": ["train.lr=2e-3"], "train": {"steps": 9, "minutes": 1.0, "heldout_tau_prob": 1.2},
+                        "bench": {"0.0": dict(bench, paired=paired)}},
+               "base": {"sets": [], "train": {"steps": 9, "minutes": 1.0, "heldout_tau_prob": None},
+                        "bench": {"0.0": dict(bench, paired=None)}}}
+    lines = study.table(results, [0.0], "base").splitlines()
+    assert "τ / base T=0 [95 %, paired]" in lines[0]
+    cells = [c.strip() for c in lines[2].split("|")[1:-1]]
+    assert cells[0] == "mine" and cells[6] == f"1.143 [{paired['ci'][0]:.3f}, {paired['ci'][1]:.3f}]"
+    assert cells[7] == "0.50/–/– (4/2/0)"
+    assert [c.strip() for c in lines[3].split("|")[1:-1]][6] == "–"
