@@ -379,7 +379,13 @@ def _at(values: Sequence[Any], k: int) -> Any:
 
 
 def _target_only_theta(run: Mapping[str, Any], r: int) -> float | None:
-    """Target-only tokens per SPS-clock second with R requests always live: R · SPS(R)."""
+    """Target-only tokens per SPS-clock second with R requests always live: R · SPS(R), on the
+    simulator's clock (its ``target_only_throughput``: the measured medians where the profile was
+    there), else on the SPS table."""
+    for sim in _simulated(run).values():
+        theta0 = sim.get("target_only_throughput")
+        if int(sim["concurrency"]) == r and isinstance(theta0, (int, float)) and math.isfinite(theta0) and theta0 > 0:
+            return float(theta0)
     if not isinstance(run["sps"], Mapping):
         return None
     from dspark.scheduling.algorithm1 import SPSTable
@@ -569,7 +575,8 @@ def sched_section(run: Mapping[str, Any]) -> str:
         "about draft + verify target steps and yields τ tokens, so the drafting cost is what keeps a policy that "
         "verifies nothing (ℓ = 0) below target-only speed. **SPS clock** (`dspark simulate`, folder `simulate/`): "
         "R requests live at every step (the prompts are cycled), each step charged 1 / SPS(B) for its "
-        "B = Σ(1 + ℓ_r) tokens from the measured table plus every other phase measured in it (drafting, acceptance, cache and context bookkeeping, the policy's decision; the demo runs it with `--draft-overhead measured`), put on the table's time scale by the ratio of the table's price of the run's verification forwards to their measured seconds, against R·SPS(R) for target-only "
+        "B = Σ(1 + ℓ_r) tokens at the profile's measured medians (the policies decide on the noise-aware table, "
+        "whose rises within the timing noise are flattened) plus every other phase measured in it (drafting, acceptance, cache and context bookkeeping, the policy's decision; the demo runs it with `--draft-overhead measured`), put on the table's time scale by the ratio of the table's price of the run's verification forwards to their measured seconds, against R·SPS(R) for target-only "
         "decoding; the serving loop verifies each request on its own, so its wall clock says nothing about "
         "batching and only the SPS clock measures R > 1. Rows without a scheduled evaluation (R > 1) show the "
         "simulator's τ and mean ℓ. The Θ ratio's interval is the SPS table's own timing noise: the run's steps "

@@ -128,7 +128,10 @@ def simulate(config: Config, *, progress: Callable[[Any], None] | None = None,
              f"{len(prompts)} prompts from {', '.join(f'{n} ({len(v)})' for n, v in sets.items())}; "
              f"STS {'from ' + s.sts if temps is not None else 'off (raw confidences)'}")
     profile = _table_profile(s.sps, sps)
-    announce(f"SPS clock intervals: {'from the timings in ' + str(profile_path(s.sps)) if profile else 'none'}")
+    # The policies decide on the noise-aware table; the clock prices on the measured medians when
+    # the profile behind the table is there (ServeSettings.price_sps), else on the table itself.
+    price = profile.measured_table if profile is not None else sps
+    announce(f"SPS clock: {'the measured medians and their intervals from ' + str(profile_path(s.sps)) if profile else 'the table, no interval'}")
     results = []
     for spec in policies:
         for concurrency in s.concurrencies:
@@ -139,7 +142,8 @@ def simulate(config: Config, *, progress: Callable[[Any], None] | None = None,
                     target, drafter, prompts, policies=[spec], concurrencies=[concurrency],
                     decoding=DecodeSettings(max_new_tokens=s.max_new_tokens, temperature=e.temperature, seed=e.seed,
                                             eos_token_ids=eos),
-                    serving=ServeSettings(sps=sps, sts_temperatures=temps, draft_overhead=s.draft_overhead),
+                    serving=ServeSettings(sps=sps, price_sps=price, sts_temperatures=temps,
+                                          draft_overhead=s.draft_overhead),
                     cycle=s.cycle, num_requests=s.num_requests or None)
                 if profile is not None:
                     result.table_ci = list(table_interval(result, profile, seed=e.seed))
@@ -149,6 +153,7 @@ def simulate(config: Config, *, progress: Callable[[Any], None] | None = None,
                 progress(result)
     summary = {
         "target": config.target.name_or_path, "drafter": origin, "gamma": gamma, "sps": sps.to_dict(),
+        "price_sps": price.to_dict(),
         "sts_temperatures": None if temps is None else [float(t) for t in temps], "policies": policies,
         "concurrencies": list(s.concurrencies), "benchmarks": {n: len(v) for n, v in sets.items()},
         "num_prompts": len(prompts), "max_new_tokens": s.max_new_tokens, "temperature": e.temperature,

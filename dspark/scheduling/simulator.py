@@ -21,7 +21,8 @@ What is real and what is modelled:
   and the lengths the policy picks are those of the actual models; every
   draft is timed (``SimResult.draft_s``), so the drafting cost per round in
   target steps, t_d · SPS(1), is reported whatever the clock charges;
-- modelled: time. Verification costs 1 / SPS(B). Drafting costs, by
+- modelled: time. Verification costs 1 / SPS(B), on the clock's table
+  (``ServeSettings.price_sps``, else ``sps``: the policy's). Drafting costs, by
   ``draft_overhead``: a number f ≥ 0 charges a step in which some request
   drafted (1 + f) / SPS(B), i.e. drafting as a fraction of the step (0, the
   default, ignores it); ``"measured"`` charges 1 / SPS(B) plus every other
@@ -160,6 +161,12 @@ class ServeSettings:
         time, the protocol of the paper's Table 1.
     sps: the SPS table (or the path of its JSON, ``dspark profile-sps``): for the policies
         that need one (algorithm1, algorithm1+skip, async) and for the simulated clock.
+    price_sps: the table the simulated clock charges, when it is not ``sps`` (None: ``sps``).
+        The policies decide on the noise-aware table (``SPSTable.noise_aware``: rises of
+        SPS in B within the timing noise flattened, so Algorithm 1 buys nothing with
+        jitter); the clock prices on the measured medians (``SPSProfile.measured_table``),
+        because a flattened entry charges more than the machine was measured to pay where
+        a rise is real, and the clock's interval already carries the timing noise.
     concurrency: R, the requests decoded in lockstep (more than 1 needs a policy).
     sts_temperatures: the γ STS temperatures (or the path of an STS JSON, ``dspark
         calibrate``): the policy sees calibrated confidences, and ``evaluate`` also
@@ -171,6 +178,7 @@ class ServeSettings:
 
     policy: PolicySpec | None = None
     sps: SPSTable | PathLike | None = None
+    price_sps: SPSTable | PathLike | None = None
     concurrency: int = 1
     sts_temperatures: Sequence[float] | PathLike | None = None
     draft_overhead: float | str = 0.0
@@ -180,9 +188,14 @@ class ServeSettings:
         if p is not None and not callable(p) and not (isinstance(p, str) and p.strip()):
             raise ValueError(f"ServeSettings.policy must be None, a non-empty spec ({POLICY_HELP}), a Policy "
                              f"or a callable, got {p!r}")
-        if self.sps is not None and not isinstance(self.sps, (SPSTable, str, os.PathLike)):
-            raise ValueError(f"ServeSettings.sps must be an SPSTable or the path of its JSON "
-                             f"(dspark profile-sps), got {type(self.sps).__name__}")
+        for name in ("sps", "price_sps"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (SPSTable, str, os.PathLike)):
+                raise ValueError(f"ServeSettings.{name} must be an SPSTable or the path of its JSON "
+                                 f"(dspark profile-sps), got {type(value).__name__}")
+        if self.price_sps is not None and self.sps is None:
+            raise ValueError("ServeSettings.price_sps needs sps: the clock's table replaces the policy's "
+                             "table for pricing only")
         r = self.concurrency
         if isinstance(r, bool) or not isinstance(r, int) or r < 1:
             raise ValueError(f"ServeSettings.concurrency must be an int >= 1, got {r!r}")
@@ -434,6 +447,8 @@ def run_requests(
     ``jobs`` iterator). ``on_step`` is called with the result after each step.
     """
     policy, sps, temps = _resolve(serving)
+    if serving.price_sps is not None:
+        sps = sps_table(serving.price_sps)  # the clock's table; the policy keeps its own
     if policy.on_start is not None:
         policy.on_start()
     clock, overhead = _draft_clock(serving.draft_overhead)
@@ -796,7 +811,7 @@ def simulate(
     if sps is None:
         raise ValueError("ServeSettings.sps is None; simulate charges every step 1 / SPS(B): give the table of "
                          "`dspark profile-sps` (its JSON path or SPSTable.from_json('sps.json'))")
-    serving = dataclasses.replace(serving, sps=sps)
+    serving = dataclasses.replace(serving, sps=sps, price_sps=sps_table(serving.price_sps))
     concurrency, seed = serving.concurrency, decoding.seed
     prompts = [list(p) for p in prompts]
     if cycle:
@@ -837,7 +852,7 @@ def simulate_grid(
     (SPS table, STS temperatures, draft overhead). Each cell makes a fresh policy and uses the
     same seed, so every cell serves the same requests with the same random streams.
     ``progress`` is called with each finished result."""
-    serving = dataclasses.replace(serving, sps=sps_table(serving.sps))
+    serving = dataclasses.replace(serving, sps=sps_table(serving.sps), price_sps=sps_table(serving.price_sps))
     results = []
     for spec in policies:
         for concurrency in concurrencies:

@@ -32,11 +32,15 @@ cheaper, and Algorithm 1 (which stops at its first non-improving step) never
 buys longer verification with timing jitter. Token ids are random (speed does
 not depend on them).
 
-The table's own timing noise reaches every number priced by it. ``bootstrap_tables`` draws
-tables from the profile's timings resampled (per B, the repeats drawn with replacement, their
-median, the noise-aware table); ``table_interval`` prices one simulator run
-(``SimResult.priced_by``) by each and returns the 95 % percentile interval of its ratio to
-target-only decoding: the SPS clock's uncertainty, to set beside the wall clock's own interval.
+The noise-aware table is what a policy decides with; the simulated clock prices on the measured
+medians (``SPSProfile.measured_table``, ``ServeSettings.price_sps``): flattening a rise that is
+real (a kernel faster at B = 4 than at B = 2) would charge more than the machine pays, and the
+clock carries the timing noise in its own interval. The table's own timing noise reaches every
+number priced by it. ``bootstrap_tables`` draws tables from the profile's timings resampled (per
+B, the repeats drawn with replacement, their median; the measured table, or the noise-aware one);
+``table_interval`` prices one simulator run (``SimResult.priced_by``) by each and returns the
+95 % percentile interval of its ratio to target-only decoding: the SPS clock's uncertainty, to set
+beside the wall clock's own interval.
 
 ``profile_sps`` returns the ``SPSTable`` (SGLang's ``{sample_batch_tokens,
 sample_steps_per_sec, max_batch_tokens}``); ``profile_sps_runs`` also keeps
@@ -109,6 +113,12 @@ class SPSProfile:
         return [hi - lo for lo, hi in self.steps_per_sec_interval]
 
     @property
+    def measured_table(self) -> SPSTable:
+        """The measured medians as a table, no rise flattened: what the simulated clock charges."""
+        return SPSTable(self.batch_tokens, self.steps_per_sec, max(self.batch_tokens),
+                        sample_spread=self.steps_per_sec_spread)
+
+    @property
     def table(self) -> SPSTable:
         return SPSTable(self.batch_tokens, self.steps_per_sec, max(self.batch_tokens),
                         sample_spread=self.steps_per_sec_spread).noise_aware()
@@ -132,10 +142,12 @@ def load_profile(path: str | os.PathLike) -> SPSProfile:
     return SPSProfile(**{n: data[n] for n in names})
 
 
-def bootstrap_tables(profile: SPSProfile, resamples: int = 1000, seed: int = 0) -> Iterator[SPSTable]:
+def bootstrap_tables(profile: SPSProfile, resamples: int = 1000, seed: int = 0,
+                     noise_aware: bool = False) -> Iterator[SPSTable]:
     """``resamples`` tables drawn from the profile's timing noise: per B, its repeats drawn with
-    replacement and their median taken, then the noise-aware table with the profile's spreads
-    (as ``SPSProfile.table``). Their spread is the table's uncertainty."""
+    replacement and their median taken (as ``SPSProfile.measured_table``; with ``noise_aware``,
+    then the noise-aware table with the profile's spreads, as ``SPSProfile.table``). Their spread
+    is the table's uncertainty."""
     rng = np.random.default_rng(seed)
     speeds = np.empty((resamples, len(profile.seconds)))  # [resample, B]
     for j, s in enumerate(profile.seconds):
@@ -144,16 +156,19 @@ def bootstrap_tables(profile: SPSProfile, resamples: int = 1000, seed: int = 0) 
     spread = profile.steps_per_sec_spread
     top = max(profile.batch_tokens)
     for row in speeds.tolist():
-        yield SPSTable(profile.batch_tokens, row, top, sample_spread=spread).noise_aware()
+        table = SPSTable(profile.batch_tokens, row, top, sample_spread=spread)
+        yield table.noise_aware() if noise_aware else table
 
 
 def table_interval(result: Any, profile: SPSProfile, resamples: int = 1000, seed: int = 0,
-                   level: float = 0.95) -> tuple[float, float]:
+                   level: float = 0.95, noise_aware: bool = False) -> tuple[float, float]:
     """The ``level`` percentile interval of a simulator run's ratio to target-only decoding over
     the SPS table's timing noise: ``result.priced_by(table)`` (every decision of the run kept) for
-    each of ``bootstrap_tables(profile, resamples, seed)`` (``result.pricing()``: that price as a function)."""
+    each of ``bootstrap_tables(profile, resamples, seed, noise_aware)`` (``result.pricing()``: that
+    price as a function). The default prices on measured tables, as the run priced on
+    ``profile.measured_table``; ``noise_aware=True`` for a run priced on ``profile.table``."""
     price = result.pricing()
-    ratios = np.array([price(table) for table in bootstrap_tables(profile, resamples, seed)])
+    ratios = np.array([price(table) for table in bootstrap_tables(profile, resamples, seed, noise_aware)])
     tail = (1.0 - level) / 2.0
     return float(np.quantile(ratios, tail)), float(np.quantile(ratios, 1.0 - tail))
 

@@ -356,6 +356,28 @@ def test_throughput_tau_and_budget_equal_the_hand_computed_values():
     assert sim.rounds[1]["expected_accepted"] == pytest.approx(a[0])
 
 
+def test_the_clock_prices_on_price_sps_while_the_policy_decides_on_sps():
+    """Algorithm 1 decides on a table where B = 2 costs as much as B = 1 (so it verifies), the
+    clock charges another: every step is priced 1 / SPS'(B) and target-only R·SPS'(R), and the
+    decisions are those of the run without a separate clock table."""
+    target = make_tiny_target("llama")
+    prompt = PROMPTS[0]
+    decide = SPSTable([1, 2, 8], [50.0, 50.0, 10.0], 8)
+    price = SPSTable([1, 2, 8], [40.0, 45.0, 10.0], 8)  # a rise the policy's table flattened
+    runs = [simulate(target, scripted(target, prompt), [prompt],
+                     decoding=DecodeSettings(max_new_tokens=7, temperature=0.0, seed=0),
+                     serving=ServeSettings(policy="algorithm1", sps=decide, price_sps=clock), cycle=False)
+            for clock in (None, price)]
+    own, priced = runs
+    assert [r["proposed"] for r in priced.rounds] == [r["proposed"] for r in own.rounds]
+    assert priced.target_only_throughput == pytest.approx(40.0) and own.target_only_throughput == pytest.approx(50.0)
+    assert priced.sim_time_s == pytest.approx(sum(1 / float(price(s["batch_tokens"])) for s in priced.step_log))
+    assert own.sim_time_s == pytest.approx(sum(1 / float(decide(s["batch_tokens"])) for s in own.step_log))
+    assert priced.throughput / priced.target_only_throughput == pytest.approx(own.priced_by(price))
+    with pytest.raises(ValueError, match="price_sps needs sps"):
+        ServeSettings(price_sps=price)
+
+
 def test_verifying_nothing_gives_tau_one_and_a_batch_of_one_token_per_request():
     target = make_tiny_target("llama")
     sim = simulate(target, random_drafter(target, gamma=4), PROMPTS,
@@ -454,6 +476,7 @@ def test_decode_settings_name_the_bad_field_and_value(field, value, message):
     (dict(policy=""), r"ServeSettings.policy must be None, a non-empty spec"),
     (dict(policy=3), r"ServeSettings.policy must be None, .* got 3"),
     (dict(sps=[1, 2]), r"ServeSettings.sps must be an SPSTable or the path of its JSON .* got list"),
+    (dict(sps="sps.json", price_sps=3), r"ServeSettings.price_sps must be an SPSTable or the path .* got int"),
     (dict(policy="static", concurrency=0), r"ServeSettings.concurrency must be an int >= 1, got 0"),
     (dict(concurrency=4), r"ServeSettings.concurrency=4 needs a policy"),
     (dict(draft_overhead="sometimes"), r"ServeSettings.draft_overhead must be .* got 'sometimes'"),

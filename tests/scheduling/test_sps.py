@@ -247,6 +247,23 @@ def test_bootstrap_tables_of_noiseless_timings_are_the_table_and_a_profile_round
         load_profile(tmp_path / "bad.profile.json")
 
 
+def test_the_measured_table_keeps_a_rise_that_the_noise_aware_table_flattens():
+    """B = 4 measured faster than B = 2 within the noise: the policy's table (``table``) flattens
+    it to B = 2's speed, the clock's (``measured_table``) keeps the medians; the bootstrap draws
+    either kind."""
+    from dspark.scheduling.sps_profile import bootstrap_tables
+
+    jitter = [1.0, 1.04, 0.97, 1.02, 0.99, 1.03, 0.96, 1.01]
+    profile = _profile([[0.050 * j for j in jitter], [0.052 * j for j in jitter], [0.0498 * j for j in jitter]], [1, 2, 4])
+    medians = [1 / m for m in profile.median_s]
+    assert profile.measured_table.sample_steps_per_sec == pytest.approx(medians)
+    assert profile.table.sample_steps_per_sec == pytest.approx([medians[0], medians[1], medians[1]])
+    assert medians[2] > medians[1]
+    flat = next(bootstrap_tables(profile, resamples=1, seed=0, noise_aware=True)).sample_steps_per_sec
+    raw = next(bootstrap_tables(profile, resamples=1, seed=0)).sample_steps_per_sec
+    assert flat[2] == flat[1] and raw[:2] == flat[:2] and raw[2] >= flat[2]
+
+
 def test_the_sps_clock_interval_covers_at_the_demos_design():
     """The demo's design: 8 B (1 … 128), 20 interleaved repeats, a table flat up to B = 4 and then
     falling (the demo's own shape), timing noise lognormal with σ = 0.08 per forward plus a drift
