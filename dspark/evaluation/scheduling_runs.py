@@ -94,8 +94,6 @@ def simulate(config: Config, *, progress: Callable[[Any], None] | None = None,
     an uninterrupted run). ``resume`` as in ``dspark.evaluation.evaluate.evaluate``: None
     continues a folder of the same config, True requires one, False starts over."""
     from dspark.scheduling.calibration import load_sts_json
-    from dspark.data.render import render_prompt
-    from dspark.data.benchmarks import load_benchmark_prompts
     from dspark.evaluation.evaluate import default_eos_ids
     from dspark.evaluation.report import write_results
     from dspark.build import load_models
@@ -116,13 +114,7 @@ def simulate(config: Config, *, progress: Callable[[Any], None] | None = None,
     target, drafter, origin = load_models(config)
     gamma = drafter.config.block_size
     temps = load_sts_json(s.sts, gamma) if s.sts else None
-    if e.builtin_prompts:
-        from dspark.data.prompts import builtin_eval_sets
-
-        sets = load_benchmark_prompts(builtin_eval_sets(), None, s.num_prompts or None, e.seed)
-    else:
-        sets = load_benchmark_prompts(e.data_dir, list(e.benchmarks), s.num_prompts or None, e.seed)
-    prompts = [render_prompt(target.tokenizer, conv, enable_thinking=False) for conv in interleave(list(sets.values()))]
+    sets, prompts = _simulation_prompts(config, target.tokenizer)
     eos = default_eos_ids(target, target.tokenizer)
     announce(f"target {config.target.name_or_path} on {target.device}; drafter {origin}; γ = {gamma}; "
              f"{len(prompts)} prompts from {', '.join(f'{n} ({len(v)})' for n, v in sets.items())}; "
@@ -131,7 +123,8 @@ def simulate(config: Config, *, progress: Callable[[Any], None] | None = None,
     # The policies decide on the noise-aware table; the clock prices on the measured medians when
     # the profile behind the table is there (ServeSettings.price_sps), else on the table itself.
     price = profile.measured_table if profile is not None else sps
-    announce(f"SPS clock: {'the measured medians and their intervals from ' + str(profile_path(s.sps)) if profile else 'the table, no interval'}")
+    announce("SPS clock: " + (f"the measured medians and their intervals from {profile_path(s.sps)}" if profile
+                              else "the table, no interval"))
     results = []
     for spec in policies:
         for concurrency in s.concurrencies:
@@ -162,6 +155,23 @@ def simulate(config: Config, *, progress: Callable[[Any], None] | None = None,
     }
     out = write_results(out, results, summary)
     return results, out
+
+
+def _simulation_prompts(config: Config, tokenizer: Any) -> tuple[dict[str, list[Any]], list[Any]]:
+    """The benchmarks' prompts the simulation serves (`serve.num_prompts` per benchmark of
+    `eval.data_dir`, or of the built-in sets) and them rendered, benchmarks interleaved."""
+    from dspark.data.benchmarks import load_benchmark_prompts
+    from dspark.data.render import render_prompt
+
+    s, e = config.serve, config.eval
+    if e.builtin_prompts:
+        from dspark.data.prompts import builtin_eval_sets
+
+        sets = load_benchmark_prompts(builtin_eval_sets(), None, s.num_prompts or None, e.seed)
+    else:
+        sets = load_benchmark_prompts(e.data_dir, list(e.benchmarks), s.num_prompts or None, e.seed)
+    prompts = [render_prompt(tokenizer, conv, enable_thinking=False) for conv in interleave(list(sets.values()))]
+    return sets, prompts
 
 
 def _table_profile(sps_path: str | os.PathLike, table: Any) -> Any:

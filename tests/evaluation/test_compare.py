@@ -10,6 +10,7 @@ import math
 
 import numpy as np
 import pytest
+from matplotlib.colors import to_rgb
 
 from dspark.cli.main import main
 from dspark.evaluation.compare import acceptance_path, compare_reports, fmt_gain, macro_gains, write_comparison
@@ -76,13 +77,7 @@ def test_the_figure_draws_each_positions_interval_as_a_bar_in_the_drafters_colou
     assert len(segments) == 3
     np.testing.assert_allclose([s[:, 0].mean() for s in segments], [0.96, 1.96, 3.96])
     np.testing.assert_allclose([sorted(s[:, 1]) for s in segments], [[0.8, 0.95], [0.7, 0.9], [0.6, 0.9]])
-    assert tuple(bars.get_colors()[0][:3]) == pytest.approx(matplotlib_rgb(ax.get_lines()[0].get_color()))
-
-
-def matplotlib_rgb(color):
-    from matplotlib.colors import to_rgb
-
-    return to_rgb(color)
+    assert tuple(bars.get_colors()[0][:3]) == pytest.approx(to_rgb(ax.get_lines()[0].get_color()))
 
 
 def test_write_comparison_puts_the_figure_next_to_the_markdown_and_links_it(tmp_path):
