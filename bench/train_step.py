@@ -12,6 +12,8 @@
 - ``eagle3``: the Eagle3 TTT step at each size (draft vocabulary V/3) with the closed-form loss
   (`dspark.training.eagle3_loss.eagle3_loss`: one teacher distribution per position for all steps) against
   the checkpointed autograd one (`checkpointed_eagle3_loss`).
+- ``optimizer``: the AdamW step over the drafter's trainable parameters, the fused kernel the
+  trainer uses against torch's foreach path (time ratio, and the parameter difference after one step).
 - ``vocab``: the fused step with a draft vocabulary of k ids (dspark.modeling.vocab; k = 8,192
   and 32,768 where k < V) against the full-vocabulary fused step of the same drafter and batch:
   its draft side is k-sized, its target side still projects onto all V ids once (argmax and
@@ -592,8 +594,43 @@ def section_eagle3(args: argparse.Namespace, device: torch.device) -> None:
     print("time f/a: paired median ratio of step times.")
 
 
+def section_optimizer(args: argparse.Namespace, device: torch.device) -> None:
+    """The AdamW step over a drafter's trainable parameters: the fused kernel
+    (dspark.training.trainer.make_adamw) against torch's foreach path, from the same state and
+    gradients; and the largest parameter difference after one step of each (rounding only)."""
+    from dspark.training.trainer import make_adamw
+
+    sizes = [QUICK] if args.quick else [SIZES[name] for name in args.sizes]
+    print(f"\n== optimizer: AdamW step over the drafter's trainable parameters, fused against foreach; "
+          f"{device.type}, threads {args.threads}")
+    header = f"{'size':<6}{'params':>12}{'foreach s':>11}{'fused s':>10}{'fused/foreach':>15}{'max |Δp|':>11}"
+    print(header)
+    print("-" * len(header))
+    for size in sizes:
+        drafter, _ = build(size, device)
+        base = [p.detach().clone() for p in drafter.trainable_parameters()]
+        gen = torch.Generator().manual_seed(2)
+        grads = [torch.randn(p.shape, generator=gen).to(device) * 1e-3 for p in base]
+        params, opts = {}, {}
+        for name, fused in (("foreach", False), ("fused", True)):
+            params[name] = [torch.nn.Parameter(p.clone()) for p in base]
+            for p, g in zip(params[name], grads):
+                p.grad = g.clone()
+            opts[name] = (make_adamw(params[name], 1e-3, 0.01, device) if fused else
+                          torch.optim.AdamW(params[name], lr=1e-3, weight_decay=0.01, betas=(0.9, 0.95), foreach=True))
+        for name in opts:  # the compared step: both from the same state and gradients
+            opts[name].step()
+        diff = max(float((a - b).detach().abs().max()) for a, b in zip(params["foreach"], params["fused"]))
+        times = interleaved_times({name: opts[name].step for name in opts}, args.repeats or max(size.repeats, 5), device)
+        n = sum(p.numel() for p in base)
+        print(f"{size.name:<6}{n:>12,}{statistics.median(times['foreach']):>11.4f}{statistics.median(times['fused']):>10.4f}"
+              f"{paired_ratio(times, 'fused', 'foreach'):>15.3f}{diff:>11.1e}")
+    print("fused/foreach: paired median ratio of step times (below 1: the fused kernel is faster); max |Δp|: after "
+          "one step of each from the same parameters and gradients.")
+
+
 SECTIONS = {"steps": section_steps, "precision": section_precision, "demo": section_demo, "vocab": section_vocab,
-            "eagle3": section_eagle3}
+            "eagle3": section_eagle3, "optimizer": section_optimizer}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
