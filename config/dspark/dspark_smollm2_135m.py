@@ -18,13 +18,13 @@ config = Config(
         attn_implementation="sdpa",
         layer_family="qwen3",  # Qwen3 layers (q/k norms): what vLLM, SGLang and DeepSpec load (`dspark export`)
     ),
-    # fp8 cache: half of bf16's disk, same τ. 32 anchors, batch 2, 5 epochs: on 2 cores the most τ
+    # fp8 cache: half of bf16's disk, same τ. 32 anchors, batch 2, 8 epochs: on 2 cores the most τ
     # per training minute (bench/recipe_study.py).
     data=DataConfig(train_prompts="builtin", max_length=768, num_anchors=32, cache_precision="fp8"),
     generation=GenerationConfig(max_new_tokens=192, backend="transformers"),
     loss=LossConfig(chunk_rows=32),
     # "auto": bf16 on a GPU or a CPU with native bf16 (AVX512-BF16, AMX), else fp32 (train.mixed_precision=no).
-    train=TrainConfig(lr=1e-3, global_batch_size=2, micro_batch_size=2, epochs=5, mixed_precision="auto",
+    train=TrainConfig(lr=1e-3, global_batch_size=2, micro_batch_size=2, epochs=8, mixed_precision="auto",
                       compile=False, save_every=200, eval_every=32, log_every=2),  # held-out τ: ~1.3 s per look
     eval=EvalConfig(max_new_tokens=128, num_samples=2),  # benchmarks: eval_datasets/, or $DSPARK_EVAL_DATA
 )
