@@ -13,7 +13,7 @@ import torch
 from helpers.targets import make_tiny_target
 from helpers.training import fit_killed_after, run_torchrun, synthetic_samples, tiny_trainer
 
-from dspark.training.trainer import latest_checkpoint, lr_lambda
+from dspark.training.trainer import latest_checkpoint, lr_lambda, make_adamw
 from dspark.training.loss import LossWeights, reduce_terms
 from dspark.training.step import ratio_metrics, tau_from_acceptance_rates
 from helpers.paths import REPO
@@ -120,6 +120,31 @@ def test_lr_schedule_warmup_then_cosine_to_min():
     assert f(4) == pytest.approx(1.0)
     assert f(52) == pytest.approx(0.5, abs=1e-9)
     assert f(100) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_make_adamw_fuses_on_cpu_with_the_foreach_update_and_keeps_foreach_for_sharded_parameters():
+    """The fused CPU AdamW is the same update as torch's foreach AdamW to rounding, over several steps
+    with weight decay and the trainer's betas; FSDP's sharded CPU parameters keep foreach."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(64, 32), (32,), (7, 5, 3)]
+    start = [torch.randn(s, generator=gen, dtype=torch.float64).float() for s in shapes]
+    grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(4)]
+    fused_params = [torch.nn.Parameter(p.clone()) for p in start]
+    ref_params = [torch.nn.Parameter(p.clone()) for p in start]
+    fused = make_adamw(fused_params, 1e-2, 0.1, torch.device("cpu"))
+    ref = torch.optim.AdamW(ref_params, lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), foreach=True)
+    assert fused.defaults["fused"] is True and fused.defaults["betas"] == (0.9, 0.95)
+    for step in grads:
+        for params, opt in ((fused_params, fused), (ref_params, ref)):
+            for p, g in zip(params, step):
+                p.grad = g.clone()
+            opt.step()
+    moved = max(float((a.detach() - p).abs().max()) for a, p in zip(fused_params, start))
+    assert moved > 1e-3  # four steps of lr 1e-2 moved the parameters
+    for a, b in zip(fused_params, ref_params):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    sharded = make_adamw([torch.nn.Parameter(p.clone()) for p in start], 1e-2, 0.1, torch.device("cpu"), sharded=True)
+    assert not sharded.defaults["fused"]
 
 
 def test_training_lowers_the_loss(tiny_qwen3, tmp_path):
