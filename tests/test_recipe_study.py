@@ -47,10 +47,11 @@ def test_a_variants_overrides_win_over_the_pinned_recipe(study, tmp_path, monkey
     t = c.train
     assert (t.global_batch_size, t.micro_batch_size, t.epochs, c.data.num_anchors) == (2, 2, 5.0, 32)
     assert t.eval_every == 8  # not a lever: the same held-out looks as the base
-    # The demo config is the b2a32 recipe (held-out τ looked at less often).
+    # The demo config is the e8 recipe (held-out τ looked at less often).
+    e8 = _trained_config(study, tmp_path / "e8", monkeypatch, "e8")
     demo = load_config(ROOT / "config" / "dspark" / "dspark_smollm2_135m.py")
-    assert (demo.train.global_batch_size, demo.train.micro_batch_size, demo.train.epochs,
-            demo.data.num_anchors) == (2, 2, 5.0, 32)
+    assert (demo.train.global_batch_size, demo.train.micro_batch_size, demo.train.epochs, demo.data.num_anchors) == (
+        e8.train.global_batch_size, e8.train.micro_batch_size, e8.train.epochs, e8.data.num_anchors) == (2, 2, 8.0, 32)
 
 
 def _evaluation(folder: Path, accepted: dict[int, list[int]]) -> None:
