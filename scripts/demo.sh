@@ -12,7 +12,7 @@
 #                beside dspark's loop on the same prompts (bench/llamacpp.py); never builds llama.cpp itself
 #   8 summary    runs/demo/README.md (plots linked) and a short version printed
 #
-#   bash scripts/demo.sh           about 45 minutes on 2 CPU cores
+#   bash scripts/demo.sh           about 50 minutes on 2 CPU cores
 #   bash scripts/demo.sh --quick   every stage at toy size (a first look; the end-to-end test), under 8 minutes
 #   bash scripts/demo.sh --long    four times the training budget, more prompts and tokens
 # Every stage resumes: a stage whose outputs are complete (named in timings.json) is skipped,
