@@ -281,9 +281,22 @@ def bench_size(size: TrainSize, repeats: int, device: torch.device) -> dict[str,
 
 
 # ------------------------------------------------------------------ sections
+def chosen_sizes(args: argparse.Namespace) -> list[TrainSize]:
+    """The sizes a section runs: the tiny one with --quick, else those of --sizes."""
+    return [QUICK] if args.quick else [SIZES[name] for name in args.sizes]
+
+
+def print_header(header: str, title: str = "", section: str = "") -> None:
+    """A table's column header and its rule, after the section's title line when given."""
+    if title:
+        print(f"\n== {section}: {title}")
+    print(header)
+    print("-" * len(header))
+
+
 def section_steps(args: argparse.Namespace, device: torch.device) -> None:
     """The full-vocabulary step (fused, chunked) against the naive one, per size."""
-    sizes = [QUICK] if args.quick else [SIZES[name] for name in args.sizes]
+    sizes = chosen_sizes(args)
     memory = "torch.cuda.max_memory_allocated" if device.type == "cuda" else "live tensor bytes (dispatch mode)"
     print(f"== steps: DSpark train step (forward + backward, optimizer excluded), batch 1 sequence, γ={GAMMA}, "
           f"chunk_rows={CHUNK_ROWS}, {device.type}, threads {args.threads}; peak memory: {memory}")
@@ -292,8 +305,7 @@ def section_steps(args: argparse.Namespace, device: torch.device) -> None:
     header = (f"{'size':<6}{'fused s':>10}{'chunked s':>11}{'naive s':>10}{'time f/n':>10}{'time c/n':>10}"
               f"{'fused MB':>10}{'chunked MB':>12}{'naive MB':>11}{'mem f/n':>9}{'mem c/n':>9}"
               f"{'fused pos/s':>13}{'chunked pos/s':>15}{'naive pos/s':>13}{'|Δloss|/loss':>14}")
-    print(header)
-    print("-" * len(header))
+    print_header(header)
     for size in sizes:
         res = bench_size(size, args.repeats or size.repeats, device)
         print(f"{size.name:<6}{res['fused_s']:>10.3f}{res['chunked_s']:>11.3f}{res['naive_s']:>10.3f}"
@@ -312,13 +324,12 @@ def section_precision(args: argparse.Namespace, device: torch.device) -> None:
     target.dtype=bfloat16) against the fp32 step, per size."""
     from dspark.build import cpu_has_native_bf16, resolve_mixed_precision
 
-    sizes = [QUICK] if args.quick else [SIZES[name] for name in args.sizes]
+    sizes = chosen_sizes(args)
     native = cpu_has_native_bf16() if device.type == "cpu" else None
     print(f"\n== precision: fused step, bf16 (autocast + bf16 LM head) vs fp32, {device.type}, threads {args.threads}; "
           f"native bf16 CPU: {native}; train.mixed_precision=auto resolves to {resolve_mixed_precision('auto', device)!r}")
     header = f"{'size':<6}{'fp32 s':>10}{'bf16 s':>10}{'time bf16/fp32':>16}{'|Δloss|/loss':>14}"
-    print(header)
-    print("-" * len(header))
+    print_header(header)
     weights = LossWeights()
     for size in sizes:
         drafter, batch = build(size, device)
@@ -407,8 +418,7 @@ def section_demo(args: argparse.Namespace, device: torch.device) -> None:
             step(c)
         times = interleaved_times({c: (lambda c=c: step(c)) for c in combos}, args.demo_repeats, device)
     header = f"{'drafter':<8}{'features':<10}{'bucketing':<11}{'precision':<11}{'pos/s':>9}{'padding':>9}{'vs off':>8}"
-    print(header)
-    print("-" * len(header))
+    print_header(header)
     for c in combos:
         variant, mode, bucketing, precision = c
         t = trainers[c]
@@ -530,8 +540,7 @@ def section_vocab(args: argparse.Namespace, device: torch.device) -> None:
     print(f"== fused DSpark train step with a draft vocabulary of k ids vs the full vocabulary "
           f"(same drafter and batch), γ={GAMMA}, {device.type}, threads {threads}")
     header = f"{'size':<6}{'V':>9}{'k':>8}{'full s':>10}{'k s':>10}{'time k/full':>13}{'full MB':>10}{'k MB':>10}{'mem k/full':>12}"
-    print(header)
-    print("-" * len(header))
+    print_header(header)
     for name in names:
         size = VOCAB_SIZES[name]
         rows = bench_draft_vocab(size, repeats or size.repeats, device)
@@ -549,12 +558,11 @@ def section_eagle3(args: argparse.Namespace, device: torch.device) -> None:
     from dspark.training.eagle3_loss import checkpointed_eagle3_loss, eagle3_loss
     from dspark.modeling import Eagle3Drafter
 
-    sizes = [QUICK] if args.quick else [SIZES[name] for name in args.sizes]
+    sizes = chosen_sizes(args)
     print(f"\n== eagle3: TTT step (7 steps, forward + backward, optimizer excluded), batch 1 sequence of the size's "
           f"tokens, draft vocabulary k = V/3, {device.type}, threads {args.threads}")
     header = f"{'size':<6}{'fused s':>10}{'autograd s':>12}{'time f/a':>10}{'|Δloss|/loss':>14}"
-    print(header)
-    print("-" * len(header))
+    print_header(header)
     for size in sizes:
         torch.manual_seed(0)
         hf = Qwen3Config(vocab_size=size.vocab, hidden_size=size.d, intermediate_size=3 * size.d,
@@ -600,13 +608,10 @@ def section_optimizer(args: argparse.Namespace, device: torch.device) -> None:
     gradients; and the largest parameter difference after one step of each (rounding only)."""
     from dspark.training.trainer import make_adamw
 
-    sizes = [QUICK] if args.quick else [SIZES[name] for name in args.sizes]
-    print(f"\n== optimizer: AdamW step over the drafter's trainable parameters, fused against foreach; "
-          f"{device.type}, threads {args.threads}")
-    header = f"{'size':<6}{'params':>12}{'foreach s':>11}{'fused s':>10}{'fused/foreach':>15}{'max |Δp|':>11}"
-    print(header)
-    print("-" * len(header))
-    for size in sizes:
+    print_header(f"{'size':<6}{'params':>12}{'foreach s':>11}{'fused s':>10}{'fused/foreach':>15}{'max |Δp|':>11}",
+                 title=f"AdamW step over the drafter's trainable parameters, fused against foreach; {device.type}, "
+                       f"threads {args.threads}", section="optimizer")
+    for size in chosen_sizes(args):
         drafter, _ = build(size, device)
         base = [p.detach().clone() for p in drafter.trainable_parameters()]
         gen = torch.Generator().manual_seed(2)
