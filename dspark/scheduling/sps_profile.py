@@ -120,8 +120,8 @@ class SPSProfile:
 
     @property
     def table(self) -> SPSTable:
-        return SPSTable(self.batch_tokens, self.steps_per_sec, max(self.batch_tokens),
-                        sample_spread=self.steps_per_sec_spread).noise_aware()
+        """The measured table with rises within the timing noise flattened: what a policy decides with."""
+        return self.measured_table.noise_aware()
 
 
 def profile_path(table_path: str | os.PathLike) -> Path:

@@ -118,7 +118,7 @@ def anchors_for(loss_mask: Tensor, num_anchors: int, seed: int, epoch: int, inde
 def make_adamw(params: Any, lr: float, weight_decay: float, device: torch.device, sharded: bool = False) -> torch.optim.AdamW:
     """AdamW (betas 0.9, 0.95) with the fused kernel where torch has one for the device: one
     pass over each parameter instead of a dozen foreach passes over all of them, the same update
-    to rounding (bench/train_step.py ``optimizer`` times both on the demo drafter). FSDP's
+    to rounding (bench/train_step.py ``optimizer`` times both on drafters up to SmolLM2's size). FSDP's
     sharded parameters on a CPU keep the foreach path."""
     fused = device.type == "cuda" or (device.type == "cpu" and not sharded)
     try:
