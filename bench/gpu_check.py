@@ -276,8 +276,9 @@ def check_sps(size: dict, device: torch.device, sizes: list[int]) -> dict:
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     target = build_target(size, device, dtype)
-    profile = profile_sps_runs(target, sizes, context_len=512 if device.type == "cuda" else 32, repeats=5,
-                               progress=lambda b, s: print(f"  B = {b:>4}: {1e3 * s:8.3f} ms  {1 / s:9.1f} steps/s"))
+    profile = profile_sps_runs(target, sizes, context_len=512 if device.type == "cuda" else 32, repeats=5)
+    for b, sps in zip(profile.batch_tokens, profile.steps_per_sec):
+        print(f"  B = {b:>4}: {1e3 / sps:8.3f} ms  {sps:9.1f} steps/s")
     return {"batch_tokens": profile.batch_tokens, "steps_per_sec": [round(x, 2) for x in profile.steps_per_sec]}
 
 
@@ -290,7 +291,9 @@ def check_nccl(device: torch.device) -> dict:
         return {"skipped": "no CUDA device"}
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29531")
-    dist.init_process_group("nccl", rank=0, world_size=1, device_id=device)
+    # init_process_group wants an indexed device ("cuda:0"), not "cuda"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", index))
     try:
         x = torch.arange(4.0, device=device)
         dist.all_reduce(x)
