@@ -262,6 +262,7 @@ class _FixedInputs:
     valid: Tensor  # Bool [N, γ]
     ce_coef: Tensor  # [γ]: ∂objective/∂CE_k at a supervised position
     tv_coef: Tensor  # [γ]: ∂objective/∂TV_k
+    tv_active: bool  # α_TV ≠ 0 (a Python flag: no device sync, no graph break under torch.compile)
     softcap: float | None
     chunk_rows: int
     grad_enabled: bool  # grad mode of the caller (forward itself runs with grad off)
@@ -325,7 +326,7 @@ class _Pass:
             grad_w2_t=zeros(w2.shape[1], w2.shape[0]) if want.w2 else None,
             tv_full=None if fixed.vocab is None else zeros(n),
             any_grad=any_grad,
-            tv_coef=fixed.tv_coef if any_grad and bool((fixed.tv_coef != 0).any()) else None,
+            tv_coef=fixed.tv_coef if any_grad and fixed.tv_active else None,
         )
 
     def result(self, hidden_shape: torch.Size, latent_shape: torch.Size | None) -> "_PassResult":
@@ -593,6 +594,7 @@ def _fixed_inputs(f: LogitFactors, labels: Tensor, valid: Tensor, weights: LossW
         valid=valid,
         ce_coef=weights.ce * w / den,  # [γ]
         tv_coef=weights.tv * w / den,  # [γ]
+        tv_active=weights.tv != 0,  # w_k > 0 and den > 0: tv_coef ≠ 0 exactly when α_TV ≠ 0
         softcap=None if f.softcap is None else float(f.softcap),
         chunk_rows=chunk_rows,
         grad_enabled=torch.is_grad_enabled(),

@@ -448,3 +448,31 @@ def test_target_rows_must_be_integer_ids_of_the_labels_shape():
         fused_dspark_loss(LogitFactors(*factor_tensors, target_rows=torch.zeros(N, GAMMA)), *args)
     with pytest.raises(ValueError, match="target_rows"):
         fused_dspark_loss(LogitFactors(*factor_tensors, target_rows=torch.zeros(N, GAMMA + 1, dtype=torch.long)), *args)
+
+
+@pytest.mark.parametrize("weights", [LossWeights(), DFLASH], ids=["dspark", "dflash"])
+def test_reads_no_tensor_value_on_the_host_under_torch_compile(weights):
+    """train.compile wraps the loss in torch.compile. A Python branch on a tensor's value is a
+    device sync on a GPU and splits the graph there; the only splits left are at the supervised
+    positions' nonzero (the chunk loop's length), by design. Compiled loss and gradients equal
+    the eager ones."""
+    case = _case(torch.float32)
+
+    def loss_and_grads(hidden, latent, w2, conf):
+        out = fused_dspark_loss(
+            LogitFactors(hidden, case["lm_head"], case["target_hidden"], latent=latent, w2=w2),
+            case["labels"], case["valid"], conf, weights, chunk_rows=2,
+        )
+        return out.loss, *torch.autograd.grad(out.loss, (hidden, latent, w2))
+
+    def leaves():
+        return [case[k].clone().requires_grad_(True) for k in ("hidden", "latent", "w2", "conf")]
+
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(loss_and_grads)(*leaves())
+    reasons = [str(r.reason) for r in explained.break_reasons]
+    assert reasons and all("nonzero" in r or "Dynamic shape operator" in r for r in reasons), reasons
+    torch._dynamo.reset()
+    compiled = torch.compile(loss_and_grads, backend="eager")
+    for got, want in zip(compiled(*leaves()), loss_and_grads(*leaves())):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
