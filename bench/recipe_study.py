@@ -40,12 +40,14 @@ sys.path.insert(0, str(ROOT))
 from dspark.io.atomic import atomic_write_text  # noqa: E402  (after the path above)
 
 # The study's starting recipe, pinned so that the table does not move with the demo config: the
-# config's drafter (2 layers, MLP 1024, γ = 7, k = 16,384) trained 3 epochs at batch 8 with 64
+# config's drafter (2 layers, MLP 1024) at γ = 7 and k = 16,384, trained 3 epochs at batch 8 with 64
 # anchors per sequence, held-out τ_prob every 8 steps. Each variant changes one lever of it (its
 # overrides come after these and win).
 STUDY_RECIPE: list[str] = ["train.global_batch_size=8", "train.micro_batch_size=4", "data.num_anchors=64",
+                           "drafter.block_size=7",
                            "train.eval_every=8"]  # held-out τ every 8 steps: the curves; ~1.3 s each, inside the cap
-# The demo's recipe (config/dspark/dspark_smollm2_135m.py) is "e8", held-out τ every 32 steps.
+# The demo's recipe (config/dspark/dspark_smollm2_135m.py) is "g4v8"; the last three variants look at
+# held-out τ every 32 steps, as the demo does.
 VARIANTS: dict[str, list[str]] = {
     "base": [],
     "lr3e-3": ["train.lr=3e-3"],
@@ -63,7 +65,13 @@ VARIANTS: dict[str, list[str]] = {
     "b2a32": ["train.global_batch_size=2", "train.micro_batch_size=2", "data.num_anchors=32",
               "train.epochs=5"],  # the two step-buying levers together
     "e8": ["train.global_batch_size=2", "train.micro_batch_size=2", "data.num_anchors=32",
-           "train.epochs=8"],  # b2a32 over more epochs: the demo's 6-minute cap (--minutes 6)
+           "train.epochs=8"],  # b2a32 over more epochs, for a 6-minute cap (--minutes 6)
+    "e12a16": ["train.global_batch_size=2", "train.micro_batch_size=2", "data.num_anchors=16",
+               "train.epochs=12", "train.eval_every=32"],  # half the anchors: cheaper steps, more epochs
+    "g4": ["train.global_batch_size=2", "train.micro_batch_size=2", "data.num_anchors=16", "drafter.block_size=4",
+           "train.epochs=16", "train.eval_every=32"],  # γ = 4: cheaper steps again
+    "g4v8": ["train.global_batch_size=2", "train.micro_batch_size=2", "data.num_anchors=16", "drafter.block_size=4",
+             "drafter.draft_vocab_size=8192", "train.epochs=20", "train.eval_every=32"],  # and k = 8,192: the demo's
 }
 
 
@@ -191,22 +199,48 @@ def table(results: dict[str, dict], temperatures: list[float], baseline: str = "
     return "\n".join(lines)
 
 
+def design(args: argparse.Namespace) -> dict:
+    """What makes two variants' rows comparable: the cap, the config, the data and the evaluation."""
+    return {"minutes_cap": args.minutes, "config": args.config, "data": args.data, "num_samples": args.num_samples,
+            "max_new_tokens": args.max_new_tokens}
+
+
+def previous_results(out: Path, args: argparse.Namespace) -> dict[str, dict]:
+    """The rows an earlier call wrote to ``out/study.json`` under the same design, with every
+    temperature asked for now and their run folder still there ({} otherwise): a study run one
+    variant at a time (``--only``) keeps one table."""
+    path = out / "study.json"
+    if not path.exists():
+        return {}
+    old = json.loads(path.read_text())
+    if any(old.get(k) != v for k, v in design(args).items()):
+        print(f"{path}: written under another design; its rows are not carried over", flush=True)
+        return {}
+    return {name: r for name, r in old.get("results", {}).items()
+            if (out / name).is_dir() and all(str(t) in r.get("bench", {}) for t in args.temperatures)}
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     variants = variants_of(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results: dict[str, dict] = {}
+    results = previous_results(out, args)
+
+    def save() -> None:
+        for name, r in results.items():  # every row against the current baseline
+            for t in args.temperatures:
+                r["bench"][str(t)]["paired"] = paired_summary(out / name, out / args.baseline, t)
+        atomic_write_text(out / "study.json", json.dumps(
+            {**design(args), "baseline": args.baseline, "results": results}, indent=2))
+
     for name, sets in variants.items():
         print(f"== {name}: {' '.join(sets) or '(the recipe)'}", flush=True)
         run = train(args, name, sets)
         bench = {str(t): benchmark_summary(evaluate(args, run, t)) for t in args.temperatures}
-        for t in args.temperatures:
-            bench[str(t)]["paired"] = paired_summary(run, out / args.baseline, t)
         results[name] = {"sets": sets, "train": training_summary(run), "bench": bench}
-        atomic_write_text(out / "study.json", json.dumps(
-            {"minutes_cap": args.minutes, "config": args.config, "data": args.data, "num_samples": args.num_samples,
-             "max_new_tokens": args.max_new_tokens, "baseline": args.baseline, "results": results}, indent=2))
+        save()
+    save()
     text = table(results, args.temperatures, args.baseline)
     atomic_write_text(out / "study.md", text + "\n")
     print(text)

@@ -12,7 +12,7 @@
 #                beside dspark's loop on the same prompts (bench/llamacpp.py); never builds llama.cpp itself
 #   8 summary    runs/demo/README.md (plots linked) and a short version printed
 #
-#   bash scripts/demo.sh           about 50 minutes on 2 CPU cores
+#   bash scripts/demo.sh           about 45 minutes on 2 CPU cores
 #   bash scripts/demo.sh --quick   every stage at toy size (a first look; the end-to-end test), under 8 minutes
 #   bash scripts/demo.sh --long    four times the training budget, more prompts and tokens
 # Every stage resumes: a stage whose outputs are complete (named in timings.json) is skipped,
@@ -61,11 +61,11 @@ case "$MODE" in
     SAMPLES=1; MAXNEW=12; SCHED_SAMPLES=1; SCHED_MAXNEW=12
     SPS_B=1,2,4,8,16,32; SPS_REPEATS=1; SIM_R=1,4 ;;
   long)
-    OUT="$OUT-long"; EPOCHS=20; CAP_MIN=24
+    OUT="$OUT-long"; EPOCHS=80; CAP_MIN=24
     SAMPLES=8; MAXNEW=64; SCHED_SAMPLES=4; SCHED_MAXNEW=64
     SPS_B=1,2,4,8,16,32,64,128,256,512; SPS_REPEATS=20; SIM_R=1,4,16,64 ;;
   *)
-    EPOCHS=8; CAP_MIN=6
+    EPOCHS=20; CAP_MIN=5
     SAMPLES=4; MAXNEW=24; SCHED_SAMPLES=4; SCHED_MAXNEW=24
     SPS_B=1,2,4,8,16,32,64,128; SPS_REPEATS=20; SIM_R=1,4 ;;
 esac
@@ -73,7 +73,7 @@ DATA="$OUT/data"
 DS=config/dspark/dspark_smollm2_135m.py
 DF=config/dflash/dflash_smollm2_135m.py
 E3=config/eagle3/eagle3_smollm2_135m.py  # standard EAGLE-3 (3 of the cached layers)
-VOCAB_K=16384   # the draft vocabulary (k) of all three configs, counted once by `dspark vocab` (stage 2)
+VOCAB_K=8192    # the draft vocabulary (k) of all three configs, counted once by `dspark vocab` (stage 2)
 NAMES=(dspark_smollm2_135m dflash_smollm2_135m eagle3_smollm2_135m)
 SET_DATA="data.data_dir=$DATA"
 TIMINGS="$OUT/timings.json"

@@ -31,7 +31,7 @@ def _run_demo(out: Path) -> subprocess.CompletedProcess:
 def _expected_files(run: Path, policies: list[str]) -> list[Path]:
     names = ("dspark_smollm2_135m", "dflash_smollm2_135m", "eagle3_smollm2_135m")
     files = [run / "data" / "split.json", run / "data" / "cache-fp8" / "manifest.json",
-             run / "data" / "draft_vocab_16384.safetensors"]
+             run / "data" / "draft_vocab_8192.safetensors"]
     files += [run / n / "drafter" / "config.json" for n in names]
     files += [run / f"eval-T{t}" / n / f for t in ("1.0", "0.0") for n in names for f in ("report.json", "rounds.jsonl")]
     files += [run / "report-T1.0.md", run / "report-T0.0.md", run / "sps.json", run / "sps.png", run / "sts.json"]

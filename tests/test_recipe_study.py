@@ -47,11 +47,16 @@ def test_a_variants_overrides_win_over_the_pinned_recipe(study, tmp_path, monkey
     t = c.train
     assert (t.global_batch_size, t.micro_batch_size, t.epochs, c.data.num_anchors) == (2, 2, 5.0, 32)
     assert t.eval_every == 8  # not a lever: the same held-out looks as the base
-    # The demo config is the e8 recipe (held-out τ looked at less often).
-    e8 = _trained_config(study, tmp_path / "e8", monkeypatch, "e8")
+    assert c.drafter.block_size == 7  # pinned: not the demo config's γ
+    # The demo config is the g4v8 recipe.
+    g4v8 = _trained_config(study, tmp_path / "g4v8", monkeypatch, "g4v8")
     demo = load_config(ROOT / "config" / "dspark" / "dspark_smollm2_135m.py")
-    assert (demo.train.global_batch_size, demo.train.micro_batch_size, demo.train.epochs, demo.data.num_anchors) == (
-        e8.train.global_batch_size, e8.train.micro_batch_size, e8.train.epochs, e8.data.num_anchors) == (2, 2, 8.0, 32)
+
+    def recipe(c):
+        return (c.train.global_batch_size, c.train.micro_batch_size, c.train.epochs, c.train.eval_every,
+                c.data.num_anchors, c.drafter.block_size, c.drafter.draft_vocab_size)
+
+    assert recipe(demo) == recipe(g4v8) == (2, 2, 20.0, 32, 16, 4, 8192)
 
 
 def _evaluation(folder: Path, accepted: dict[int, list[int]]) -> None:
@@ -86,3 +91,34 @@ def test_paired_tau_ratio_against_the_baseline_and_its_table_cell(study, tmp_pat
     assert cells[0] == "mine" and cells[6] == f"1.143 [{paired['ci'][0]:.3f}, {paired['ci'][1]:.3f}]"
     assert cells[7] == "0.50/–/– (4/2/0)"
     assert [c.strip() for c in lines[3].split("|")[1:-1]][6] == "–"
+
+
+def test_one_variant_at_a_time_keeps_one_table_paired_against_the_current_baseline(study, tmp_path, monkeypatch):
+    """`--only NAME` adds its row to the rows an earlier call wrote under the same design, and every
+    row is re-paired against the baseline of the latest call; another design starts a new table."""
+    import dspark.evaluation.plots as plots
+
+    out = tmp_path / "study"
+    _evaluation(out / "mine" / "eval-T0.0", {0: [1, 0], 1: [3], 2: [0]})
+    _evaluation(out / "base" / "eval-T0.0", {0: [0], 1: [1], 2: [1, 1]})
+    for name in ("mine", "base"):
+        (out / name / "drafter").mkdir()
+        (out / name / "drafter" / "config.json").write_text("{}")  # trained: train() skips it
+    monkeypatch.setattr(study, "training_summary", lambda run: {"steps": 9, "minutes": 1.0, "heldout_tau_prob": 1.2})
+    monkeypatch.setattr(study, "benchmark_summary", lambda report: {
+        "tau": 2.0, "tau_ci": [1.5, 2.5], "cond_accept": [0.5, None, None], "cond_accept_den": [4, 2, 0]})
+    monkeypatch.setattr(plots, "plot_learning_curves", lambda *a, **k: None)
+    common = ["--out", str(out), "--variant", "mine=train.lr=2e-3"]
+
+    def rows():
+        return json.loads((out / "study.json").read_text())["results"]
+
+    assert study.main([*common, "--only", "mine", "--baseline", "mine"]) == 0
+    assert list(rows()) == ["mine"] and rows()["mine"]["bench"]["0.0"]["paired"] is None  # its own baseline
+    assert study.main([*common, "--only", "base", "--baseline", "base"]) == 0
+    kept = rows()
+    assert list(kept) == ["mine", "base"] and kept["base"]["bench"]["0.0"]["paired"] is None
+    assert kept["mine"]["bench"]["0.0"]["paired"]["ratio"] == pytest.approx(8 / 7)  # re-paired against base
+    assert "| mine |" in (out / "study.md").read_text() and "| base |" in (out / "study.md").read_text()
+    assert study.main([*common, "--only", "base", "--baseline", "base", "--minutes", "9"]) == 0
+    assert list(rows()) == ["base"]  # another cap: a new table

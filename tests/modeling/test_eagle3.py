@@ -387,7 +387,8 @@ def test_eagle3_of_gives_the_reference_recipe_and_standard_layer_ids():
         eagle3_of(dspark, "eagle3")
     smol = load_config(ROOT / "config" / "eagle3" / "eagle3_smollm2_135m.py")
     assert smol.drafter.eagle3_preset == "eagle3" and smol.drafter.target_layer_ids == [1, 14, 26]
-    assert smol.drafter.draft_vocab_size == 16384  # the standard preset's reduced vocabulary
+    assert smol.drafter.draft_vocab_size == 8192  # the standard preset's reduced vocabulary
+    assert smol.drafter.ttt_length == smol.drafter.block_size == 4  # it trains the steps it drafts
     for name in ("qwen3_4b", "qwen3_8b", "qwen3_14b", "gemma4_12b"):
         c = load_config(ROOT / "config" / "eagle3" / f"eagle3_{name}.py")
         assert c.drafter.variant == "eagle3" and c.drafter.eagle3_preset == "eagle3_deepspec"
