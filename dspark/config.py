@@ -318,7 +318,8 @@ def standard_eagle3_layer_ids(num_target_layers: int) -> list[int]:
 
 def eagle3_of(config: Config, preset: str = "eagle3_deepspec", num_target_layers: int | None = None) -> Config:
     """The Eagle3 baseline of a DSpark config (paper Section 4.1): the same target, data and optimiser, one
-    autoregressive draft layer trained by training-time test over 7 steps with step decay 0.8, CE only.
+    autoregressive draft layer trained by training-time test over the γ steps it drafts (the paper's
+    γ = 7: 7 steps) with step decay 0.8, CE only.
 
     preset "eagle3_deepspec" keeps the DSpark config's target layers (DeepSpec's variant, the
     paper's baseline); "eagle3" is the standard EAGLE-3 and fuses [1, N/2 − 1, N − 4], for which
@@ -333,7 +334,7 @@ def eagle3_of(config: Config, preset: str = "eagle3_deepspec", num_target_layers
         ids = standard_eagle3_layer_ids(num_target_layers)
     drafter = dataclasses.replace(
         config.drafter, variant="eagle3", eagle3_preset=preset, target_layer_ids=ids, num_draft_layers=1,
-        ttt_length=7, step_loss_decay=0.8, markov_rank=0, enable_confidence_head=False,
+        ttt_length=config.drafter.block_size, step_loss_decay=0.8, markov_rank=0, enable_confidence_head=False,
         confidence_head_with_markov=False, layer_family="",
     )
     loss = dataclasses.replace(config.loss, ce_weight=1.0, tv_weight=0.0, conf_weight=0.0)

@@ -13,14 +13,13 @@ config = Config(
         target_layer_ids=[1, 7, 14, 20, 26],  # over 30 layers; holds EAGLE-3's [1, 14, 26]: one cache
         mask_token_id=16,  # <empty_output>: a special token never used in chat
         num_draft_layers=2, intermediate_size=1024,  # CPU budget (the GPU recipes use 5 layers of the target's width)
-        block_size=4,  # γ = 4: positions past 4 are rarely reached at this level of training; steps and rounds are cheaper
+        block_size=4,  # γ = 4: cheaper steps and rounds; positions past 4 are rarely reached at this level
         markov_rank=64,  # a V×r + r×k head stays small at V = 49,152
         draft_vocab_size=8192,  # counted by `dspark vocab` (or `train` when missing): docs/configs.md
         attn_implementation="sdpa",
         layer_family="qwen3",  # Qwen3 layers (q/k norms): what vLLM, SGLang and DeepSpec load (`dspark export`)
     ),
-    # fp8 cache: half of bf16's disk, same τ. γ = 4, k = 8,192, 16 anchors, batch 2, 20 epochs: on 2 cores
-    # the most τ per training minute measured (bench/recipe_study.py, variant g4v8).
+    # fp8 cache: half of bf16's disk, same τ. γ 4, k 8,192, 16 anchors, batch 2, 20 epochs: bench/recipe_study.py's g4v8
     data=DataConfig(train_prompts="builtin", max_length=768, num_anchors=16, cache_precision="fp8"),
     generation=GenerationConfig(max_new_tokens=192, backend="transformers"),
     loss=LossConfig(chunk_rows=32),

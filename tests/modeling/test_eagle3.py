@@ -381,6 +381,7 @@ def test_eagle3_of_gives_the_reference_recipe_and_standard_layer_ids():
     d = deepspec.drafter
     assert (d.variant, d.num_draft_layers, d.ttt_length, d.step_loss_decay) == ("eagle3", 1, 7, 0.8)
     assert d.target_layer_ids == [1, 9, 17, 25, 33] and deepspec.loss.ce_weight == 1.0 and deepspec.loss.tv_weight == 0
+    assert eagle3_of(set_values(dspark, {"drafter.block_size": 4}), "eagle3_deepspec").drafter.ttt_length == 4  # = γ
     assert eagle3_of(dspark, "eagle3", num_target_layers=36).drafter.target_layer_ids == [1, 17, 32]
     assert standard_eagle3_layer_ids(30) == [1, 14, 26]
     with pytest.raises(ValueError, match="num_target_layers"):
@@ -400,7 +401,8 @@ def _eagle3_trainer(target, out_dir, samples, **train):
     from dspark.training.trainer import Trainer
 
     config = eagle3_of(tiny_config(target, str(out_dir), **train), "eagle3_deepspec")
-    config = dataclasses.replace(config, drafter=dataclasses.replace(config.drafter, block_size=3))
+    # drafts 3, trains a training-time test of 7 steps: the two lengths are independent
+    config = dataclasses.replace(config, drafter=dataclasses.replace(config.drafter, block_size=3, ttt_length=7))
     drafter = build_drafter(config, target)
     return Trainer(config, target, drafter, RenderedSource(samples), progress=False)
 
