@@ -14,7 +14,7 @@
 #
 #   bash scripts/demo.sh           about 45 minutes on 2 CPU cores
 #   bash scripts/demo.sh --quick   every stage at toy size (a first look; the end-to-end test), under 8 minutes
-#   bash scripts/demo.sh --long    twice the epochs and the cap, more prompts and tokens (about 2 hours)
+#   bash scripts/demo.sh --long    twice the epochs under a 12-minute cap, more prompts and tokens (about 2 hours)
 # Every stage resumes: a stage whose outputs are complete (named in timings.json) is skipped,
 # training continues from its last checkpoint. Delete a stage's entry in timings.json to rerun it.
 source "$(dirname "$0")/setup_env.sh"
