@@ -124,8 +124,9 @@ def add_config_flags(p: argparse.ArgumentParser, command: str) -> None:
     p.add_argument("--config", default=None, metavar="FILE",
                    help="a config file (config/*/*.py) or the config.json a run wrote; default: the defaults "
                         "(the Qwen3-4B DSpark recipe)")
-    p.add_argument("--set", dest="overrides", nargs="*", default=[], metavar="KEY=VALUE",
-                   help="override config fields, e.g. --set train.lr=3e-4 drafter.block_size=8")
+    p.add_argument("--set", dest="overrides", nargs="*", action="extend", default=[], metavar="KEY=VALUE",
+                   help="override config fields, e.g. --set train.lr=3e-4 drafter.block_size=8; repeated --set "
+                        "flags add up, a later value of the same key wins")
     for name, key in COMMANDS[command][1].items():
         flag = FLAGS[name]
         text = argparse.SUPPRESS if flag.replaced_by else f"{flag.help} [{key}]"

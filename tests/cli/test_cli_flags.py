@@ -67,6 +67,13 @@ def test_set_is_applied_after_the_flags():
     assert c.eval.temperature == 0.7
 
 
+def test_repeated_set_flags_add_up_and_the_last_value_of_a_key_wins():
+    c = _config(["prepare", "--set", "data.data_dir=d1", "seed=3", "--set", "data.train_prompts=builtin+self:4",
+                 "--set", "data.data_dir=d2"])
+    assert (c.data.data_dir, c.data.train_prompts, c.seed) == ("d2", "builtin+self:4", 3)
+    assert _config(["prepare"]).data.data_dir == Config().data.data_dir  # the default list is not shared
+
+
 def test_a_bad_flag_value_names_the_field():
     with pytest.raises(ValueError, match="eval.num_samples expects an integer"):
         _config(["eval", "--num-samples", "two"])
