@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import random
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -78,6 +79,17 @@ def self_written_prompts(config: Config, target: Any, *, progress: bool = True) 
     path = data_dir(config) / "self_prompts.json"
     written = S.load_self_prompts(path, settings, eval_prompts)
     if written is None:
+        unchecked = [name for name in config.eval.benchmarks if name not in eval_prompts]
+        if unchecked:
+            from dspark.data.benchmarks import EVAL_DATA_ENV, eval_data_folder
+
+            warnings.warn(
+                f"data.train_prompts={config.data.train_prompts!r}: the self-written prompts are checked against "
+                f"the built-in evaluation sets only, not against benchmark(s) {unchecked}: no <name>.jsonl in "
+                f"{str(eval_data_folder(config.eval.data_dir))!r}. Set eval.data_dir (or ${EVAL_DATA_ENV}) to the "
+                "benchmark folder you will evaluate on, so that none of its prompts can enter training.",
+                UserWarning, stacklevel=2,
+            )
         written = S.generate_self_prompts(target.model, target.tokenizer, settings, eval_prompts, progress=progress)
         S.save_self_prompts(path, written, settings)
     return written

@@ -10,6 +10,7 @@ test is about what happens to a text; one test samples a tiny random Llama for d
 from __future__ import annotations
 
 import json
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -321,7 +322,9 @@ def test_prepare_puts_self_prompts_through_the_split_after_the_eval_filter(chatm
     )
     validate(config)
     target = SimpleNamespace(model=None, tokenizer=chatml)
-    result = prepare(config, target, build_cache=False, progress=False)
+    with pytest.warns(UserWarning, match=r"not against benchmark\(s\) \['math500', .*'arena-hard-v2'\]") as seen:
+        result = prepare(config, target, build_cache=False, progress=False)
+    assert "'gsm8k'" not in str(seen[0].message) and str(bench) in str(seen[0].message)
 
     rows = [json.loads(line) for line in result.responses.read_text().splitlines()]
     assert [r["id"] for r in rows][5:] == ["self-000000", "self-000001", "self-000002"]
@@ -341,3 +344,21 @@ def test_prepare_puts_self_prompts_through_the_split_after_the_eval_filter(chatm
     monkeypatch.setattr(S, "sample_user_turns", no_sampling)
     again = prepare(config, target, build_cache=False, progress=False)
     assert again.stats["split"]["self_prompts"] == split["self_prompts"]
+
+
+def test_prepare_writes_self_prompts_silently_when_every_benchmark_is_checked(chatml, monkeypatch, tmp_path):
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    (bench / "gsm8k.jsonl").write_text(json.dumps({"turns": [BENCHMARK_PROMPT]}) + "\n")
+    monkeypatch.setattr(S, "sample_user_turns", scripted_sampler(FRESH))
+    monkeypatch.setattr(prepare_module, "make_backend", lambda config, target: AnsweringBackend())
+    config = Config(
+        out_dir=str(tmp_path / "run"), seed=3,
+        data=DataConfig(train_prompts="builtin+self:2", max_samples=2, holdout_fraction=0.5, min_loss_tokens=1),
+        generation=GenerationConfig(batch_size=4), eval=EvalConfig(data_dir=str(bench), benchmarks=["gsm8k"]),
+    )
+    validate(config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        result = prepare(config, SimpleNamespace(model=None, tokenizer=chatml), build_cache=False, progress=False)
+    assert result.stats["split"]["self_prompts"]["eval_prompts"]["gsm8k"] == 1
