@@ -21,6 +21,10 @@ Run (after `bash scripts/demo.sh` has prepared runs/demo/data, or any `dspark pr
     python bench/recipe_study.py --data runs/demo/data --out runs/study --minutes 4.5
     python bench/recipe_study.py --only base init_spread --variant mine=train.lr=2e-3
 
+A variant may train on other data: `--variant more=data.data_dir=FOLDER,train.epochs=28` (a folder
+written by `dspark prepare --set data.train_prompts=builtin+self:400 ...`) compares a data lever on
+the same benchmark requests.
+
 Runs resume: a trained variant (drafter/config.json present) is not trained again, an evaluated
 one (report.json present) not evaluated again; delete a variant's folder to redo it.
 """
