@@ -16,6 +16,11 @@ comparing the two separate intervals; a ratio interval above 1 is a win. The hel
 first and is the cheaper signal, the benchmark columns are the ones that count (out of the training
 distribution).
 
+The study ranks variants on the dev prompts of each benchmark only: every evaluation runs with
+`--split dev` (dspark.data.benchmarks.split_prompts). Dev and test never share a prompt, so the recipe
+chosen here is reported with `dspark eval --split test` on prompts the choice never saw; `--split`
+refuses any other part.
+
 Run (after `bash scripts/demo.sh` has prepared runs/demo/data, or any `dspark prepare` folder):
 
     python bench/recipe_study.py --data runs/demo/data --out runs/study --minutes 4.5
@@ -93,13 +98,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--target", default="smollm2-135m")
     p.add_argument("--eval-data", default=os.environ.get("DSPARK_EVAL_DATA", ""),
                    help="benchmark folder (default $DSPARK_EVAL_DATA; empty: the built-in prompts)")
-    p.add_argument("--num-samples", type=int, default=4)
+    p.add_argument("--num-samples", type=int, default=4, help="prompts per benchmark, drawn from its dev part")
+    p.add_argument("--split", default="dev", help="the benchmark prompts evaluated: dev, the only one a study reads")
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--temperatures", nargs="+", type=float, default=[0.0])
     p.add_argument("--baseline", default="base",
                    help="the variant every other one is paired against (its run must be in --out)")
     p.add_argument("--figure", default="", help="PNG of held-out τ_prob against minutes (default OUT/curves.png)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.split != "dev":
+        raise SystemExit(f"--split {args.split}: a study chooses recipes on the dev prompts and results are "
+                         "reported on test, so a study reads dev only; drop --split (evaluate the chosen recipe "
+                         "with `dspark eval --split test`)")
+    return args
 
 
 def variants_of(args: argparse.Namespace) -> dict[str, list[str]]:
@@ -142,10 +153,15 @@ def evaluate(args, run: Path, temperature: float) -> dict:
     out = run / f"eval-T{temperature}"
     if not (out / "report.json").exists():
         data = ["--data-dir", args.eval_data] if args.eval_data else ["--builtin-eval"]
-        _dspark("eval", "--target", args.target, *data, "--num-samples", str(args.num_samples),
+        _dspark("eval", "--target", args.target, *data, "--split", args.split, "--num-samples", str(args.num_samples),
                 "--max-new-tokens", str(args.max_new_tokens), "--draft", str(run / "drafter"),
                 "--temperature", str(temperature), "--no-baseline", "--label", run.name, "--out", str(out))
-    return json.loads((out / "report.json").read_text())
+    report = json.loads((out / "report.json").read_text())
+    split = report.get("config", {}).get("split", "all")
+    if split != args.split:
+        raise SystemExit(f"{out} holds an evaluation of the {split!r} prompts, not {args.split!r}; delete that "
+                         "folder to evaluate the variant on dev (its trained drafter is kept)")
+    return report
 
 
 def training_summary(run: Path) -> dict:
@@ -205,8 +221,8 @@ def table(results: dict[str, dict], temperatures: list[float], baseline: str = "
 
 def design(args: argparse.Namespace) -> dict:
     """What makes two variants' rows comparable: the cap, the config, the data and the evaluation."""
-    return {"minutes_cap": args.minutes, "config": args.config, "data": args.data, "num_samples": args.num_samples,
-            "max_new_tokens": args.max_new_tokens}
+    return {"minutes_cap": args.minutes, "config": args.config, "data": args.data, "split": args.split,
+            "num_samples": args.num_samples, "max_new_tokens": args.max_new_tokens}
 
 
 def previous_results(out: Path, args: argparse.Namespace) -> dict[str, dict]:

@@ -106,6 +106,9 @@ class DataConfig:
     # "soft" (the target's probabilities summed over supervised positions), "hard+soft" (hard counts
     # first, topped up from soft ones).
     vocab_counts: str = "hard+soft"
+    # "+self:N" checks the self-written prompts against every benchmark of eval.benchmarks and refuses to
+    # start when a benchmark file is missing; benchmarks named here may be missing (their prompts unchecked)
+    self_prompts_unchecked: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -176,6 +179,9 @@ class EvalConfig:
     benchmarks: list[str] = field(default_factory=lambda: [
         "gsm8k", "math500", "aime25", "humaneval", "mbpp", "livecodebench", "mt-bench", "alpaca", "arena-hard-v2"])
     num_samples: int = 0  # prompts per benchmark; 0 = the protocol counts (dspark.data.benchmarks)
+    # which prompts of each benchmark: "all" (the whole file, DeepSpec's subsets), "dev" (tuning and
+    # studies) or "test" (reported results); dev and test never share a prompt (dspark.data.benchmarks)
+    split: str = "all"
     max_new_tokens: int = 2048
     temperature: float = 1.0  # 0 = greedy
     seed: int = 980406  # prompt subset and random draws; DeepSpec's default, so both tools pick the same prompts
@@ -357,6 +363,7 @@ _CHOICES = {
     "data.feature_mode": ("cache", "online"),
     "data.cache_precision": ("fp8", "bf16", "fp32"),
     "data.vocab_counts": ("hard", "soft", "hard+soft"),
+    "eval.split": ("all", "dev", "test"),
     "generation.backend": ("transformers", "openai"),
     "train.mixed_precision": ("auto", "bf16", "no"),
     "train.distributed": ("ddp", "fsdp"),

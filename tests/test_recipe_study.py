@@ -59,9 +59,42 @@ def test_a_variants_overrides_win_over_the_pinned_recipe(study, tmp_path, monkey
     assert recipe(demo) == recipe(g4v8) == (2, 2, 20.0, 32, 16, 4, 8192)
 
 
+def test_every_evaluation_of_a_study_reads_the_dev_prompts(study, tmp_path, monkeypatch):
+    calls = []
+
+    def dspark(*cli):
+        calls.append(cli)
+        out = Path(cli[cli.index("--out") + 1])
+        out.mkdir(parents=True)
+        (out / "report.json").write_text(json.dumps({"config": {"split": cli[cli.index("--split") + 1]}}))
+
+    monkeypatch.setattr(study, "_dspark", dspark)
+    args = study.parse_args(["--out", str(tmp_path / "study")])
+    assert args.split == "dev" and study.design(args)["split"] == "dev"
+    study.evaluate(args, tmp_path / "study" / "base", 0.0)
+    (cli,) = calls
+    assert cli[0] == "eval" and cli[cli.index("--split") + 1] == "dev"
+
+
+@pytest.mark.parametrize("split", ["test", "all"])
+def test_a_study_refuses_any_split_but_dev(study, split):
+    with pytest.raises(SystemExit, match=r"chooses recipes on the dev prompts and results are reported on test"):
+        study.parse_args(["--split", split])
+
+
+def test_an_evaluation_of_other_prompts_is_not_reused(study, tmp_path):
+    """A variant's report.json from before the study read dev only (no split recorded: all) is refused."""
+    out = tmp_path / "study" / "base" / "eval-T0.0"
+    out.mkdir(parents=True)
+    (out / "report.json").write_text(json.dumps({"gamma": 3}))
+    with pytest.raises(SystemExit, match=r"'all' prompts, not 'dev'; delete that folder"):
+        study.evaluate(study.parse_args(["--out", str(tmp_path / "study")]), tmp_path / "study" / "base", 0.0)
+
+
 def _evaluation(folder: Path, accepted: dict[int, list[int]]) -> None:
     folder.mkdir(parents=True)
-    (folder / "report.json").write_text(json.dumps({"gamma": 3, "bootstrap": {"resamples": 200, "seed": 0}}))
+    (folder / "report.json").write_text(json.dumps({"gamma": 3, "bootstrap": {"resamples": 200, "seed": 0},
+                                                    "config": {"split": "dev"}}))
     (folder / "requests.jsonl").write_text("".join(
         json.dumps({"benchmark": "gsm8k", "request": r, "prompt_tokens": 10, "tokens": 10, "wall_s": 1.0}) + "\n"
         for r in accepted))

@@ -40,6 +40,8 @@ FLAGS: dict[str, Flag] = {
     "--builtin-eval": Flag("use the built-in evaluation prompts instead of benchmark files", kind="true"),
     "--num-samples": Flag("prompts per benchmark (0: the protocol's count of each benchmark)"),
     "--num-prompts": Flag("prompts per benchmark (seeded subset)"),
+    "--split": Flag("which prompts of each benchmark: all (the whole file, DeepSpec's subsets), dev (tuning) "
+                    "or test (reported results)"),
     "--max-new-tokens": Flag("the most tokens generated per request"),
     "--temperature": Flag("sampling temperature (0 = greedy)"),
     "--block-size": Flag("override the drafter's γ (0: the drafter's own)"),
@@ -82,8 +84,8 @@ FLAGS: dict[str, Flag] = {
 _MODEL = {"--target": "target.name_or_path", "--device": "target.device", "--dtype": "target.dtype",
           "--threads": "threads", "--trust-remote-code": "target.trust_remote_code"}
 _PROMPTS = {"--data-dir": "eval.data_dir", "--benchmarks": "eval.benchmarks", "--builtin-eval": "eval.builtin_prompts",
-            "--temperature": "eval.temperature", "--seed": "eval.seed", "--block-size": "eval.block_size",
-            "--draft": "eval.draft", "--sts": "serve.sts", "--sps": "serve.sps"}
+            "--split": "eval.split", "--temperature": "eval.temperature", "--seed": "eval.seed",
+            "--block-size": "eval.block_size", "--draft": "eval.draft", "--sts": "serve.sts", "--sps": "serve.sps"}
 
 # command -> (help, {flag: config key})
 COMMANDS: dict[str, tuple[str, dict[str, str]]] = {

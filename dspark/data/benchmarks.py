@@ -6,27 +6,64 @@ header and the number of requests drawn. ``BENCHMARKS``, ``DOMAINS``,
 
 A benchmark is a ``<name>.jsonl`` file of ``{"turns": [...]}`` lines (see
 eval_datasets/README.md), or a list of conversations given in memory (the
-built-in evaluation prompts). Each is reduced to its first user turn and to a
-seeded subset of ``num_samples`` prompts (``seeded_subset``, DeepSpec's rule:
-a ``random.Random(seed)`` shuffle, then the first N; for files and lists
-alike), so that the same seed evaluates the same prompts here and in DeepSpec.
+built-in evaluation prompts). Each is reduced to its first user turn, to one
+part of it (``split_prompts``: ``SPLITS``, below) and to a seeded subset of
+``num_samples`` prompts of that part (``seeded_subset``, DeepSpec's rule: a
+``random.Random(seed)`` shuffle, then the first N; for files and lists alike),
+so that the same seed evaluates the same prompts here and in DeepSpec.
+
+Dev and test (``split_prompts``, ``SPLITS``, ``SPLIT_SEED``, ``DEV_SIZE``). Choosing
+hyperparameters on the prompts whose results are reported inflates those results,
+so every benchmark is cut once, by a rule no evaluation setting can move:
+
+- ``"all"`` (the default): the whole benchmark, ``seeded_subset(items, num_samples, seed)``,
+  DeepSpec's subsets.
+- ``"dev"``: the benchmark's N prompts are shuffled with the fixed seed ``SPLIT_SEED``
+  (``DEEPSPEC_EVAL_SEED``, whatever ``eval.seed`` is), and dev is the first
+  ``d = min(DEV_SIZE, N // 2)`` of that shuffle. Studies and any tuning read dev.
+- ``"test"``: the rest of that shuffle, less every prompt whose text (first user turn,
+  compared after ``.strip()``) equals a dev prompt's, so that a line repeated in a file
+  cannot sit on both sides. Reported results read test.
+
+Each part keeps its prompts in file order and is then drawn from like a smaller file:
+``seeded_subset(part, num_samples, seed)`` with the evaluation's own seed. Neither the
+seed nor the count can carry a prompt across the cut. Because ``seeded_subset`` with
+seed ``DEEPSPEC_EVAL_SEED`` shuffles exactly as the cut does, dev holds the first 8
+prompts of the default ``"all"`` draw (``seeded_subset(items, 8, DEEPSPEC_EVAL_SEED)``:
+what a default evaluation of up to 8 prompts per benchmark decodes, the prompts recipe
+studies chose on) and test holds none of them: every benchmark file has at least 30
+prompts, so d >= 15. The built-in evaluation sets (a few prompts per domain) follow the
+same rule, with d = N // 2.
 """
 
 from __future__ import annotations
 
 import os
+import random
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, TypeVar, Union
 
-from dspark.data.prompts import BUILTIN_PREFIX, Conversation, load_eval_benchmark, seeded_subset
+from dspark.data.prompts import (
+    BUILTIN_PREFIX,
+    DEEPSPEC_EVAL_SEED,
+    Conversation,
+    load_eval_benchmark,
+    seeded_subset,
+)
 
 PathLike = Union[str, os.PathLike]
 BUILD_HINT = "python eval_datasets/make_benchmarks.py --out {dir}"
 DEFAULT_EVAL_DATA = "eval_datasets"  # the default of EvalConfig.data_dir
 EVAL_DATA_ENV = "DSPARK_EVAL_DATA"  # names the benchmark folder when data_dir is left at its default
+
+T = TypeVar("T")
+
+SPLITS: tuple[str, ...] = ("all", "dev", "test")  # the choices of eval.split (see the module docstring)
+SPLIT_SEED = DEEPSPEC_EVAL_SEED  # the shuffle that cuts dev from test; fixed, not eval.seed
+DEV_SIZE = 16  # the most prompts of one benchmark that dev holds (d = min(DEV_SIZE, N // 2))
 
 
 def eval_data_folder(data_dir: PathLike = DEFAULT_EVAL_DATA) -> Path:
@@ -139,8 +176,8 @@ def samples_per_benchmark(
 
     None or 0: the protocol counts of ``BENCHMARK_TABLE`` (all prompts for names
     outside the nine); an int: that many from every benchmark; a mapping: per name, the
-    protocol count for names it omits. A count above a file's size takes the
-    whole file."""
+    protocol count for names it omits. A count above the size of a file (or of its
+    dev or test part) takes all of it."""
     def check(value: Any, where: str) -> int:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"num_samples{where} must be an int >= 0 (0 = the benchmark's default count), got {value!r}")
@@ -156,20 +193,57 @@ def samples_per_benchmark(
     return out
 
 
-def load_prompts(source: Path | list[Conversation], num_samples: int | None, seed: int) -> list[Conversation]:
-    """First-user-turn prompts of a benchmark file or an in-memory list, as a seeded subset.
+def first_user_text(conversation: Conversation) -> str:
+    """The content of a conversation's first user message: what ``split_prompts`` compares."""
+    first = next((m for m in conversation if m.get("role") == "user"), None)
+    if first is None:
+        raise ValueError(f"a prompt has no user message: {conversation!r:.120}")
+    return first["content"]
 
-    In-memory lists follow ``load_eval_benchmark``'s rule (``seeded_subset``),
-    so a list and a file of the same prompts give the same subset."""
+
+def split_prompts(
+    items: Sequence[T], split: str, num_samples: int | None, seed: int,
+    text: Callable[[T], str] = first_user_text,
+) -> list[T]:
+    """``num_samples`` of the ``split`` part of a benchmark's ``items`` (the rule: the module docstring).
+
+    ``split``: "all" (``seeded_subset(items, num_samples, seed)``), "dev" (the first
+    ``min(DEV_SIZE, N // 2)`` items of a ``random.Random(SPLIT_SEED)`` shuffle) or "test"
+    (the rest, less the items whose ``text(item).strip()`` equals a dev item's). A part keeps
+    file order and is drawn from with ``seeded_subset(part, num_samples, seed)``; None takes
+    all of it. ``text`` maps an item to its prompt text (default: the first user turn)."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS} (eval.split, --split), got {split!r}")
+    if split == "all":
+        return seeded_subset(items, num_samples, seed)
+    order = list(range(len(items)))
+    random.Random(SPLIT_SEED).shuffle(order)
+    d = min(DEV_SIZE, len(items) // 2)
+    if split == "dev":
+        part = sorted(order[:d])
+    else:
+        dev_texts = {text(items[i]).strip() for i in order[:d]}
+        part = sorted(i for i in order[d:] if text(items[i]).strip() not in dev_texts)
+    return seeded_subset([items[i] for i in part], num_samples, seed)
+
+
+def load_prompts(
+    source: Path | list[Conversation], num_samples: int | None, seed: int, split: str = "all"
+) -> list[Conversation]:
+    """First-user-turn prompts of a benchmark file or an in-memory list: ``num_samples`` of
+    its ``split`` part (``split_prompts``).
+
+    In-memory lists follow ``load_eval_benchmark``'s rule, so a list and a file of the
+    same prompts give the same subset."""
     if isinstance(source, Path):
-        return load_eval_benchmark(source, num_samples, seed)
+        return load_eval_benchmark(source, num_samples, seed, split)
     prompts = []
     for index, conversation in enumerate(source):
         first = next((m for m in conversation if m.get("role") == "user"), None)
         if first is None:
             raise ValueError(f"in-memory prompt {index} has no user message: {conversation!r:.120}")
         prompts.append([{"role": "user", "content": first["content"]}])
-    return seeded_subset(prompts, num_samples, seed)
+    return split_prompts(prompts, split, num_samples, seed)
 
 
 def load_benchmark_prompts(
@@ -177,9 +251,11 @@ def load_benchmark_prompts(
     names: Sequence[str] | None = None,
     num_samples: int | Mapping[str, int] | None = None,
     seed: int = 0,
+    split: str = "all",
 ) -> dict[str, list[Conversation]]:
-    """The first-user-turn prompts ``evaluate`` would decode: name -> seeded subset
-    (``resolve_benchmarks``, ``samples_per_benchmark``; missing files are skipped with a warning)."""
+    """The first-user-turn prompts ``evaluate`` would decode: name -> seeded subset of the
+    ``split`` part (``resolve_benchmarks``, ``samples_per_benchmark``, ``split_prompts``;
+    missing files are skipped with a warning)."""
     files, _ = resolve_benchmarks(benchmarks, names)
     counts = samples_per_benchmark(list(files), num_samples)
-    return {name: load_prompts(source, counts[name], seed) for name, source in files.items()}
+    return {name: load_prompts(source, counts[name], seed, split) for name, source in files.items()}

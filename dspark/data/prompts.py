@@ -14,8 +14,8 @@ itself, so what the loaders below hand over is usually passed through
 - :func:`load_builtin_prompts`: the small prompt set shipped with the package
   (``dspark/data/builtin/``), for smoke tests and demos.
 - :func:`load_eval_benchmark`: the benchmark files of the evaluation protocol
-  (``dspark.data.benchmarks``; first user turn, seeded subset drawn by
-  :func:`seeded_subset`, DeepSpec's rule).
+  (``dspark.data.benchmarks``; first user turn, the dev or test part or all of it,
+  seeded subset drawn by :func:`seeded_subset`, DeepSpec's rule).
 """
 
 from __future__ import annotations
@@ -247,16 +247,19 @@ def builtin_prompt_records() -> list[tuple[str, str, Conversation]]:
 
 
 def load_eval_benchmark(
-    path: str | Path, num_samples: int | None = None, seed: int = 0
+    path: str | Path, num_samples: int | None = None, seed: int = 0, split: str = "all"
 ) -> list[Conversation]:
     """First-user-turn prompts of a benchmark file (``{"turns": [...]}`` per line).
 
-    With ``num_samples`` smaller than the file, the subset is
-    ``seeded_subset(prompts, num_samples, seed)`` (DeepSpec's rule, so a
-    (file, size, seed) triple names the same prompts, in the same order, in
-    both tools). Otherwise every prompt is returned in file order (the alpaca
+    ``split`` picks the part of the file: "all" (the default), "dev" or "test"
+    (``dspark.data.benchmarks.split_prompts``). With ``num_samples`` smaller than the
+    part, the subset is ``seeded_subset(part, num_samples, seed)`` (DeepSpec's rule, so
+    with "all" a (file, size, seed) triple names the same prompts, in the same order, in
+    both tools). Otherwise every prompt of the part is returned in file order (the alpaca
     file holds fewer prompts than the protocol's 500).
     """
+    from dspark.data.benchmarks import split_prompts  # the split rule lives with the benchmarks, which import us
+
     if num_samples is not None and num_samples < 0:
         raise ValueError(f"num_samples must be >= 0 or None, got {num_samples}")
     prompts = []
@@ -265,7 +268,7 @@ def load_eval_benchmark(
         if not isinstance(turns, list) or not turns or not isinstance(turns[0], str):
             raise ValueError(f"{path}:{lineno}: expected {{\"turns\": [\"user message\", ...]}}")
         prompts.append([{"role": "user", "content": turns[0]}])
-    return seeded_subset(prompts, num_samples, seed)
+    return split_prompts(prompts, split, num_samples, seed)
 
 
 def seeded_subset(items: Sequence[T], num_samples: int | None, seed: int) -> list[T]:

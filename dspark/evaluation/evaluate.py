@@ -1,7 +1,8 @@
 """The evaluation recipe: accepted length, acceptance and confidence quality on the nine benchmarks.
 
 ``evaluate`` runs speculative decoding on a seeded subset of every benchmark
-file (first user turn, chat template with thinking off), optionally the
+file, or of its dev or test part (``split``: ``dspark.data.benchmarks.split_prompts``;
+first user turn, chat template with thinking off), optionally the
 target alone on the same prompts for the wall-clock speedup, and returns a
 report (``dspark.evaluation.report.build_report``); with ``out_dir`` it also writes
 rounds.jsonl (one line per draft/verify round: the log that STS and the
@@ -165,6 +166,7 @@ def evaluate(
     serving: ServeSettings = ServeSettings(),
     names: Sequence[str] | None = None,
     num_samples: int | Mapping[str, int] | None = None,
+    split: str = "all",
     baseline: bool = True,
     tokenizer: Any = None,
     label: str | None = None,
@@ -187,7 +189,9 @@ def evaluate(
             table, the requests decoded in lockstep, and the STS temperatures (the
             report then also holds the calibrated confidence quality).
         num_samples: requests per benchmark (see ``samples_per_benchmark``);
-            each is a seeded subset (``load_eval_benchmark(path, n, seed)``).
+            each is a seeded subset (``load_eval_benchmark(path, n, seed, split)``).
+        split: which prompts of each benchmark: "all" (DeepSpec's subsets), "dev" (tuning)
+            or "test" (reported results); ``dspark.data.benchmarks.split_prompts``.
         baseline: also decode every prompt with the target alone, for the speedup.
         tokenizer: chat template and tokenizer (default ``target.tokenizer``).
         label: the row name in Table 1 (default from the drafter's variant).
@@ -204,8 +208,8 @@ def evaluate(
     files, skipped = resolve_benchmarks(benchmarks, names)
     counts = samples_per_benchmark(list(files), num_samples)
     started = time.perf_counter()
-    prompts = {name: load_prompts(source, counts[name], state.decoding.seed) for name, source in files.items()}
-    settings = _settings(state, label or _default_label(drafter), files, counts, skipped, run_config)
+    prompts = {name: load_prompts(source, counts[name], state.decoding.seed, split) for name, source in files.items()}
+    settings = _settings(state, label or _default_label(drafter), files, counts, split, skipped, run_config)
     journal, done = None, Done()
     if out_dir is not None:
         journal, done = EvalJournal.open(out_dir, settings, resume=resume, rank=state.rank, world=state.world,
@@ -220,10 +224,11 @@ def evaluate(
 
 
 def _settings(state: _Evaluation, label: str, files: Mapping[str, Path | list[Conversation]],
-              counts: Mapping[str, int | None], skipped: Sequence[str], run_config: Any) -> dict[str, Any]:
+              counts: Mapping[str, int | None], split: str, skipped: Sequence[str],
+              run_config: Any) -> dict[str, Any]:
     """What settings.json holds: everything ``report_from_rows`` needs besides the rows."""
     s, gamma = state.serving, _gamma_of(state.drafter)
-    return {"label": label, "gamma": gamma, "config": _run_settings(state, gamma, files, counts, run_config),
+    return {"label": label, "gamma": gamma, "config": _run_settings(state, gamma, files, counts, split, run_config),
             "skipped": list(skipped), "temperatures": None if state.temps is None else state.temps.tolist(),
             "policy": None if s.policy is None else _policy_name(s.policy),
             "sps_step_s": None if s.sps is None else 1.0 / float(s.sps(1))}
@@ -289,7 +294,7 @@ def evaluate_from_config(target: Any, drafter: Any, config: Any, **overrides: An
 
         benchmarks, names = builtin_eval_sets(), None
     options: dict[str, Any] = dict(
-        names=names, num_samples=e.num_samples or None,
+        names=names, num_samples=e.num_samples or None, split=e.split,
         decoding=DecodeSettings(max_new_tokens=e.max_new_tokens, temperature=e.temperature, seed=e.seed),
         serving=ServeSettings(policy=policy, sps=s.sps or None, concurrency=s.concurrency,
                               sts_temperatures=s.sts or None),
@@ -312,7 +317,7 @@ def check_eval_inputs(config: Any) -> None:
     e = config.eval
     _one_policy(config.serve.policy)
     if not e.builtin_prompts:
-        load_benchmark_prompts(e.data_dir, list(e.benchmarks), e.num_samples or None, e.seed)
+        load_benchmark_prompts(e.data_dir, list(e.benchmarks), e.num_samples or None, e.seed, e.split)
     if e.draft:
         folder, _ = locate_drafter(e.draft)
         d = read_json(folder / "config.json")
@@ -565,7 +570,7 @@ def _scheduled_records(state: _Evaluation, sim: SimResult, jobs: list[Job], roun
 
 
 def _run_settings(state: _Evaluation, gamma: int, files: Mapping[str, Path | list[Conversation]],
-                  counts: Mapping[str, int | None], run_config: Any) -> dict[str, Any]:
+                  counts: Mapping[str, int | None], split: str, run_config: Any) -> dict[str, Any]:
     """``report["config"]``: what was evaluated, and how."""
     d, s = state.decoding, state.serving
     return {
@@ -575,6 +580,7 @@ def _run_settings(state: _Evaluation, gamma: int, files: Mapping[str, Path | lis
         "benchmarks": {n: str(p) if isinstance(p, Path) else f"<{len(p)} prompts in memory>"
                        for n, p in files.items()},
         "num_samples": dict(counts),
+        "split": split,  # which prompts of each benchmark: all, dev or test (dspark.data.benchmarks)
         "max_new_tokens": d.max_new_tokens,
         "temperature": float(d.temperature),
         "seed": d.seed,

@@ -265,6 +265,7 @@ def _settings_lines(report: Mapping[str, Any]) -> list[str]:
         f"target `{cfg.get('target')}` ({cfg.get('dtype', 'dtype not recorded')}), γ = {int(report['gamma'])}, "
         f"T = {cfg.get('temperature')}, "
         f"max_new_tokens = {cfg.get('max_new_tokens')}, seed = {cfg.get('seed')}, "
+        f"split = {cfg.get('split', 'all')}, "
         f"scheduler = {cfg.get('scheduler') or 'off (ℓ = γ)'}, ranks = {cfg.get('world_size', 1)}.",
     ]
     if report.get("skipped"):

@@ -167,9 +167,9 @@ def _simulation_prompts(config: Config, tokenizer: Any) -> tuple[dict[str, list[
     if e.builtin_prompts:
         from dspark.data.prompts import builtin_eval_sets
 
-        sets = load_benchmark_prompts(builtin_eval_sets(), None, s.num_prompts or None, e.seed)
+        sets = load_benchmark_prompts(builtin_eval_sets(), None, s.num_prompts or None, e.seed, split=e.split)
     else:
-        sets = load_benchmark_prompts(e.data_dir, list(e.benchmarks), s.num_prompts or None, e.seed)
+        sets = load_benchmark_prompts(e.data_dir, list(e.benchmarks), s.num_prompts or None, e.seed, split=e.split)
     prompts = [render_prompt(tokenizer, conv, enable_thinking=False) for conv in interleave(list(sets.values()))]
     return sets, prompts
 

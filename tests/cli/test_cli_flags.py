@@ -81,6 +81,14 @@ def test_a_bad_flag_value_names_the_field():
         _config(["simulate", "--concurrency", "0"])
 
 
+def test_the_split_flag_sets_eval_split_on_eval_and_simulate():
+    assert _config(["eval"]).eval.split == "all"  # DeepSpec's subsets unless a split is asked for
+    assert _config(["eval", "--split", "test"]).eval.split == "test"
+    assert _config(["simulate", "--split", "dev"]).eval.split == "dev"
+    with pytest.raises(ValueError, match="eval.split"):
+        _config(["eval", "--split", "train"])
+
+
 # --------------------------------------------------------------------------- one name for the policy
 def test_the_policy_has_one_flag_and_one_config_key_on_both_commands():
     assert COMMANDS["eval"][1]["--policy"] == COMMANDS["simulate"][1]["--policy"] == "serve.policy"

@@ -233,6 +233,40 @@ def test_num_samples_draws_a_seeded_subset(tmp_path, clock, monkeypatch, no_warm
     assert {c[0] for c in seen.values()} == {"g0", "g1"}  # different seeds pick different prompts
 
 
+def test_the_split_picks_the_prompts_decoded_and_the_report_records_it(tmp_path, clock, monkeypatch, no_warmup):
+    # 4 prompts: dev is 2 of them, items 2 and 3 of the file (random.Random(980406) shuffles
+    # [0, 1, 2, 3] to [2, 3, 0, 1]); test is the other two, whatever eval.seed is.
+    files = write_benchmarks(tmp_path / "data", {"gsm8k": ["g0", "g1", "m0", "a0"]})
+    target, drafter = fake_models()
+    for split, seed, expected in (("dev", 0, ["m0", "a0"]), ("dev", 5, ["m0", "a0"]), ("test", 5, ["g0", "g1"])):
+        calls = []
+        use_decoders(monkeypatch, *scripted_decoders(clock, calls))
+        report = evaluate(target, drafter, files, split=split, out_dir=tmp_path / f"out-{split}-{seed}", progress=False,
+                          baseline=False, decoding=DecodeSettings(max_new_tokens=8, seed=seed))
+        assert calls == expected
+        assert report["config"]["split"] == split
+        assert f"seed = {seed}, split = {split}," in (tmp_path / f"out-{split}-{seed}" / "report.md").read_text()
+
+
+def test_a_folder_evaluated_on_another_split_is_refused(tmp_path, clock, monkeypatch, no_warmup):
+    from dspark.evaluation.journal import SettingsMismatch
+
+    files = write_benchmarks(tmp_path / "data", {"gsm8k": ["g0", "g1", "m0", "a0"]})
+    target, drafter = fake_models()
+    use_decoders(monkeypatch, *scripted_decoders(clock))
+    options = dict(out_dir=tmp_path / "out", progress=False, baseline=False, decoding=DecodeSettings(max_new_tokens=8))
+    evaluate(target, drafter, files, split="dev", **options)
+    with pytest.raises(SettingsMismatch, match=r"config.split: 'dev' -> 'test'.*--overwrite"):
+        evaluate(target, drafter, files, split="test", **options)
+    assert evaluate(target, drafter, files, split="dev", resume=True, **options)["config"]["split"] == "dev"
+
+
+def test_an_unknown_split_names_the_choices(tmp_path):
+    target, drafter = fake_models()
+    with pytest.raises(ValueError, match=r"split must be one of \('all', 'dev', 'test'\).*got 'train'"):
+        evaluate(target, drafter, write_benchmarks(tmp_path / "data"), split="train", progress=False)
+
+
 def test_ranks_take_every_world_th_prompt_and_only_rank_zero_writes_the_report(
         tmp_path, clock, monkeypatch, no_warmup):
     files = {"gsm8k": ["g0", "g1"], "mbpp": ["m0"]}
@@ -462,13 +496,14 @@ def test_evaluate_from_config_reads_the_eval_section_and_writes_a_config_that_lo
     write_benchmarks(tmp_path / "data")
     config = Config(out_dir=str(tmp_path / "run"),
                     eval=EvalConfig(benchmarks=["mbpp", "alpaca"], data_dir=str(tmp_path / "data"), num_samples=0,
-                                    max_new_tokens=16, temperature=0.5, seed=3, label="mine"))
+                                    split="test", max_new_tokens=16, temperature=0.5, seed=3, label="mine"))
     target, drafter = fake_models()
     use_decoders(monkeypatch, *scripted_decoders(clock))
     report = ev.evaluate_from_config(target, drafter, config, progress=False)
     assert list(report["benchmarks"]) == ["mbpp", "alpaca"]
     assert report["config"]["max_new_tokens"] == 16 and report["config"]["temperature"] == 0.5
     assert report["config"]["num_samples"] == {"mbpp": 256, "alpaca": 500}
+    assert report["config"]["split"] == "test"  # one prompt each: dev holds min(16, 1 // 2) = 0, test the prompt
     assert report["config"]["run"]["eval"]["seed"] == 3 and report["label"] == "mine"
     assert (tmp_path / "run" / "eval" / "report.json").is_file()
     assert load_config(tmp_path / "run" / "eval" / "config.json") == config
