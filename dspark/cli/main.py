@@ -60,10 +60,11 @@ def cmd_propose(args: argparse.Namespace) -> int:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from dspark.data.prepare import prepare
+    from dspark.data.prepare import check_prepare_inputs, prepare
     from dspark.build import load_target
 
     config = _config(args)
+    check_prepare_inputs(config)  # before the minutes a target takes to load
     result = prepare(config, load_target(config))
     print(json.dumps(result.stats, indent=2, default=str))
     print(f"data in {result.data_dir}")
@@ -71,13 +72,14 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_cache(args: argparse.Namespace) -> int:
-    from dspark.data.prepare import cache_dir, estimate_cache, prepare
+    from dspark.data.prepare import cache_dir, check_prepare_inputs, estimate_cache, prepare
     from dspark.build import load_target
 
     config = _config(args)
     if args.estimate:
         print(estimate_cache(config))
         return 0
+    check_prepare_inputs(config)
     prepare(config, load_target(config), build_cache=True)
     print(f"cache in {cache_dir(config)}")
     return 0

@@ -5,6 +5,8 @@ token ids with loss masks (rendered.jsonl, split.json) -> target feature cache (
 Every stage is resumable and skipped when its output is complete. Self-written prompts
 ("+self:N", dspark.data.self_prompts) are kept in self_prompts.json and appended to the
 source's prompts before anything is answered or split; split.json records their stats.
+check_prepare_inputs holds the checks that need no model, so the CLI runs them before
+loading the target.
 """
 
 from __future__ import annotations
@@ -65,32 +67,71 @@ def load_train_prompts(config: Config) -> tuple[list[list[dict[str, str]]], list
     return convs, ids
 
 
-def self_written_prompts(config: Config, target: Any, *, progress: bool = True) -> SelfPrompts | None:
+def check_prepare_inputs(config: Config) -> None:
+    """The checks of `dspark prepare` that need no model, run before the target is loaded.
+
+    With "+self:N" in data.train_prompts, every benchmark of eval.benchmarks needs its
+    <name>.jsonl in the benchmark folder (eval_data_folder(eval.data_dir)), so that none of
+    its prompts can be written into training, unless data.self_prompts_unchecked names it;
+    a name there must be one of eval.benchmarks. ValueError otherwise, naming the fixes.
+    """
+    from dspark.data.benchmarks import EVAL_DATA_ENV, eval_data_folder
+
+    _, num_prompts = split_train_prompts(config.data.train_prompts)
+    if not num_prompts:
+        return
+    unknown = [name for name in config.data.self_prompts_unchecked if name not in config.eval.benchmarks]
+    if unknown:
+        raise ValueError(
+            f"data.self_prompts_unchecked names {unknown}, not in eval.benchmarks={config.eval.benchmarks}; "
+            "list there only benchmarks of eval.benchmarks whose files may be missing"
+        )
+    folder = eval_data_folder(config.eval.data_dir)
+    missing = [name for name in config.eval.benchmarks
+               if name not in config.data.self_prompts_unchecked and not (folder / f"{name}.jsonl").is_file()]
+    if missing:
+        raise ValueError(
+            f"data.train_prompts={config.data.train_prompts!r} checks the self-written prompts against every "
+            f"benchmark of eval.benchmarks, and the benchmark folder {os.path.abspath(folder)} has no "
+            f"{', '.join(f'{name}.jsonl' for name in missing)}. Set eval.data_dir (or ${EVAL_DATA_ENV}) to the "
+            "folder holding the benchmark files, or name the benchmarks in data.self_prompts_unchecked to write "
+            f"prompts that are not checked against them (--set \"data.self_prompts_unchecked={missing}\")"
+        )
+
+
+def self_written_prompts(
+    config: Config, target: Any, source: list[list[dict[str, str]]] | None = None, *, progress: bool = True
+) -> SelfPrompts | None:
     """The "+self:N" prompts of config.data.train_prompts (None without them): read from
     <data_dir>/self_prompts.json when written before, else written by the target and saved
-    there. Checked against the evaluation prompts (built-in sets, eval.data_dir's benchmarks)."""
+    there. Checked against the evaluation prompts (built-in sets, eval.data_dir's benchmarks;
+    :func:`check_prepare_inputs` first) and against the user turns of ``source``, the
+    training prompts they are appended to (default: :func:`load_train_prompts`)."""
     from dspark.data import self_prompts as S
 
     _, num_prompts = split_train_prompts(config.data.train_prompts)
     if not num_prompts:
         return None
+    check_prepare_inputs(config)
     settings = S.SelfPromptSettings(num_prompts=num_prompts, batch_size=config.generation.batch_size, seed=config.seed)
     eval_prompts = S.evaluation_prompts(config.eval.data_dir, config.eval.benchmarks)
     path = data_dir(config) / "self_prompts.json"
     written = S.load_self_prompts(path, settings, eval_prompts)
     if written is None:
         unchecked = [name for name in config.eval.benchmarks if name not in eval_prompts]
-        if unchecked:
-            from dspark.data.benchmarks import EVAL_DATA_ENV, eval_data_folder
+        if unchecked:  # all named in data.self_prompts_unchecked, else check_prepare_inputs refused
+            from dspark.data.benchmarks import eval_data_folder
 
             warnings.warn(
-                f"data.train_prompts={config.data.train_prompts!r}: the self-written prompts are checked against "
-                f"the built-in evaluation sets only, not against benchmark(s) {unchecked}: no <name>.jsonl in "
-                f"{str(eval_data_folder(config.eval.data_dir))!r}. Set eval.data_dir (or ${EVAL_DATA_ENV}) to the "
-                "benchmark folder you will evaluate on, so that none of its prompts can enter training.",
+                f"data.self_prompts_unchecked: the self-written prompts are not checked against benchmark(s) "
+                f"{unchecked} (no <name>.jsonl in {str(eval_data_folder(config.eval.data_dir))!r}), so their "
+                "prompts may enter training; evaluate on them knowing that, or point eval.data_dir at their files.",
                 UserWarning, stacklevel=2,
             )
-        written = S.generate_self_prompts(target.model, target.tokenizer, settings, eval_prompts, progress=progress)
+        source = load_train_prompts(config)[0] if source is None else source
+        source_texts = [m["content"] for conversation in source for m in conversation if m["role"] == "user"]
+        written = S.generate_self_prompts(target.model, target.tokenizer, settings, eval_prompts,
+                                          source_prompts=source_texts, progress=progress)
         S.save_self_prompts(path, written, settings)
     return written
 
@@ -136,7 +177,7 @@ def prepare(config: Config, target: Any, *, build_cache: bool | None = None, pro
 
     responses = out / "responses.jsonl"
     prompts, ids = load_train_prompts(config)
-    written = self_written_prompts(config, target, progress=progress)
+    written = self_written_prompts(config, target, prompts, progress=progress)
     if written is not None:  # after the source, before answering and splitting
         prompts, ids = prompts + written.conversations, ids + list(written.ids)
     gen = generate_responses(prompts, responses, make_backend(config, target), batch_size=config.generation.batch_size, ids=ids, progress=progress)
@@ -151,7 +192,7 @@ def prepare(config: Config, target: Any, *, build_cache: bool | None = None, pro
         train_idx, hold_idx = split_indices(len(samples), config.data.holdout_fraction, config.seed)
         render_stats = asdict(rstats) if hasattr(rstats, "__dataclass_fields__") else dict(rstats.__dict__)
         record = {"train": train_idx, "holdout": hold_idx, "render": render_stats}
-        if written is not None:  # filtered against the evaluation prompts before this split
+        if written is not None:  # filtered against the evaluation and source prompts before this split
             record["self_prompts"] = written.stats
         atomic_write_text(split, json.dumps(record))
     stats["split"] = {k: len(v) if isinstance(v, list) else v for k, v in json.loads(split.read_text()).items()}

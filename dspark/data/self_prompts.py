@@ -17,9 +17,21 @@ What it wrote is then, in this order:
    evaluation prompt (:func:`evaluation_prompts`: the built-in evaluation
    sets and the benchmark files), so no evaluation prompt reaches training or
    its held-out part;
-4. deduplicated against the prompts kept so far: ``duplicate`` (same text
+4. dropped as ``eval_containment`` when it holds an evaluation prompt or is a
+   piece of one (:func:`containment` >= ``containment``): a benchmark question
+   wrapped in a sentence of its own has a low Jaccard with the question;
+5. dropped as ``source_overlap`` when it equals, near-duplicates, holds or is
+   a piece of a prompt of the training source it is appended to (the
+   ``source_prompts`` of :func:`generate_self_prompts`): a repeat adds no fresh data;
+6. deduplicated against the prompts kept so far: ``duplicate`` (same text
    after :func:`normalize_text`) or ``near_duplicate`` (word 5-gram Jaccard
    >= ``near_duplicate_jaccard``, :class:`DuplicateIndex`).
+
+Jaccard and containment compare sets of word 5-grams (:func:`word_shingles`).
+A text of fewer than 5 words is one shingle, all its words; it is a
+near-duplicate of another text only when equal to it, and contained in (or
+containing) another text when its words occur in the other as a run of
+consecutive words (:func:`containment`).
 
 Batch ``b`` is sampled under ``torch.manual_seed(seed + b)`` in a forked RNG,
 so a run is deterministic for given settings on CPU (GPU kernels may differ
@@ -30,6 +42,7 @@ answers it regenerates can resume against the same prompts.
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import math
@@ -58,7 +71,7 @@ SHINGLE_WORDS = 5  # near-duplicates compare sets of word 5-grams
 # Every reason a sampled user turn is dropped, in the order they are checked.
 DROP_REASONS = (
     "unfinished", "template_tokens", "too_short", "too_long", "no_letters", "repetitive",
-    "eval_overlap", "duplicate", "near_duplicate",
+    "eval_overlap", "eval_containment", "source_overlap", "duplicate", "near_duplicate",
 )
 
 
@@ -77,6 +90,9 @@ class SelfPromptSettings:
     min_chars: int = 10  # after stripping
     max_chars: int = 2000
     near_duplicate_jaccard: float = 0.8  # word 5-gram Jaccard at which two prompts count as one
+    # word 5-gram containment (see containment()) at which a prompt counts as holding an evaluation or
+    # source prompt, or as a piece of one
+    containment: float = 0.8
 
     def __post_init__(self) -> None:
         checks = {
@@ -90,13 +106,14 @@ class SelfPromptSettings:
             "min_chars": self.min_chars >= 1,
             "max_chars": self.max_chars >= self.min_chars,
             "near_duplicate_jaccard": 0 < self.near_duplicate_jaccard <= 1,
+            "containment": 0 < self.containment <= 1,
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
             raise ValueError(
                 f"SelfPromptSettings.{bad[0]}={getattr(self, bad[0])!r} is out of range; need num_prompts, "
-                "max_new_tokens, batch_size, min_chars >= 1, temperature > 0, top_p and near_duplicate_jaccard "
-                "in (0, 1], top_k >= 0, max_draws_per_prompt >= 1, max_chars >= min_chars"
+                "max_new_tokens, batch_size, min_chars >= 1, temperature > 0, top_p, near_duplicate_jaccard and "
+                "containment in (0, 1], top_k >= 0, max_draws_per_prompt >= 1, max_chars >= min_chars"
             )
 
 
@@ -106,8 +123,9 @@ class SelfPrompts:
 
     ``stats``: ``requested`` (N), ``generated`` (sampled turns examined; turns of
     the last batch after the N-th kept one are not), ``kept``, ``dropped``
-    ({reason: count} over ``DROP_REASONS``; kept + dropped = generated) and
-    ``eval_prompts`` ({evaluation set: prompts compared against})."""
+    ({reason: count} over ``DROP_REASONS``; kept + dropped = generated),
+    ``eval_prompts`` ({evaluation set: prompts compared against}) and
+    ``source_prompts`` (training-source prompts compared against)."""
 
     conversations: list[Conversation]
     ids: list[str]
@@ -266,7 +284,10 @@ def normalize_text(text: str) -> str:
 def word_shingles(text: str, n: int = SHINGLE_WORDS) -> frozenset[tuple[str, ...]]:
     """The set of word n-grams of the normalised text; a text of fewer than n words is one
     shingle (all its words), so short texts are near-duplicates only when equal."""
-    words = normalize_text(text).split()
+    return _shingles(normalize_text(text).split(), n)
+
+
+def _shingles(words: Sequence[str], n: int) -> frozenset[tuple[str, ...]]:
     if len(words) < n:
         return frozenset([tuple(words)])
     return frozenset(tuple(words[i : i + n]) for i in range(len(words) - n + 1))
@@ -278,40 +299,103 @@ def jaccard(a: frozenset, b: frozenset) -> float:
     return len(a & b) / union if union else 0.0
 
 
+def containment(a: frozenset, b: frozenset, n: int = SHINGLE_WORDS) -> float:
+    """How much of one text's shingles the other holds: max(|a ∩ b| / |a|, |a ∩ b| / |b|).
+
+    1 for a text wrapped in extra words or a piece cut from a longer one, where
+    the Jaccard is low. A text of fewer than ``n`` words (one shingle shorter than
+    ``n``) shares no n-gram with a longer text, so it counts as wholly contained
+    (1) when its words occur in the other as consecutive words, else 0: a
+    short text is in another completely or not at all. 0 when either text has no words.
+    """
+    if () in a or () in b:
+        return 0.0
+    for short, other in ((a, b), (b, a)):
+        words = next(iter(short)) if len(short) == 1 else None
+        if words and len(words) < n and any(_holds_run(s, words) for s in other):
+            return 1.0
+    common = len(a & b)
+    return max(common / len(a), common / len(b)) if common else 0.0
+
+
+def _holds_run(words: tuple[str, ...], run: tuple[str, ...]) -> bool:
+    return any(words[i : i + len(run)] == run for i in range(len(words) - len(run) + 1))
+
+
 class DuplicateIndex:
-    """Texts added so far, for exact (normalised) and near-duplicate (word 5-gram Jaccard) look-ups.
+    """Texts added so far, for exact (normalised), near-duplicate (word 5-gram Jaccard) and,
+    with ``containment``, containment (:func:`containment`) look-ups.
 
     Shingles are indexed, so a look-up only scores texts sharing a shingle with
-    the query (a Jaccard above 0 needs one); the cost grows with the matches, not the texts.
+    the query (a Jaccard or containment above 0 needs one); the cost grows with
+    the matches, not the texts. Texts under ``n`` words are found by their own
+    runs of words: a short indexed text inside the query is one of the query's
+    word k-grams (k < n) in the shingle postings; a short query inside an indexed
+    text is the start of one of its shingles (a prefix search in the sorted
+    shingles) or lies among its last n - 1 words (``_tails``).
     """
 
-    def __init__(self, threshold: float = 0.8, n: int = SHINGLE_WORDS):
+    def __init__(self, threshold: float = 0.8, n: int = SHINGLE_WORDS, containment: float | None = None):
         self.threshold = threshold
         self.n = n
+        self.containment = containment  # None: no containment look-ups
         self._exact: set[str] = set()
         self._sizes: list[int] = []  # shingle count of each added text
         self._postings: dict[tuple[str, ...], list[int]] = defaultdict(list)
+        self._tails: dict[tuple[str, ...], list[int]] = defaultdict(list)  # k-grams (k < n) of the last n - 1 words
+        self._sorted: list[tuple[str, ...]] | None = None  # the postings' shingles in order, built when needed
 
     def __len__(self) -> int:
         return len(self._sizes)
 
     def add(self, text: str) -> None:
-        self._exact.add(normalize_text(text))
-        shingles = word_shingles(text, self.n)
+        normalized = normalize_text(text)
+        self._exact.add(normalized)
+        words = normalized.split()
+        shingles = _shingles(words, self.n)
         for shingle in shingles:
             self._postings[shingle].append(len(self._sizes))
+        if self.containment is not None:
+            tail = words[-(self.n - 1) :]
+            for run in {tuple(tail[i : i + k]) for k in range(1, len(tail) + 1) for i in range(len(tail) - k + 1)}:
+                self._tails[run].append(len(self._sizes))
+            self._sorted = None
         self._sizes.append(len(shingles))
 
     def match(self, text: str) -> str | None:
-        """"duplicate" (same normalised text), "near_duplicate" (Jaccard >= threshold) or None."""
-        if normalize_text(text) in self._exact:
+        """"duplicate" (same normalised text), "near_duplicate" (Jaccard >= threshold),
+        "contained" (containment >= ``containment``, when set) or None, checked in this order."""
+        normalized = normalize_text(text)
+        if normalized in self._exact:
             return "duplicate"
-        shingles = word_shingles(text, self.n)
+        words = normalized.split()
+        shingles = _shingles(words, self.n)
         shared = Counter(i for shingle in shingles for i in self._postings.get(shingle, ()))
         for i, common in shared.items():
             if common / (len(shingles) + self._sizes[i] - common) >= self.threshold:
                 return "near_duplicate"
-        return None
+        if self.containment is None or not words:
+            return None
+        if any(common / min(len(shingles), self._sizes[i]) >= self.containment for i, common in shared.items()):
+            return "contained"
+        return "contained" if self._short_run_matches(words) else None
+
+    def _short_run_matches(self, words: list[str]) -> bool:
+        """True when an indexed text under n words occurs in ``words`` as consecutive words, or
+        ``words`` (under n of them) occurs so in an indexed text."""
+        n = self.n
+        for k in range(1, min(n - 1, len(words)) + 1):
+            if any(tuple(words[i : i + k]) in self._postings for i in range(len(words) - k + 1)):
+                return True
+        if len(words) >= n:
+            return False
+        run = tuple(words)
+        if run in self._tails:
+            return True
+        if self._sorted is None:
+            self._sorted = sorted(self._postings)
+        i = bisect.bisect_left(self._sorted, run)  # shingles starting with `run` sort right after it
+        return i < len(self._sorted) and self._sorted[i][: len(run)] == run
 
 
 # ---------------------------------------------------------- evaluation sets
@@ -340,8 +424,9 @@ def evaluation_prompts(
     return sets
 
 
-def _index_of(texts: Iterable[str], threshold: float) -> DuplicateIndex:
-    index = DuplicateIndex(threshold)
+def _index_of(texts: Iterable[str], settings: SelfPromptSettings) -> DuplicateIndex:
+    """The index the self-written prompts are checked against: Jaccard and containment on."""
+    index = DuplicateIndex(settings.near_duplicate_jaccard, containment=settings.containment)
     for text in texts:
         index.add(text)
     return index
@@ -354,19 +439,25 @@ def generate_self_prompts(
     settings: SelfPromptSettings,
     eval_prompts: Mapping[str, Sequence[str]] | None = None,
     *,
+    source_prompts: Sequence[str] | None = None,
     progress: bool = True,
 ) -> SelfPrompts:
     """Up to ``settings.num_prompts`` user prompts written by ``model`` (a transformers causal LM)
     under its own chat template; see the module docstring for what is kept.
 
     ``eval_prompts`` ({set name: texts}, default ``evaluation_prompts()``: the
-    built-in evaluation sets) are never returned, nor near-duplicates of them.
+    built-in evaluation sets) are never returned, nor near-duplicates of them,
+    texts holding one or pieces of one. ``source_prompts`` (texts, default none:
+    the user turns of the training source the result is appended to) are never
+    returned either, nor near-duplicates, holders or pieces of them.
     Sampling stops once N prompts are kept or ``ceil(max_draws_per_prompt * N)``
     turns were sampled; fewer than N are then returned, with a warning.
     """
     template = user_turn_template(tokenizer, model)
     eval_prompts = evaluation_prompts() if eval_prompts is None else eval_prompts
-    eval_index = _index_of((t for texts in eval_prompts.values() for t in texts), settings.near_duplicate_jaccard)
+    source_prompts = [] if source_prompts is None else list(source_prompts)
+    eval_index = _index_of((t for texts in eval_prompts.values() for t in texts), settings)
+    source_index = _index_of(source_prompts, settings)
     kept_index = DuplicateIndex(settings.near_duplicate_jaccard)
     budget = math.ceil(settings.max_draws_per_prompt * settings.num_prompts)
     kept: list[str] = []
@@ -384,7 +475,7 @@ def generate_self_prompts(
                     break
                 generated += 1
                 text = turn.text.strip()
-                reason = _drop_reason(turn, text, settings, template, eval_index, kept_index)
+                reason = _drop_reason(turn, text, settings, template, eval_index, source_index, kept_index)
                 if reason is None:
                     kept_index.add(text)
                     kept.append(text)
@@ -401,6 +492,7 @@ def generate_self_prompts(
     stats = {
         "requested": settings.num_prompts, "generated": generated, "kept": len(kept),
         "dropped": dict(dropped), "eval_prompts": {name: len(texts) for name, texts in eval_prompts.items()},
+        "source_prompts": len(source_prompts),
     }
     conversations = [[{"role": "user", "content": text}] for text in kept]
     return SelfPrompts(conversations, [f"{ID_PREFIX}{i:06d}" for i in range(len(kept))], stats)
@@ -408,14 +500,20 @@ def generate_self_prompts(
 
 def _drop_reason(
     turn: UserTurn, text: str, settings: SelfPromptSettings, template: UserTurnTemplate,
-    eval_index: DuplicateIndex, kept_index: DuplicateIndex,
+    eval_index: DuplicateIndex, source_index: DuplicateIndex, kept_index: DuplicateIndex,
 ) -> str | None:
+    """The first reason of ``DROP_REASONS`` that applies to a sampled turn, None to keep it."""
     if not turn.ended:
         return "unfinished"
     reason = filter_reason(text, settings, template.markers)
-    if reason is None and eval_index.match(text) is not None:
-        reason = "eval_overlap"
-    return reason or kept_index.match(text)
+    if reason is not None:
+        return reason
+    match = eval_index.match(text)
+    if match is not None:
+        return "eval_containment" if match == "contained" else "eval_overlap"
+    if source_index.match(text) is not None:
+        return "source_overlap"
+    return kept_index.match(text)
 
 
 # ----------------------------------------------------------------------- file
@@ -432,9 +530,12 @@ def load_self_prompts(
     """The prompts :func:`save_self_prompts` wrote to ``path``, None when there is no file.
 
     ValueError when the file was written with other settings, or when one of
-    its prompts equals or near-duplicates one of ``eval_prompts`` (a benchmark
-    file added since): regenerating would change the prompts the saved answers
-    belong to, so the fix is to start a fresh data folder.
+    its prompts equals, near-duplicates, holds or is a piece of one of
+    ``eval_prompts`` (a benchmark file added since), by the checks writing
+    applies: regenerating would change the prompts the saved answers belong
+    to, so the fix is to start a fresh data folder. The training source is not
+    checked again: a prompt repeating one of it costs a little redundancy, not
+    a leak.
     """
     path = Path(path)
     if not path.is_file():
@@ -446,9 +547,11 @@ def load_self_prompts(
                          f"not {asdict(settings)}; {fix}")
     prompts = SelfPrompts([row["conversations"] for row in body["prompts"]],
                           [row["id"] for row in body["prompts"]], body["stats"])
-    eval_index = _index_of((t for texts in eval_prompts.values() for t in texts), settings.near_duplicate_jaccard)
+    eval_index = _index_of((t for texts in eval_prompts.values() for t in texts), settings)
     for prompt_id, conversation in zip(prompts.ids, prompts.conversations):
-        if eval_index.match(conversation[0]["content"]) is not None:
-            raise ValueError(f"{path}: prompt {prompt_id} repeats an evaluation prompt "
+        match = eval_index.match(conversation[0]["content"])
+        if match is not None:
+            how = "holds or is a piece of" if match == "contained" else "repeats"
+            raise ValueError(f"{path}: prompt {prompt_id} {how} an evaluation prompt "
                              f"(sets {sorted(eval_prompts)}); {fix}")
     return prompts

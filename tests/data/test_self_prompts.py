@@ -67,6 +67,12 @@ FRESH = [
     "Give me four ideas for a rainy afternoon at home.",
 ]
 BENCHMARK_PROMPT = "Tom has 12 apples and gives 5 of them to his sister. How many apples does Tom have left now?"
+LONG_BENCHMARK_PROMPT = (  # 46 words, 42 shingles
+    "A farmer plants 3 rows of corn with 15 stalks in each row. Every stalk grows 2 ears of corn, and the farmer "
+    "sells each ear for 50 cents at the market on Saturday. How much money does the farmer make if he sells every ear?"
+)
+WRAPPED = f"Here is a problem for you: {BENCHMARK_PROMPT} Please explain step by step."  # 16 of its 27 shingles
+FRAGMENT = "Every stalk grows 2 ears of corn, and the farmer sells each ear for 50 cents at the market on Saturday."
 
 
 @pytest.fixture(scope="module")
@@ -185,6 +191,40 @@ def test_texts_under_five_words_are_near_duplicates_only_when_equal():
     assert index.match("name a colour!") == "duplicate"
 
 
+def test_containment_is_the_larger_share_of_shingles_the_other_text_holds():
+    piece = " ".join(STORY.split()[:10])  # 6 shingles, all of them among STORY's 13
+    wrapped = "I would love it if you could " + STORY  # 7 more words: 20 shingles, 13 of them STORY's
+    assert S.containment(S.word_shingles(piece), S.word_shingles(STORY)) == 1.0
+    assert S.containment(S.word_shingles(STORY), S.word_shingles(wrapped)) == 1.0
+    assert S.jaccard(S.word_shingles(STORY), S.word_shingles(wrapped)) == pytest.approx(13 / 20)
+    half = " ".join(STORY.split()[:10]) + " and then sings a song to the moon"  # 14 shingles, 6 of them STORY's
+    assert S.containment(S.word_shingles(half), S.word_shingles(STORY)) == pytest.approx(6 / 13)
+
+
+def test_a_text_under_five_words_is_contained_when_its_words_run_consecutively_in_the_other():
+    story = S.word_shingles(STORY)
+    assert S.containment(S.word_shingles("A dragon, who"), story) == 1.0  # in both argument orders
+    assert S.containment(story, S.word_shingles("bake bread")) == 1.0
+    assert S.containment(S.word_shingles("dragon who bake"), story) == 0.0  # words of STORY, not a run of it
+    assert S.containment(S.word_shingles("name a colour"), S.word_shingles("Name a colour, please")) == 1.0
+    index = S.DuplicateIndex(containment=0.8)
+    index.add(STORY)
+    index.add("Name a colour, please.")
+    for text, found in [("A dragon who", "contained"), ("village", "contained"), ("in a small village", "contained"),
+                        ("dragon who bake", None), ("please name a colour", None),
+                        ("Now name a colour, please, and a fruit.", "contained")]:
+        assert index.match(text) == found, text
+
+
+def test_containment_is_looked_up_only_when_the_index_is_given_a_threshold():
+    plain, with_containment = S.DuplicateIndex(), S.DuplicateIndex(containment=0.8)
+    for index in (plain, with_containment):
+        index.add(BENCHMARK_PROMPT)
+    assert S.jaccard(S.word_shingles(BENCHMARK_PROMPT), S.word_shingles(WRAPPED)) < 0.8
+    assert plain.match(WRAPPED) is None
+    assert with_containment.match(WRAPPED) == "contained"
+
+
 def test_generator_drops_duplicates_and_near_duplicates_of_kept_prompts(chatml, monkeypatch):
     texts = [STORY, STORY.upper() + "!", STORY.replace("village", "town"), FRESH[0], FRESH[1]]
     monkeypatch.setattr(S, "sample_user_turns", scripted_sampler(texts))
@@ -210,6 +250,28 @@ def test_evaluation_prompts_emitted_by_the_generator_are_dropped(chatml, monkeyp
     assert result.conversations == [[{"role": "user", "content": FRESH[0]}]]
     assert result.stats["dropped"]["eval_overlap"] == 3
     assert result.stats["eval_prompts"]["gsm8k"] == 1
+
+
+def test_a_wrapped_benchmark_question_and_a_piece_of_one_are_dropped_by_containment(chatml, monkeypatch, tmp_path):
+    lines = [json.dumps({"turns": [BENCHMARK_PROMPT]}), json.dumps({"turns": [LONG_BENCHMARK_PROMPT]})]
+    (tmp_path / "gsm8k.jsonl").write_text("\n".join(lines) + "\n")
+    assert S.jaccard(S.word_shingles(BENCHMARK_PROMPT), S.word_shingles(WRAPPED)) == pytest.approx(16 / 27)
+    assert S.jaccard(S.word_shingles(LONG_BENCHMARK_PROMPT), S.word_shingles(FRAGMENT)) == pytest.approx(17 / 42)
+    monkeypatch.setattr(S, "sample_user_turns", scripted_sampler([WRAPPED, FRAGMENT, FRESH[0]]))
+    evals = S.evaluation_prompts(tmp_path, ["gsm8k"])
+    result = S.generate_self_prompts(None, chatml, settings(num_prompts=1), evals, progress=False)
+    assert result.conversations == [[{"role": "user", "content": FRESH[0]}]]
+    assert (result.stats["dropped"]["eval_overlap"], result.stats["dropped"]["eval_containment"]) == (0, 2)
+
+
+def test_a_prompt_repeating_or_wrapping_a_training_prompt_is_dropped_as_source_overlap(chatml, monkeypatch):
+    texts = [STORY, "Could you do this for me? " + STORY + " Thanks a lot!", STORY.replace("village", "town"),
+             FRESH[0]]
+    monkeypatch.setattr(S, "sample_user_turns", scripted_sampler(texts))
+    result = S.generate_self_prompts(None, chatml, settings(num_prompts=1, batch_size=4), source_prompts=[STORY],
+                                     progress=False)
+    assert result.conversations == [[{"role": "user", "content": FRESH[0]}]]
+    assert result.stats["dropped"]["source_overlap"] == 3 and result.stats["source_prompts"] == 1
 
 
 def test_builtin_evaluation_sets_are_checked_by_default(chatml, monkeypatch):
@@ -272,6 +334,8 @@ def test_saved_prompts_are_reused_only_with_the_same_settings_and_no_eval_overla
         S.load_self_prompts(path, settings(seed=1), {})
     with pytest.raises(ValueError, match="self-000001 repeats an evaluation prompt"):
         S.load_self_prompts(path, settings(), {"gsm8k": [FRESH[1]]})
+    with pytest.raises(ValueError, match="self-000002 holds or is a piece of an evaluation prompt"):
+        S.load_self_prompts(path, settings(), {"gsm8k": [f"Read this first. {FRESH[2]} Then answer."]})
 
 
 # -------------------------------------------------------------------- config
@@ -309,22 +373,32 @@ class AnsweringBackend:
         return [Result(text="Sure, here it is.", finish_reason="stop", num_tokens=5) for _ in batch]
 
 
-def test_prepare_puts_self_prompts_through_the_split_after_the_eval_filter(chatml, monkeypatch, tmp_path):
+UNCHECKED = ["math500", "aime25", "humaneval", "mbpp", "livecodebench", "mt-bench", "alpaca", "arena-hard-v2"]
+
+
+def gsm8k_only_config(tmp_path, **data) -> Config:
+    """A "builtin+self:3" config whose benchmark folder holds gsm8k.jsonl only (eval.benchmarks: all nine)."""
     bench = tmp_path / "bench"
-    bench.mkdir()
+    bench.mkdir(exist_ok=True)
     (bench / "gsm8k.jsonl").write_text(json.dumps({"turns": [BENCHMARK_PROMPT]}) + "\n")
-    monkeypatch.setattr(S, "sample_user_turns", scripted_sampler([BENCHMARK_PROMPT] + FRESH))
-    monkeypatch.setattr(prepare_module, "make_backend", lambda config, target: AnsweringBackend())
-    config = Config(
-        out_dir=str(tmp_path / "run"), seed=3,
-        data=DataConfig(train_prompts="builtin+self:3", max_samples=5, holdout_fraction=0.5, min_loss_tokens=1),
-        generation=GenerationConfig(batch_size=4), eval=EvalConfig(data_dir=str(bench)),
-    )
+    fields = dict(train_prompts="builtin+self:3", max_samples=5, holdout_fraction=0.5, min_loss_tokens=1, **data)
+    config = Config(out_dir=str(tmp_path / "run"), seed=3, data=DataConfig(**fields),
+                    generation=GenerationConfig(batch_size=4), eval=EvalConfig(data_dir=str(bench)))
     validate(config)
+    return config
+
+
+def test_prepare_puts_self_prompts_through_the_split_after_the_eval_and_source_filters(chatml, monkeypatch, tmp_path):
+    config = gsm8k_only_config(tmp_path, self_prompts_unchecked=UNCHECKED)
+    source = load_train_prompts(config)[0]
+    wrapped_source = "Could you help me with this one? " + source[2][0]["content"]
+    monkeypatch.setattr(S, "sample_user_turns", scripted_sampler([BENCHMARK_PROMPT, wrapped_source] + FRESH))
+    monkeypatch.setattr(prepare_module, "make_backend", lambda config, target: AnsweringBackend())
     target = SimpleNamespace(model=None, tokenizer=chatml)
-    with pytest.warns(UserWarning, match=r"not against benchmark\(s\) \['math500', .*'arena-hard-v2'\]") as seen:
+    unchecked = r"not checked against benchmark\(s\) \['math500', .*'arena-hard-v2'\]"
+    with pytest.warns(UserWarning, match=unchecked) as seen:
         result = prepare(config, target, build_cache=False, progress=False)
-    assert "'gsm8k'" not in str(seen[0].message) and str(bench) in str(seen[0].message)
+    assert "'gsm8k'" not in str(seen[0].message) and "data.self_prompts_unchecked" in str(seen[0].message)
 
     rows = [json.loads(line) for line in result.responses.read_text().splitlines()]
     assert [r["id"] for r in rows][5:] == ["self-000000", "self-000001", "self-000002"]
@@ -336,6 +410,7 @@ def test_prepare_puts_self_prompts_through_the_split_after_the_eval_filter(chatm
     assert (split["train"], split["holdout"]) == split_indices(8, 0.5, 3)
     assert set(split["holdout"]) & {5, 6, 7} and set(split["train"]) & {5, 6, 7}  # self prompts on both sides
     assert split["self_prompts"]["kept"] == 3 and split["self_prompts"]["dropped"]["eval_overlap"] == 1
+    assert split["self_prompts"]["dropped"]["source_overlap"] == 1 and split["self_prompts"]["source_prompts"] == 5
     assert split["self_prompts"]["eval_prompts"]["gsm8k"] == 1
 
     def no_sampling(*args):
@@ -362,3 +437,43 @@ def test_prepare_writes_self_prompts_silently_when_every_benchmark_is_checked(ch
         warnings.simplefilter("error")
         result = prepare(config, SimpleNamespace(model=None, tokenizer=chatml), build_cache=False, progress=False)
     assert result.stats["split"]["self_prompts"]["eval_prompts"]["gsm8k"] == 1
+
+
+def test_a_missing_benchmark_file_is_an_error_naming_the_file_the_folder_and_both_fixes(chatml, tmp_path):
+    config = gsm8k_only_config(tmp_path, self_prompts_unchecked=UNCHECKED[1:])  # math500 left checked
+    with pytest.raises(ValueError) as error:
+        prepare(config, SimpleNamespace(model=None, tokenizer=chatml), build_cache=False, progress=False)
+    message = str(error.value)
+    assert "math500.jsonl" in message and "aime25.jsonl" not in message and str(tmp_path / "bench") in message
+    assert "eval.data_dir" in message and "$DSPARK_EVAL_DATA" in message and "data.self_prompts_unchecked" in message
+    assert not (tmp_path / "run" / "data" / "self_prompts.json").exists()
+
+
+def test_the_cli_refuses_a_missing_benchmark_file_before_loading_the_target(monkeypatch, tmp_path, capsys):
+    import dspark.build
+    from dspark.cli.main import main
+
+    def no_loading(config):
+        raise AssertionError("the target must not be loaded")
+
+    monkeypatch.setattr(dspark.build, "load_target", no_loading)
+    bench = gsm8k_only_config(tmp_path).eval.data_dir
+    argv = ["--set", "data.train_prompts=builtin+self:3", f"eval.data_dir={bench}", f"out_dir={tmp_path / 'run'}"]
+    assert main(["prepare", *argv]) == 2
+    assert "math500.jsonl" in capsys.readouterr().err
+    assert main(["cache", *argv]) == 2
+    assert "math500.jsonl" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_unchecked_name_outside_eval_benchmarks_is_refused():
+    config = Config(data=DataConfig(train_prompts="builtin+self:3", self_prompts_unchecked=["mbpp"]),
+                    eval=EvalConfig(benchmarks=["gsm8k"]))
+    with pytest.raises(ValueError, match=r"data.self_prompts_unchecked names \['mbpp'\], not in eval.benchmarks"):
+        prepare_module.check_prepare_inputs(config)
+
+
+def test_prompts_without_self_written_ones_need_no_benchmark_files(tmp_path):
+    config = Config(data=DataConfig(train_prompts="builtin", self_prompts_unchecked=["unknown"]),
+                    eval=EvalConfig(data_dir=str(tmp_path)))
+    prepare_module.check_prepare_inputs(config)  # no error
