@@ -45,7 +45,6 @@ import dataclasses
 import json
 import os
 import time
-import zlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Union
@@ -72,7 +71,7 @@ from dspark.scheduling.simulator import (
     run_requests,
     sps_table,
 )
-from dspark.seeds import derive_seed
+from dspark.seeds import request_seed
 
 PathLike = Union[str, os.PathLike]
 
@@ -108,11 +107,6 @@ def _gamma_of(drafter: Any) -> int | None:
 def _default_label(drafter: Any) -> str:
     variant = getattr(getattr(drafter, "config", None), "variant", None)
     return _VARIANT_LABELS.get(variant, str(variant)) if variant else "drafter"
-
-
-def _request_seed(seed: int, benchmark: str, request: int) -> int:
-    """A stable per-request seed: the same request draws the same numbers on any rank or run."""
-    return derive_seed(seed, zlib.crc32(benchmark.encode("utf-8")), request)
 
 
 def _generator(device: Any, seed: int) -> torch.Generator:
@@ -459,13 +453,13 @@ def _run_request(
 
     Both decodes draw from generators seeded with the request's seed; wall times
     are measured around each call."""
-    request_seed = _request_seed(state.decoding.seed, benchmark, request)
+    seed = request_seed(state.decoding.seed, benchmark, request)
     start = time.perf_counter()
     result = speculative_generate(state.target, state.drafter, prompt_ids,
-                                  generator=_generator(state.device, request_seed), **_decode_kwargs(state.decoding))
+                                  generator=_generator(state.device, seed), **_decode_kwargs(state.decoding))
     record = _record(benchmark, request, prompt_ids, result, time.perf_counter() - start, result.timings)
     if state.baseline:
-        record.update(_run_baseline(state, prompt_ids, request_seed))
+        record.update(_run_baseline(state, prompt_ids, seed))
     rounds = [_round_row(benchmark, request, index, int(r.proposed), int(r.accepted), r.confidences, r.eos_accepted)
               for index, r in enumerate(result.rounds)]
     return record, rounds
@@ -519,7 +513,7 @@ def _scheduled_benchmark(
     prompts = [render_prompt(state.tokenizer, conversations[i], enable_thinking=False) for i in mine]
     if prompts:
         _warm_once(state, prompts[0])
-    jobs = [Job(p, _request_seed(state.decoding.seed, name, i), (name, i)) for p, i in zip(prompts, mine)]
+    jobs = [Job(p, request_seed(state.decoding.seed, name, i), (name, i)) for p, i in zip(prompts, mine)]
     sim = _serve(state, jobs, desc=name)
     rounds = [{**_round_row(*row["tag"], row["round"], row["proposed"], row["accepted"], row["confidences"],
                             row["eos_accepted"]),

@@ -114,7 +114,7 @@ def simulate(config: Config, *, progress: Callable[[Any], None] | None = None,
     target, drafter, origin = load_models(config)
     gamma = drafter.config.block_size
     temps = load_sts_json(s.sts, gamma) if s.sts else None
-    sets, prompts = _simulation_prompts(config, target.tokenizer)
+    sets, prompts, keys = _simulation_prompts(config, target.tokenizer)
     eos = default_eos_ids(target, target.tokenizer)
     announce(f"target {config.target.name_or_path} on {target.device}; drafter {origin}; γ = {gamma}; "
              f"{len(prompts)} prompts from {', '.join(f'{n} ({len(v)})' for n, v in sets.items())}; "
@@ -137,7 +137,7 @@ def simulate(config: Config, *, progress: Callable[[Any], None] | None = None,
                                             eos_token_ids=eos),
                     serving=ServeSettings(sps=sps, price_sps=price, sts_temperatures=temps,
                                           draft_overhead=s.draft_overhead),
-                    cycle=s.cycle, num_requests=s.num_requests or None)
+                    cycle=s.cycle, num_requests=s.num_requests or None, keys=keys)
                 if profile is not None:
                     result.table_ci = list(table_interval(result, profile, seed=e.seed))
                 _append_cell(out, spec, result)
@@ -157,9 +157,12 @@ def simulate(config: Config, *, progress: Callable[[Any], None] | None = None,
     return results, out
 
 
-def _simulation_prompts(config: Config, tokenizer: Any) -> tuple[dict[str, list[Any]], list[Any]]:
+def _simulation_prompts(config: Config,
+                        tokenizer: Any) -> tuple[dict[str, list[Any]], list[Any], list[tuple[str, int]]]:
     """The benchmarks' prompts the simulation serves (`serve.num_prompts` per benchmark of
-    `eval.data_dir`, or of the built-in sets) and them rendered, benchmarks interleaved."""
+    `eval.data_dir`, or of the built-in sets), them rendered, benchmarks interleaved, and their
+    keys in the same order: (benchmark, index in its prompt list), the request index `dspark eval`
+    gives that prompt, so that both seed it alike (`dspark.seeds.request_seed`)."""
     from dspark.data.benchmarks import load_benchmark_prompts
     from dspark.data.render import render_prompt
 
@@ -171,7 +174,8 @@ def _simulation_prompts(config: Config, tokenizer: Any) -> tuple[dict[str, list[
     else:
         sets = load_benchmark_prompts(e.data_dir, list(e.benchmarks), s.num_prompts or None, e.seed, split=e.split)
     prompts = [render_prompt(tokenizer, conv, enable_thinking=False) for conv in interleave(list(sets.values()))]
-    return sets, prompts
+    keys = interleave([[(name, i) for i in range(len(convs))] for name, convs in sets.items()])
+    return sets, prompts, keys
 
 
 def _table_profile(sps_path: str | os.PathLike, table: Any) -> Any:

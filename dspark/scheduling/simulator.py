@@ -59,8 +59,14 @@ R requests are live at every step, and the run stops once ``num_requests``
 requests have finished; requests still running then count with the tokens
 they produced) or runs every prompt once (``cycle=False``: the slots drain at
 the end, so the last steps have fewer than R live requests). Every request
-draws from its own generator, seeded by its index, so its tokens do not
-depend on the order in which requests are stepped.
+draws from its own generator, so its tokens do not depend on the order in
+which requests are stepped. Prompts given with their keys (benchmark, index in
+that benchmark's prompt list; ``dspark simulate`` passes them) seed request i
+(prompt i mod N, its cycle i // N) with ``dspark.seeds.request_seed(seed,
+benchmark, index, cycle)``: at cycle 0 the seed ``dspark eval`` decodes the
+same request with, so at R = 1 the SPS clock and the wall clock decode the same
+tokens, and every reuse of a prompt draws a stream of its own. Bare prompt
+lists seed request i with ``job_seed(seed, i)``.
 
 Policies: ``dspark.scheduling.policies.make_policy`` (re-exported here) makes one from a
 spec string (algorithm1, algorithm1+skip, async, static1, static, threshold,
@@ -96,7 +102,7 @@ from dspark.scheduling.algorithm1 import SPSTable
 from dspark.scheduling.calibration import apply_temperatures, as_temperatures
 from dspark.scheduling.policies import POLICY_HELP, Policy, PolicySpec, make_policy
 from dspark.scheduling.skipping import target_step
-from dspark.seeds import derive_seed
+from dspark.seeds import derive_seed, request_seed
 
 __all__ = [
     "DecodeSettings", "Job", "Policy", "POLICY_HELP", "ServeSettings", "SimResult", "make_policy", "run_requests",
@@ -121,7 +127,7 @@ class DecodeSettings:
     temperature: T > 0 samples from softmax(logits / T), verified by rejection sampling
         (lossless); T = 0 is greedy.
     seed: the run's seed. Each request's generator seed is derived from it
-        (``dspark.seeds.derive_seed``), and so is an evaluation's prompt subset;
+        (``dspark.seeds.request_seed``), and so is an evaluation's prompt subset;
         ``run_requests`` does not read it (every ``Job`` carries its own seed).
     eos_token_ids: the ids that end a request; None: ``evaluate`` takes the chat template's
         end-of-turn and the model's EOS ids, the simulator none.
@@ -793,6 +799,7 @@ def simulate(
     serving: ServeSettings,
     cycle: bool = True,
     num_requests: int | None = None,
+    keys: Sequence[tuple[str, int]] | None = None,
     on_step: Callable[[SimResult], None] | None = None,
 ) -> SimResult:
     """Simulate serving ``prompts`` (token-id lists) at concurrency R = ``serving.concurrency``
@@ -802,7 +809,10 @@ def simulate(
     live at every step; the run stops once ``num_requests`` requests have
     finished (default max(N, R)). ``cycle=False``: every prompt is served once
     (``num_requests`` must be None) and the last steps run with fewer live
-    requests. Request i draws from a generator seeded with ``job_seed(decoding.seed, i)``.
+    requests. ``keys``: one (benchmark, index in that benchmark) per prompt; request i then
+    draws from a generator seeded with ``request_seed(decoding.seed, *keys[i mod N], cycle=i // N)``
+    (the seed ``dspark eval`` gives that request at cycle 0) and is tagged ``keys[i mod N]``; without
+    them it draws from ``job_seed(decoding.seed, i)`` and is tagged i mod N.
     See ``run_requests`` for one step and the module docstring for the model.
     """
     if not prompts:
@@ -812,17 +822,17 @@ def simulate(
         raise ValueError("ServeSettings.sps is None; simulate charges every step 1 / SPS(B): give the table of "
                          "`dspark profile-sps` (its JSON path or SPSTable.from_json('sps.json'))")
     serving = dataclasses.replace(serving, sps=sps, price_sps=sps_table(serving.price_sps))
-    concurrency, seed = serving.concurrency, decoding.seed
     prompts = [list(p) for p in prompts]
+    job = _job_maker(prompts, keys, decoding.seed)
     if cycle:
-        stop = max(len(prompts), concurrency) if num_requests is None else num_requests
+        stop = max(len(prompts), serving.concurrency) if num_requests is None else num_requests
         if isinstance(stop, bool) or not isinstance(stop, int) or stop < 1:
             raise ValueError(f"num_requests must be an int >= 1, got {num_requests!r}")
 
         def endless() -> Iterator[Job]:
             i = 0
             while True:
-                yield Job(prompts[i % len(prompts)], job_seed(seed, i), i % len(prompts))
+                yield job(i)
                 i += 1
 
         jobs: Iterable[Job] = endless()
@@ -830,9 +840,26 @@ def simulate(
         if num_requests is not None:
             raise ValueError("num_requests applies to cycle=True only; without cycling every prompt runs once")
         stop = None
-        jobs = [Job(p, job_seed(seed, i), i) for i, p in enumerate(prompts)]
+        jobs = [job(i) for i in range(len(prompts))]
     return run_requests(target, drafter, jobs, decoding=decoding, serving=serving, stop_after_finished=stop,
                         on_step=on_step)
+
+
+def _job_maker(prompts: list[list[int]], keys: Sequence[tuple[str, int]] | None, seed: int) -> Callable[[int], Job]:
+    """The job of admitted request i: prompt i mod N, seeded and tagged by its key and cycle i // N
+    (``request_seed``), or by i alone (``job_seed``) without keys."""
+    n = len(prompts)
+    if keys is None:
+        return lambda i: Job(prompts[i % n], job_seed(seed, i), i % n)
+    bad = [k for k in keys if not (isinstance(k, (tuple, list)) and len(k) == 2 and isinstance(k[0], str)
+                                   and isinstance(k[1], (int, np.integer)) and not isinstance(k[1], bool))]
+    if bad:
+        raise ValueError(f"keys must be (benchmark, index) pairs, one per prompt, got {bad[0]!r}")
+    keys = [(k[0], int(k[1])) for k in keys]
+    if len(keys) != n:
+        raise ValueError(f"keys has {len(keys)} entries but there are {n} prompts; give one (benchmark, index) "
+                         "per prompt, in the prompts' order, or keys=None")
+    return lambda i: Job(prompts[i % n], request_seed(seed, *keys[i % n], cycle=i // n), keys[i % n])
 
 
 def simulate_grid(
@@ -846,11 +873,13 @@ def simulate_grid(
     serving: ServeSettings,
     cycle: bool = True,
     num_requests: int | None = None,
+    keys: Sequence[tuple[str, int]] | None = None,
     progress: Callable[[SimResult], None] | None = None,
 ) -> list[SimResult]:
     """``simulate`` for every (policy, concurrency) pair of the grid, ``serving`` giving the rest
     (SPS table, STS temperatures, draft overhead). Each cell makes a fresh policy and uses the
     same seed, so every cell serves the same requests with the same random streams.
+    ``keys``: the prompts' (benchmark, index) keys, as ``simulate`` takes them.
     ``progress`` is called with each finished result."""
     serving = dataclasses.replace(serving, sps=sps_table(serving.sps), price_sps=sps_table(serving.price_sps))
     results = []
@@ -858,7 +887,7 @@ def simulate_grid(
         for concurrency in concurrencies:
             cell = dataclasses.replace(serving, policy=spec, concurrency=concurrency)
             result = simulate(target, drafter, prompts, decoding=decoding, serving=cell, cycle=cycle,
-                              num_requests=num_requests)
+                              num_requests=num_requests, keys=keys)
             results.append(result)
             if progress is not None:
                 progress(result)

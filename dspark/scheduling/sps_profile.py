@@ -36,8 +36,11 @@ The noise-aware table is what a policy decides with; the simulated clock prices 
 medians (``SPSProfile.measured_table``, ``ServeSettings.price_sps``): flattening a rise that is
 real (a kernel faster at B = 4 than at B = 2) would charge more than the machine pays, and the
 clock carries the timing noise in its own interval. The table's own timing noise reaches every
-number priced by it. ``bootstrap_tables`` draws tables from the profile's timings resampled (per
-B, the repeats drawn with replacement, their median; the measured table, or the noise-aware one);
+number priced by it. ``bootstrap_tables`` draws tables from the profile's timings resampled by
+sweep (the sweeps drawn with replacement, once per table, and every B takes its timings of the
+drawn sweeps, their median; the measured table, or the noise-aware one): a slow sweep slowed every
+B together, so resampling keeps that pairing, and a price that compares B values (the ratio to
+target-only decoding, R · SPS(R)) carries only the noise that does not cancel between them.
 ``table_interval`` prices one simulator run (``SimResult.priced_by``) by each and returns the
 95 % percentile interval of its ratio to target-only decoding: the SPS clock's uncertainty, to set
 beside the wall clock's own interval.
@@ -144,15 +147,22 @@ def load_profile(path: str | os.PathLike) -> SPSProfile:
 
 def bootstrap_tables(profile: SPSProfile, resamples: int = 1000, seed: int = 0,
                      noise_aware: bool = False) -> Iterator[SPSTable]:
-    """``resamples`` tables drawn from the profile's timing noise: per B, its repeats drawn with
-    replacement and their median taken (as ``SPSProfile.measured_table``; with ``noise_aware``,
-    then the noise-aware table with the profile's spreads, as ``SPSProfile.table``). Their spread
-    is the table's uncertainty."""
+    """``resamples`` tables drawn from the profile's timing noise: the ``repeats`` sweeps drawn with
+    replacement, one draw per table shared by every B (sweep i timed repeat i of every B, so drift
+    during the profile moves every B of a sweep together and the draw keeps that pairing), and per B
+    the median of its timings in the drawn sweeps (as ``SPSProfile.measured_table``; with
+    ``noise_aware``, then the noise-aware table with the profile's spreads, as ``SPSProfile.table``).
+    Their spread is the table's uncertainty. Every B must hold ``profile.repeats`` timings."""
+    uneven = [b for b, s in zip(profile.batch_tokens, profile.seconds) if len(s) != profile.repeats]
+    if uneven:
+        counts = {b: len(s) for b, s in zip(profile.batch_tokens, profile.seconds)}
+        raise ValueError(f"SPSProfile.seconds: B = {uneven[0]} holds {counts[uneven[0]]} timings but repeats = "
+                         f"{profile.repeats}; the sweeps are resampled jointly, so every B needs one timing per "
+                         f"sweep (timings per B: {counts}): profile again with `dspark profile-sps`")
     rng = np.random.default_rng(seed)
-    speeds = np.empty((resamples, len(profile.seconds)))  # [resample, B]
-    for j, s in enumerate(profile.seconds):
-        s = np.asarray(s, dtype=float)
-        speeds[:, j] = 1.0 / np.median(s[rng.integers(0, len(s), (resamples, len(s)))], axis=1)
+    seconds = np.asarray(profile.seconds, dtype=float)  # [B, sweep]
+    sweeps = rng.integers(0, profile.repeats, (resamples, profile.repeats))  # [resample, sweep drawn]
+    speeds = 1.0 / np.median(seconds[:, sweeps], axis=2).T  # [B, resample, sweep] -> [resample, B]
     spread = profile.steps_per_sec_spread
     top = max(profile.batch_tokens)
     for row in speeds.tolist():

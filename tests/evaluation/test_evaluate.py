@@ -303,11 +303,14 @@ def test_requests_draw_from_seeded_generators_independent_of_order(tmp_path, clo
 
 
 def test_a_request_seed_is_derived_from_the_run_seed_the_benchmark_and_the_request():
+    """The seed every evaluation has decoded its requests with (cycle 0 of ``request_seed``)."""
     import zlib
+
+    from dspark.seeds import request_seed
 
     for seed, benchmark, request in ((0, "gsm8k", 0), (980406, "mt-bench", 17), (2**40 + 3, "aime25", 5)):
         by_hand = (seed * 1_000_003 + zlib.crc32(benchmark.encode("utf-8")) * 7_919 + request) % 2**63
-        assert ev._request_seed(seed, benchmark, request) == by_hand
+        assert request_seed(seed, benchmark, request) == request_seed(seed, benchmark, request, cycle=0) == by_hand
 
 
 def test_without_a_tokenizer_evaluate_says_how_to_fix_it(tmp_path):

@@ -457,6 +457,84 @@ def test_run_requests_serves_given_jobs_with_their_seeds_and_tags():
     assert sim.requests[1]["result"].tokens == alone.tokens
 
 
+
+# --------------------------------------------------------------------------- the two clocks decode the same requests
+SMALL_SPS = SPSTable([1, 2, 3, 4], [30.0, 29.0, 24.0, 18.0], 4)  # R = 1, γ = 3: B = 1 + ℓ <= 4
+
+
+@pytest.mark.parametrize("policy", ["static", "algorithm1"])
+def test_at_r_1_eval_and_simulate_decode_every_request_with_the_same_tokens(tmp_path, monkeypatch, policy):
+    """The wall clock (``evaluate`` with a policy, one benchmark at a time) and the SPS clock
+    (``simulate`` on the interleaved prompts with their keys, as ``dspark simulate`` builds them)
+    seed every request with ``request_seed``, so at R = 1 each prompt gets the very same tokens
+    and rounds on both. Without keys the simulator's own seeds give other tokens (the oracle bites)."""
+    import dspark.evaluation.evaluate as ev
+    from dspark.config import Config, EvalConfig, ServeConfig
+    from dspark.evaluation.scheduling_runs import _simulation_prompts
+    from helpers.benchmarks import CharTokenizer, write_benchmarks
+
+    target = make_tiny_target("llama")
+    drafter = random_drafter(target, gamma=3)
+    data = tmp_path / "data"
+    write_benchmarks(data, {"gsm8k": ["g0", "g1", "g2"], "mbpp": ["m0", "m1", "m2"], "alpaca": ["a0"]})
+    decoding = DecodeSettings(max_new_tokens=12, temperature=1.0, seed=3, eos_token_ids=[0])
+    serving = ServeSettings(policy=policy, sps=SMALL_SPS, concurrency=1)
+    served = []
+
+    def capture(*args, **kwargs):
+        served.append(run_requests(*args, **kwargs))
+        return served[-1]
+
+    monkeypatch.setattr(ev, "WARMUP_TOKENS", 0)
+    monkeypatch.setattr(ev, "run_requests", capture)
+    ev.evaluate(target, drafter, data, names=["gsm8k", "mbpp", "alpaca"], num_samples=2, decoding=decoding,
+                serving=serving, baseline=False, progress=False, tokenizer=CharTokenizer())
+    wall = {tuple(r["tag"]): r["result"] for sim in served for r in sim.requests}
+
+    config = Config(eval=EvalConfig(data_dir=str(data), benchmarks=["gsm8k", "mbpp", "alpaca"], seed=3),
+                    serve=ServeConfig(num_prompts=2))
+    _, prompts, keys = _simulation_prompts(config, CharTokenizer())
+    assert keys == [("gsm8k", 0), ("mbpp", 0), ("alpaca", 0), ("gsm8k", 1), ("mbpp", 1)]  # interleaved
+    sim = simulate(target, drafter, prompts, keys=keys, decoding=decoding, serving=serving, cycle=False)
+    assert [r["tag"] for r in sim.requests] == keys and set(wall) == set(keys)
+    for request, prompt in zip(sim.requests, prompts):
+        got, expected = request["result"], wall[request["tag"]]
+        assert got.prompt_len == len(prompt) == expected.prompt_len
+        assert got.tokens == expected.tokens and got.rounds == expected.rounds
+    assert len({r.proposed for r in wall.values() for r in r.rounds}) >= (2 if policy == "algorithm1" else 1)
+    unkeyed = simulate(target, drafter, prompts, decoding=decoding, serving=serving, cycle=False)
+    assert any(a["result"].tokens != b["result"].tokens for a, b in zip(unkeyed.requests, sim.requests))
+
+
+def test_a_cycled_prompt_draws_a_stream_of_its_own_at_each_reuse():
+    """With keys and cycle=True, request i serves prompt i mod N with request_seed(seed, key, i // N):
+    the second use of a prompt (cycle 1) is speculative_generate with its cycle-1 seed, not a replay
+    of its first use."""
+    from dspark.seeds import request_seed
+
+    target = make_tiny_target("qwen3")
+    drafter = random_drafter(target, gamma=3)
+    keys = [("gsm8k", 4), ("mbpp", 0), ("gsm8k", 5)]
+    sim = simulate(target, drafter, PROMPTS, keys=keys, decoding=DecodeSettings(max_new_tokens=16, seed=4),
+                   serving=ServeSettings(policy="static", sps=DECAYING, concurrency=1), num_requests=6)
+    assert [r["tag"] for r in sim.requests] == keys + keys
+    for i, request in enumerate(sim.requests):
+        alone = speculative_generate(target, drafter, PROMPTS[i % 3], max_new_tokens=16, temperature=1.0,
+                                     generator=torch.Generator().manual_seed(request_seed(4, *keys[i % 3], i // 3)))
+        assert request["result"].tokens == alone.tokens
+    first, again = sim.requests[0]["result"], sim.requests[3]["result"]
+    assert first.tokens != again.tokens
+
+
+def test_simulate_names_bad_keys():
+    target = make_tiny_target("llama")
+    drafter = random_drafter(target, gamma=3)
+    common = dict(decoding=DecodeSettings(max_new_tokens=4), serving=ServeSettings(policy="static", sps=DECAYING))
+    with pytest.raises(ValueError, match="keys has 2 entries but there are 3 prompts"):
+        simulate(target, drafter, PROMPTS, keys=[("gsm8k", 0), ("gsm8k", 1)], **common)
+    with pytest.raises(ValueError, match=r"keys must be \(benchmark, index\) pairs.*got 3"):
+        simulate(target, drafter, PROMPTS, keys=[("gsm8k", 0), ("gsm8k", 1), 3], **common)
+
 # --------------------------------------------------------------------------- settings
 @pytest.mark.parametrize("field, value, message", [
     ("max_new_tokens", 0, r"DecodeSettings.max_new_tokens must be an int >= 1, got 0"),

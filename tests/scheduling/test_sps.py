@@ -264,6 +264,45 @@ def test_the_measured_table_keeps_a_rise_that_the_noise_aware_table_flattens():
     assert flat[2] == flat[1] and raw[:2] == flat[:2] and raw[2] >= flat[2]
 
 
+def test_the_bootstrap_resamples_sweeps_jointly_so_a_drift_shared_by_every_b_cancels():
+    """Sweep j times every B as base_B · drift_j, the drift wandering threefold between sweeps (a
+    machine whose speed changes during the profile). One draw of sweeps per table, applied to every
+    B, keeps each sweep's B together: every table is the base table times one factor, so SPS(4) /
+    SPS(1) is the base ratio in each, and a run's ratio to target-only decoding (unchanged by a
+    common factor) has an interval of width 0 at the base table's price. Drawing each B's repeats on
+    its own (emulated by hand) breaks the pairing and scatters both."""
+    import numpy as np
+
+    from dspark.scheduling.sps_profile import bootstrap_tables, table_interval
+
+    batch_tokens, base = [1, 2, 4], np.array([0.10, 0.125, 0.20])
+    drift = np.array([1.0, 2.7, 0.9, 1.6, 3.0, 1.1, 0.95, 2.2, 1.3])
+    profile = _profile(np.outer(base, drift).tolist(), batch_tokens)
+    tables = list(bootstrap_tables(profile, resamples=200, seed=1))
+    assert all(t(4) / t(1) == pytest.approx(base[0] / base[2], rel=1e-12) for t in tables)
+    assert len({round(t(1), 9) for t in tables}) > 1  # the common factor itself is resampled
+    run, _ = _hand_run()
+    truth = run.priced_by(SPSTable(batch_tokens, list(1 / base), 4))
+    lo, hi = table_interval(run, profile, resamples=200, seed=1)
+    assert lo == pytest.approx(truth, rel=1e-9) and hi == pytest.approx(truth, rel=1e-9)
+
+    rng = np.random.default_rng(1)
+    seconds = np.asarray(profile.seconds)  # [B, sweep]
+    apart = np.stack([1 / np.median(s[rng.integers(0, len(s), (200, len(s)))], axis=1) for s in seconds], axis=1)
+    ratios = apart[:, 2] / apart[:, 0]
+    assert ratios.max() / ratios.min() > 1.5
+    priced = np.array([run.priced_by(SPSTable(batch_tokens, list(row), 4)) for row in apart])
+    assert np.quantile(priced, 0.975) / np.quantile(priced, 0.025) > 1.2
+
+
+def test_the_bootstrap_needs_one_timing_per_sweep_at_every_b():
+    from dspark.scheduling.sps_profile import bootstrap_tables
+
+    profile = _profile([[0.1] * 6, [0.125] * 6, [0.2] * 6], [1, 2, 4])
+    profile.seconds[1] = profile.seconds[1][:5]
+    with pytest.raises(ValueError, match=r"B = 2 holds 5 timings but repeats = 6"):
+        next(bootstrap_tables(profile))
+
 def test_the_sps_clock_interval_covers_at_the_demos_design():
     """The demo's design: 8 B (1 … 128), 20 interleaved repeats, a table flat up to B = 4 and then
     falling (the demo's own shape), timing noise lognormal with σ = 0.08 per forward plus a drift
