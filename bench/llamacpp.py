@@ -28,8 +28,8 @@ as the macro average (mean over benchmarks):
 
 - llama.cpp tokens/s without and with the drafter, as the server reports them (``timings``:
   generation after the first token, prefill excluded) pooled over the requests, and their ratio
-  with a 95 % bootstrap interval that resamples requests within each benchmark, the two decodes
-  of a request together (``dspark.bootstrap.stratified_ci``);
+  with a 95 % interval over requests, stratified by benchmark, the two decodes of a request
+  taken together (``dspark.bootstrap.jackknife_ci`` on the log scale);
 - τ of llama.cpp (tokens per verification round, the target's token included:
   1 + Σ draft_n_accepted / Σ rounds, the rounds from the server's /metrics;
   ``dspark.interop.llamacpp`` derives the mapping from the server code) and dspark's τ on the same
@@ -59,8 +59,9 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from dspark.bootstrap import DEFAULT_RESAMPLES, stratified_ci
+from dspark.bootstrap import jackknife_ci
 from dspark.data.benchmarks import load_benchmark_prompts
+from dspark.seeds import request_seed
 from dspark.evaluation.markdown import fmt_ci, markdown_table
 from dspark.evaluation.metrics import macro_average_array, round_tau
 from dspark.interop.llamacpp import (
@@ -82,15 +83,6 @@ WARMUP_TOKENS = 8
 # ---------------------------------------------------------------------------
 
 
-def request_seed(seed: int, benchmark: str, request: int) -> int:
-    """The per-request seed ``dspark eval`` uses (the same request draws from the same seed)."""
-    import zlib
-
-    from dspark.seeds import derive_seed
-
-    return derive_seed(seed, zlib.crc32(benchmark.encode("utf-8")), request)
-
-
 def prompt_settings(args: argparse.Namespace, eval_config: Mapping[str, Any] | None) -> dict[str, Any]:
     """Where the prompts come from: an evaluation folder's settings, else the command line."""
     if eval_config is not None:
@@ -98,11 +90,12 @@ def prompt_settings(args: argparse.Namespace, eval_config: Mapping[str, Any] | N
         return {"builtin": bool(e.get("builtin_prompts")), "data_dir": e.get("data_dir") or "eval_datasets",
                 "benchmarks": list(e.get("benchmarks") or []) or None, "num_samples": int(e.get("num_samples") or 0),
                 "seed": int(e.get("seed", DEFAULT_SEED)), "max_new_tokens": int(e["max_new_tokens"]),
+                "split": str(e.get("split", "all")),
                 "target": eval_config.get("target", {}).get("name_or_path", args.target)}
     data_dir = args.data_dir or os.environ.get("DSPARK_EVAL_DATA") or "eval_datasets"
     builtin = args.builtin_eval or not any(Path(data_dir).glob("*.jsonl"))
     return {"builtin": builtin, "data_dir": data_dir, "benchmarks": args.benchmarks, "num_samples": args.num_samples,
-            "seed": args.seed, "max_new_tokens": args.max_new_tokens, "target": args.target}
+            "seed": args.seed, "max_new_tokens": args.max_new_tokens, "split": args.split, "target": args.target}
 
 
 def load_prompt_ids(settings: Mapping[str, Any], tokenizer: Any) -> dict[str, list[list[int]]]:
@@ -115,7 +108,8 @@ def load_prompt_ids(settings: Mapping[str, Any], tokenizer: Any) -> dict[str, li
         source, names = builtin_eval_sets(), None
     else:
         source, names = settings["data_dir"], settings["benchmarks"]
-    prompts = load_benchmark_prompts(source, names, settings["num_samples"] or None, settings["seed"])
+    prompts = load_benchmark_prompts(source, names, settings["num_samples"] or None, settings["seed"],
+                                     settings.get("split", "all"))
     return {name: [render_prompt(tokenizer, c, enable_thinking=False) for c in convs]
             for name, convs in prompts.items()}
 
@@ -253,19 +247,18 @@ def macro(values: np.ndarray, names: Sequence[str]) -> np.ndarray:
     return avg
 
 
-def intervals(groups: Mapping[str, np.ndarray], per_benchmark: Callable[[np.ndarray], np.ndarray],
-              resamples: int, seed: int) -> dict[str, Any]:
-    """{benchmark: [estimate, lo, hi], ..., "macro": [...]}: a statistic of per-request sums, each
-    benchmark's requests resampled within it (95 % percentile intervals; NaN with < 2 requests)."""
+def intervals(groups: Mapping[str, np.ndarray], per_benchmark: Callable[[np.ndarray], np.ndarray]) -> dict[str, Any]:
+    """{benchmark: [estimate, lo, hi], ..., "macro": [...]}: a positive statistic of per-request sums
+    with its 95 % interval over requests (``dspark.bootstrap.jackknife_ci`` on the log scale,
+    stratified by benchmark; NaN with < 2 requests)."""
     names = [n for n, a in groups.items() if len(a)]
     out: dict[str, Any] = {}
     for name in names:
-        est, lo, hi = stratified_ci([groups[name]], lambda s: per_benchmark(s.sum(axis=-2)[..., None, :])[..., 0],
-                                    resamples=resamples, seed=seed)
+        est, lo, hi = jackknife_ci([groups[name]], lambda s: per_benchmark(s.sum(axis=-2)[..., None, :])[..., 0],
+                                   scale="log")
         out[name] = [float(est), float(lo), float(hi)]
     if names:
-        est, lo, hi = stratified_ci([groups[n] for n in names],
-                                    lambda s: macro(per_benchmark(s), names), resamples=resamples, seed=seed)
+        est, lo, hi = jackknife_ci([groups[n] for n in names], lambda s: macro(per_benchmark(s), names), scale="log")
         out["macro"] = [float(est), float(lo), float(hi)]
     return out
 
@@ -281,18 +274,18 @@ def _steps(row: Mapping[str, Any]) -> tuple[float, float]:
 
 def summarize(rows: Sequence[Mapping[str, Any]], prompts: Mapping[str, list[list[int]]],
               drafters: Mapping[str, Mapping[str, Any]], dspark_evals: Mapping[tuple[str, float], Any],
-              temperatures: Sequence[float], resamples: int, seed: int) -> dict[str, Any]:
+              temperatures: Sequence[float]) -> dict[str, Any]:
     """The numbers of results.json, per temperature: target-only and per-drafter entries."""
     out: dict[str, Any] = {}
     for temperature in temperatures:
         base = _by_key(rows, "target", temperature)
         keys = {b: [(b, i) for i in range(len(v)) if (b, i) in base] for b, v in prompts.items()}
-        entry: dict[str, Any] = {"target": _target_entry(base, keys, dspark_evals.get(("target", temperature)),
-                                                         resamples, seed), "drafters": {}}
+        entry: dict[str, Any] = {"target": _target_entry(base, keys, dspark_evals.get(("target", temperature))),
+                                 "drafters": {}}
         for name in drafters:
             mine = _by_key(rows, name, temperature)
             entry["drafters"][name] = _drafter_entry(mine, base, keys, dspark_evals.get((name, temperature)),
-                                                     temperature, resamples, seed)
+                                                     temperature)
         out[f"{temperature:.1f}"] = entry
     return out
 
@@ -318,26 +311,25 @@ def _matched(evaluation: Any, keys: Mapping[str, list], prompts_len: Mapping[tup
     return found, mismatched
 
 
-def _target_entry(base: Mapping, keys: Mapping[str, list], evaluation: Any, resamples: int, seed: int) -> dict[str, Any]:
+def _target_entry(base: Mapping, keys: Mapping[str, list], evaluation: Any) -> dict[str, Any]:
     rates = _rate_groups(keys, base)
     entry: dict[str, Any] = {"requests": {b: len(ks) for b, ks in keys.items()},
-                             "tokens_per_s": intervals(rates, _pooled_ratio, resamples, seed)}
+                             "tokens_per_s": intervals(rates, _pooled_ratio)}
     if evaluation is not None:
         lengths = {k: int(base[k]["prompt_tokens"]) for ks in keys.values() for k in ks}
         dspark, mismatched = _matched(evaluation, keys, lengths)
         paired = {b: np.array([[*_steps(base[k]), *dspark[k]["baseline_decode"]] for k in ks
                                if k in dspark and "baseline_decode" in dspark[k]], dtype=np.float64).reshape(-1, 4)
                   for b, ks in keys.items()}
-        entry["dspark_tokens_per_s"] = intervals({b: a[:, 2:] for b, a in paired.items()}, _pooled_ratio,
-                                                 resamples, seed)
-        entry["llamacpp_over_dspark"] = intervals(paired, _ratio_of_rates, resamples, seed)
+        entry["dspark_tokens_per_s"] = intervals({b: a[:, 2:] for b, a in paired.items()}, _pooled_ratio)
+        entry["llamacpp_over_dspark"] = intervals(paired, _ratio_of_rates)
         entry["dspark_folder"] = evaluation["folder"]
         entry["prompt_mismatches"] = mismatched
     return entry
 
 
-def _drafter_entry(mine: Mapping, base: Mapping, keys: Mapping[str, list], evaluation: Any, temperature: float,
-                   resamples: int, seed: int) -> dict[str, Any]:
+def _drafter_entry(mine: Mapping, base: Mapping, keys: Mapping[str, list], evaluation: Any,
+                   temperature: float) -> dict[str, Any]:
     both = {b: [k for k in ks if k in mine] for b, ks in keys.items()}
     paired = {b: np.array([[*_steps(mine[k]), *_steps(base[k])] for k in ks], dtype=np.float64).reshape(-1, 4)
               for b, ks in both.items()}
@@ -346,9 +338,9 @@ def _drafter_entry(mine: Mapping, base: Mapping, keys: Mapping[str, list], evalu
             for b, ks in both.items()}
     entry: dict[str, Any] = {
         "requests": {b: len(ks) for b, ks in both.items()},
-        "tokens_per_s": intervals({b: a[:, :2] for b, a in paired.items()}, _pooled_ratio, resamples, seed),
-        "speedup": intervals(paired, _ratio_of_rates, resamples, seed),
-        "tau": intervals(taus, _pooled_ratio, resamples, seed),
+        "tokens_per_s": intervals({b: a[:, :2] for b, a in paired.items()}, _pooled_ratio),
+        "speedup": intervals(paired, _ratio_of_rates),
+        "tau": intervals(taus, _pooled_ratio),
         "draft_n": int(sum(int(mine[k]["draft_n"]) for ks in both.values() for k in ks)),
         "draft_accepted": int(sum(int(mine[k]["draft_accepted"]) for ks in both.values() for k in ks)),
         "rounds": int(sum(int(mine[k]["rounds"] or 0) for ks in both.values() for k in ks)),
@@ -362,10 +354,10 @@ def _drafter_entry(mine: Mapping, base: Mapping, keys: Mapping[str, list], evalu
         entry["dspark_tau"] = intervals({b: np.array([[dspark[k]["tau_sum"], dspark[k]["rounds"]] for k in ks
                                                       if k in dspark and dspark[k]["rounds"]],
                                                      dtype=np.float64).reshape(-1, 2) for b, ks in both.items()},
-                                        _pooled_ratio, resamples, seed)
+                                        _pooled_ratio)
         entry["dspark_tokens_per_s"] = intervals({b: np.array([dspark[k]["decode"] for k in ks if k in dspark],
                                                               dtype=np.float64).reshape(-1, 2)
-                                                  for b, ks in both.items()}, _pooled_ratio, resamples, seed)
+                                                  for b, ks in both.items()}, _pooled_ratio)
         entry["dspark_folder"] = evaluation["folder"]
         entry["prompt_mismatches"] = mismatched
     return entry
@@ -377,7 +369,7 @@ def _drafter_entry(mine: Mapping, base: Mapping, keys: Mapping[str, list], evalu
 
 
 def fmt(value: Any, digits: int = 2) -> str:
-    """"x ± half-interval" of an [estimate, lo, hi] triple (``fmt_ci``); "–" when missing."""
+    """"x [lo, hi]" of an [estimate, lo, hi] triple (``fmt_ci``); "–" when missing."""
     if not value:
         return "–"
     return fmt_ci(value[0], value[1:], digits)
@@ -418,8 +410,8 @@ def markdown(results: Mapping[str, Any]) -> str:
         "# llama.cpp beside dspark", "",
         f"Target `{Path(s['target_gguf']).name}`, llama-server with {s['threads']} threads; {s['requests']} requests "
         f"of at most {s['prompts']['max_new_tokens']} new tokens. τ: tokens per verification round (the target's "
-        "token included); tok/s: generation after the first token, prefill excluded; ± half the 95 % bootstrap "
-        "interval over requests; macro: mean over benchmarks.", "", tables(results)])
+        "token included); tok/s: generation after the first token, prefill excluded; [lo, hi] the 95 % interval "
+        "over requests (jackknife, stratified by benchmark); macro: mean over benchmarks.", "", tables(results)])
 
 
 # ---------------------------------------------------------------------------
@@ -447,10 +439,11 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--num-samples", type=int, default=4, help="prompts per benchmark (default 4)")
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help="prompt subsets and request seeds")
+    parser.add_argument("--split", default="test", choices=("all", "dev", "test"),
+                        help="which prompts of each benchmark (dspark.data.benchmarks; default test, as reported)")
     parser.add_argument("--dspark-eval", action="store_true",
                         help="decode the same requests with dspark where the run has no evaluation folder")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--resamples", type=int, default=DEFAULT_RESAMPLES)
     parser.add_argument("--quick", action="store_true", help="one prompt of three benchmarks, 12 tokens")
     return parser.parse_args(argv)
 
@@ -538,10 +531,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                           args.threads, logs, draft=draft, label=name)
     results = {
         "settings": {"server": str(server), "target_gguf": str(target_gguf), "threads": args.threads,
-                     "prompts": settings, "temperatures": temperatures, "resamples": args.resamples,
+                     "prompts": settings, "temperatures": temperatures,
                      "requests": sum(map(len, prompts.values())), "drafters": drafters,
                      "wall_s": round(time.perf_counter() - started, 1)},
-        "temperatures": summarize(rows, prompts, drafters, evals, temperatures, args.resamples, settings["seed"]),
+        "temperatures": summarize(rows, prompts, drafters, evals, temperatures),
     }
     atomic_write_text(out / "requests.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
     atomic_write_text(out / RESULTS, json.dumps(results, indent=2) + "\n")

@@ -1,55 +1,85 @@
-"""Seeded bootstrap confidence intervals over requests (percentile method).
+"""Intervals over requests: the stratified jackknife, the percentile bootstrap, and Wilson for proportions.
 
-The unit of resampling is the request, never the round: rounds of one request
-share its prompt and its context, so they are not independent, and a round
-bootstrap would give intervals that are too narrow.
+The unit of sampling is the request, never the round: rounds of one request share
+its prompt and its context, so they are not independent, and an interval over
+rounds would be too narrow. The requests of an evaluation are drawn per benchmark
+(the benchmarks are fixed, G strata of n_g requests), so every interval is stratified.
 
 Every number the reports compare is a function of sums over requests of
 per-request aggregates (τ pooled = Σ τ / Σ rounds, conditional acceptance =
 Σ passed / Σ reached, ECE = Σ_b |Σ residual_b| / Σ count, a speedup = a ratio
-of four sums). So a resample is a count vector w [n] (how often each request
-was drawn, Σ w = n) and the statistic is evaluated on w · aggregates: one
-matrix product for all resamples.
+of four sums): a statistic maps group sums [..., G, d...] to the number.
 
-- ``resample_counts``          [R, n] draw counts of R seeded resamples of n requests
-- ``counts_from_indices``      the same from an explicit [R, k] index matrix
-- ``percentile_interval``      (lo, hi) of resampled statistics
-- ``bootstrap_ci``             (estimate, lo, hi) of a statistic of request sums
-- ``bootstrap_ci_from_indices`` the same on a given resample set (tests, hand checks)
-- ``stratified_ci``            requests resampled within each group (benchmark),
-                               for macro averages over benchmarks
+- ``jackknife_ci``             smooth statistics (τ, speedups, paired ratios, macro averages)
+- ``proportion_ci``            a pooled proportion Σ passed / Σ reached (conditional acceptance,
+                               acceptance rates): Wilson on effective counts
+- ``stratified_ci``            the stratified percentile bootstrap (non-smooth statistics such as
+                               ECE); ``bootstrap_ci`` / ``bootstrap_ci_from_indices`` for one group
+- ``resample_counts``, ``counts_from_indices``, ``percentile_interval``: the bootstrap's parts
+- ``design_df``                the design degrees of freedom ν = Σ_g (n_g − 1)
 - ``intervals_overlap``        whether two [lo, hi] intervals share a point
 
-Percentile interval (Efron & Tibshirani 1993, ch. 13): lo and hi are the
-(1 − level)/2 and (1 + level)/2 quantiles of the resampled statistic, with
-numpy's default linear interpolation; resamples where the statistic is
-undefined (NaN, e.g. a ratio whose denominator was not drawn) are left out.
+Small strata. An evaluation draws few requests per benchmark (2 to 8), so a
+variance is estimated from only ν = Σ_g (n_g − 1) degrees of freedom, and a
+statistic that is a ratio is skewed. Every interval therefore uses Student's t at ν
+(not the normal), and works on a scale h (``SCALES``) where the statistic is close
+to symmetric and from which no bound can leave its range: "log" for positive ratios
+(τ, speedups, τ_A / τ_B), "logit" for numbers in [0, 1]. A statistic with a known
+bound inside that range (τ ≥ 1: every round emits a token) has its interval clipped
+to its ``support``, which changes no coverage (the truth is inside the support).
+A group of one request adds no degree of freedom; with no group of two or more
+(ν = 0) every interval is NaN: no interval rests on fewer than two requests of a group.
 
-Small strata. An evaluation draws few requests per benchmark (2 to 8), and a
-resample of n of n requests keeps only (n − 1)/n of a group sum's variance,
-while the variance itself is estimated from only Σ (n_g − 1) degrees of
-freedom; the plain percentile interval then covers far less than its level
-(about 0.8 at 9 benchmarks × 2 requests). So every resampled group sum S*_g is
-rescaled about the observed sum S_g (a rescaled bootstrap, Rao & Wu 1988),
-which restores the variance,
+Smooth statistics (``jackknife_ci``): the stratified delete-one jackknife (Efron &
+Tibshirani 1993, ch. 11; Wolter 2007, ch. 4). Deleting request i of group g replaces
+the group's sum S_g by (S_g − a_i) · n_g / (n_g − 1) (the group keeps its weight), and
 
-    S*_g ← S_g + sqrt(n_g / (n_g − 1)) · (S*_g − S_g),
+    v = Σ_g (n_g − 1) / n_g · Σ_i (h(θ_(g,i)) − mean_i h(θ_(g,i)))²,
+    [lo, hi] = h⁻¹(h(θ̂) ∓ t_ν · sqrt(v)).
 
-and the percentile interval is widened about the estimate θ̂ as a Student t
-interval is wider than a normal one,
+Deterministic (no resampling noise), and a request's rows in two evaluations
+(paired comparisons) are deleted together.
 
-    lo ← θ̂ − w · (θ̂ − lo),  hi ← θ̂ + w · (hi − θ̂),  w = t_ν / z,
+Proportions (``proportion_ci``). A pooled proportion θ̂ = Σ passed / Σ reached whose
+denominator is small (the rounds that reach draft position 3 or 4 are a few dozen
+spread over a few requests) is lumpy over requests, often 0 when a few are left out.
+Its interval is Wilson's score interval (Wilson 1927) on effective counts (Kish's
+design effect; Korn & Graubard 1998): the variance of θ̂ over requests is the
+stratified linearisation of the ratio,
 
-with t_ν and z the (1 + level)/2 quantiles of Student's t and of the normal.
-The degrees of freedom are Satterthwaite's for the sum of the groups' variance
-estimates (each group's share v_g measured by resampling it alone): at most
-Σ_g (n_g − 1), fewer when a few benchmarks carry most of the variance. Chosen by measured coverage (tests/test_bootstrap.py simulates
-ratio-of-sums statistics with known truth at 9 × 2, 9 × 4 and 9 × 8 requests:
-plain resampling undercovers, the rescaled one does not). A group of one
-request has no within-group variance to resample; with no group of two or
-more (ν = 0) the interval is NaN: no interval rests on fewer than two
-requests of a group. ``small_sample=False`` (or ``SMALL_SAMPLE = False`` for
-every call that does not say) gives the plain bootstrap.
+    v = Σ_g n_g / (n_g − 1) · Σ_i (e_i − ē_g)² / N²,   e_i = passed_i − θ̂ · reached_i,
+
+the design effect d = v / (θ̂ (1 − θ̂) / N) (1 when θ̂ is 0 or 1), floored at
+``DEFF_FLOOR`` (a design effect estimated from few requests can come out far below
+its true value by chance; the floor keeps the interval from being narrower than
+the binomial one of twice the rounds), the effective count n* = N / d, and Wilson's
+interval at n* with t_ν in place of z. It never leaves [0, 1] and is asymmetric near
+its ends. Below ``MIN_ROUNDS`` reaching rounds or ``MIN_REQUESTS`` requests that
+reached the position there is no interval (NaN): such a rate is reported with its
+count alone.
+
+The bootstrap (``stratified_ci``, ``bootstrap_ci``): a resample is a count vector
+w [n] per group (how often each request was drawn, Σ w = n_g, each group keeping its
+size) and the statistic is evaluated on w · aggregates, one matrix product for all
+resamples; the percentile interval (Efron & Tibshirani 1993, ch. 13) takes the
+(1 − level)/2 and (1 + level)/2 quantiles of the resampled statistic (numpy's linear
+interpolation), leaving out resamples where it is undefined. A resample of n of n
+requests keeps only (n − 1)/n of a group's variance, so the bounds are stretched
+about the estimate on the scale h,
+
+    lo = h⁻¹(h(θ̂) − w · (h(θ̂) − h(lo*))),  hi = h⁻¹(h(θ̂) + w · (h(hi*) − h(θ̂))),
+    w = f · t_ν / z,
+
+with lo*, hi* the plain percentile bounds, f = sqrt(n / (n − 1)) (Rao & Wu 1988; for
+groups of unequal sizes f² = Σ_g f_g² v_g / Σ_g v_g, v_g the variance of h(θ*) when
+only group g is resampled) and z the normal quantile. ``small_sample=False`` (or
+``SMALL_SAMPLE = False`` for every call that does not say) gives the plain bootstrap.
+
+Each was chosen by measured coverage (tests/test_bootstrap.py and
+``bench/interval_coverage.py`` simulate round logs of requests with a known truth at
+9 × 2, 9 × 4 and 9 × 8 requests, at the demo's sparse design where 0.20 / 0.08 / 0.03
+of the rounds reach positions 2 / 3 / 4 and at a dense one): τ, paired ratios and
+conditional acceptance cover between 0.93 and 0.985 at their 0.95 level.
 """
 
 from __future__ import annotations
@@ -66,21 +96,37 @@ DEFAULT_RESAMPLES = 1000
 DEFAULT_LEVEL = 0.95
 # Whether intervals get the small-stratum correction (module docstring) when a call does not say.
 SMALL_SAMPLE = True
+# The scales an interval works on (module docstring): name -> (h, h⁻¹).
+SCALES: dict[str, tuple[Callable[[np.ndarray], np.ndarray], Callable[[np.ndarray], np.ndarray]]] = {
+    "identity": (lambda x: x, lambda y: y),
+    "log": (np.log, np.exp),
+    "logit": (lambda x: np.log(x) - np.log1p(-x), lambda y: 1.0 / (1.0 + np.exp(-y))),
+}
+# Proportions (proportion_ci): no interval below these counts; the design effect's floor.
+MIN_ROUNDS = 10
+MIN_REQUESTS = 5
+DEFF_FLOOR = 0.5
 
 Statistic = Callable[[np.ndarray], Any]
 
 __all__ = [
     "DEFAULT_LEVEL",
     "DEFAULT_RESAMPLES",
+    "DEFF_FLOOR",
     "Interval",
+    "MIN_REQUESTS",
+    "MIN_ROUNDS",
+    "SCALES",
     "bootstrap_ci",
     "bootstrap_ci_from_indices",
     "check_settings",
     "counts_from_indices",
+    "design_df",
     "intervals_overlap",
+    "jackknife_ci",
     "percentile_interval",
+    "proportion_ci",
     "resample_counts",
-    "satterthwaite_df",
     "small_sample_factors",
     "stratified_ci",
     "student_t_quantile",
@@ -176,64 +222,76 @@ def small_sample_factors(sizes: Sequence[int]) -> np.ndarray:
         return np.where(n >= 2, np.sqrt(n / (n - 1)), 0.0)
 
 
-def satterthwaite_df(variances: Any, sizes: Sequence[int]) -> np.ndarray:
-    """ν = (Σ_g v_g)² / Σ_g v_g² / (n_g − 1): the degrees of freedom of a sum of G independent
-    variance estimates v_g [G, ...] from groups of n_g requests (Satterthwaite 1946). Groups of
-    one request carry no estimate; where every v_g is 0 the plain Σ (n_g − 1) is returned, and
-    NaN where no group has two requests."""
-    v = np.asarray(variances, dtype=np.float64)
-    n = np.asarray(sizes, dtype=np.float64).reshape((-1,) + (1,) * (v.ndim - 1))
-    usable = n >= 2
-    plain = float(np.sum(np.maximum(n - 1, 0)))
-    if plain == 0:
-        return np.full(v.shape[1:], np.nan)
-    v = np.where(usable, np.nan_to_num(v), 0.0)
-    total = v.sum(axis=0)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        spread = np.where(usable, v * v / np.maximum(n - 1, 1), 0.0).sum(axis=0)
-        nu = np.where(spread > 0, total * total / spread, plain)
-    return nu
+def design_df(sizes: Sequence[int]) -> float:
+    """ν = Σ_g (n_g − 1) over the groups of two or more requests: the degrees of freedom of a
+    variance estimated within G strata of n_g requests; NaN when no group has two."""
+    nu = float(sum(max(int(n) - 1, 0) for n in sizes))
+    return nu if nu > 0 else math.nan
 
 
-def _width(df: Any, level: float) -> Any:
-    """w = t_ν / z at the (1 + level)/2 quantile, elementwise over ν (NaN stays NaN)."""
+def _t_over_z(df: float, level: float) -> float:
+    """t_ν / z at the (1 + level)/2 quantile (NaN for a NaN ν)."""
+    if not np.isfinite(df):
+        return math.nan
     p = (1.0 + float(level)) / 2
-    z = NormalDist().inv_cdf(p)
-    nu = np.asarray(df, dtype=np.float64)
-    cache: dict[float, float] = {}
-    flat = [math.nan if not np.isfinite(x) else cache.setdefault(round(float(x), 6), student_t_quantile(p, float(x)) / z)
-            for x in nu.ravel()]
-    return np.asarray(flat, dtype=np.float64).reshape(nu.shape)
+    return student_t_quantile(p, float(df)) / NormalDist().inv_cdf(p)
 
 
-def _rescaled(resampled: np.ndarray, observed: np.ndarray, factor: float) -> np.ndarray:
-    """S_g + f_g (S*_g − S_g) for resampled sums [R, d...] of a group with observed sums [d...]."""
-    return observed + factor * (resampled - observed)
+def _scale(name: str) -> tuple[Callable[[np.ndarray], np.ndarray], Callable[[np.ndarray], np.ndarray]]:
+    if name not in SCALES:
+        raise ValueError(f"scale must be one of {sorted(SCALES)}, got {name!r}")
+    return SCALES[name]
 
 
-def _widened(estimate: Any, lo: Any, hi: Any, width: Any) -> tuple[Any, Any]:
-    """The interval [lo, hi] stretched about ``estimate`` by ``width`` (NaN for a NaN width)."""
-    est = np.asarray(estimate, dtype=np.float64)
-    with np.errstate(invalid="ignore"):
-        return _scalar(est - width * (est - lo)), _scalar(est + width * (np.asarray(hi) - est))
+def _on_scale(h: Callable[[np.ndarray], np.ndarray], x: Any) -> np.ndarray:
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return h(np.asarray(x, dtype=np.float64))
 
 
-def _group_variances(statistic: Statistic, observed: list[np.ndarray], resampled: list[np.ndarray]) -> np.ndarray:
-    """v_g [G, ...]: the variance over resamples of the statistic when only group g is resampled
-    (the others at their observed sums), each group's share of the interval's width."""
+def _corrected(estimate: Any, lo: Any, hi: Any, width: Any, scale: str) -> tuple[Any, Any]:
+    """[lo, hi] stretched about ``estimate`` by ``width`` on the ``scale`` (module docstring);
+    NaN where the width or the estimate on that scale is not finite."""
+    h, inverse = _scale(scale)
+    e, a, b = _on_scale(h, estimate), _on_scale(h, lo), _on_scale(h, hi)
+    with np.errstate(invalid="ignore", over="ignore"):
+        w = np.where(np.isfinite(e), width, np.nan)
+        new_lo = inverse(e - w * (e - a))
+        new_hi = inverse(e + w * (b - e))
+    return _scalar(new_lo), _scalar(new_hi)
+
+
+def _group_variances(statistic: Statistic, observed: list[np.ndarray], resampled: list[np.ndarray],
+                     h: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+    """v_g [G, ...]: the variance over resamples of h(statistic) when only group g is resampled
+    (the others at their observed sums): each group's share of the interval's width."""
     base = np.stack(observed, axis=0)  # [G, d...]
     out = []
     for g, r in enumerate(resampled):
         sums = np.broadcast_to(base, (r.shape[0],) + base.shape).copy()  # [R, G, d...]
         sums[:, g] = r
+        values = _on_scale(h, _evaluate(statistic, sums))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
-            out.append(np.nanvar(_evaluate(statistic, sums), axis=0))
+            out.append(np.nanvar(np.where(np.isfinite(values), values, np.nan), axis=0))
     return np.stack(out, axis=0)
 
 
-def _scalar(x: np.ndarray) -> Any:
-    return float(x) if np.ndim(x) == 0 else x
+def _factor(sizes: Sequence[int], variances: Callable[[], np.ndarray] | None) -> Any:
+    """f = sqrt(Σ_g f_g² v_g / Σ_g v_g) (module docstring): the common f_g when every group of two or
+    more requests has the same size (``variances`` is then not called), else variance-weighted."""
+    f = small_sample_factors(sizes)
+    sized = {int(n) for n in sizes if n >= 2}
+    if len(sized) <= 1 or variances is None:
+        return float(f.max()) if f.size else math.nan
+    v = np.nan_to_num(variances())  # [G, ...]
+    f2 = (f**2).reshape((-1,) + (1,) * (v.ndim - 1))
+    total = v.sum(axis=0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.sqrt(np.where(total > 0, (f2 * v).sum(axis=0) / total, float(np.mean(f[f > 0] ** 2))))
+
+
+def _scalar(x: Any) -> Any:
+    return float(x) if np.ndim(x) == 0 else np.asarray(x)
 
 
 def _evaluate(statistic: Statistic, sums: np.ndarray) -> np.ndarray:
@@ -250,20 +308,18 @@ def _aggregates(aggregates: Any) -> np.ndarray:
 
 
 def _interval_from_counts(aggregates: np.ndarray, statistic: Statistic, counts: np.ndarray, level: float,
-                          small_sample: bool | None = None) -> Interval:
+                          small_sample: bool | None = None, scale: str = "identity") -> Interval:
     check_settings(int(counts.shape[0]), level)
+    _scale(scale)
     if counts.shape[1] != aggregates.shape[0]:
         raise ValueError(f"resample counts cover {counts.shape[1]} requests but there are {aggregates.shape[0]}")
-    observed = aggregates.sum(axis=0)
-    estimate = _evaluate(statistic, observed)
+    estimate = _evaluate(statistic, aggregates.sum(axis=0))
     sums = np.tensordot(np.asarray(counts, dtype=np.float64), aggregates, axes=1)  # [R, d...]
-    small_sample = SMALL_SAMPLE if small_sample is None else small_sample
-    width: Any = 1.0
-    if small_sample:
-        sums = _rescaled(sums, observed, float(small_sample_factors([aggregates.shape[0]])[0]))
-        width = _width(aggregates.shape[0] - 1 if aggregates.shape[0] >= 2 else math.nan, level)
-    resampled = _evaluate(statistic, sums)  # [R, ...]
-    lo, hi = _widened(estimate, *percentile_interval(resampled, level), width)
+    lo, hi = percentile_interval(_evaluate(statistic, sums), level)
+    if SMALL_SAMPLE if small_sample is None else small_sample:
+        n = aggregates.shape[0]
+        width = float(small_sample_factors([n])[0]) * _t_over_z(design_df([n]), level)
+        lo, hi = _corrected(estimate, lo, hi, width, scale)
     return Interval(_scalar(estimate), lo, hi)
 
 
@@ -275,6 +331,7 @@ def bootstrap_ci(
     seed: int = 0,
     level: float = DEFAULT_LEVEL,
     small_sample: bool | None = None,
+    scale: str = "identity",
 ) -> Interval:
     """(estimate, lo, hi) of ``statistic`` over requests.
 
@@ -283,19 +340,20 @@ def bootstrap_ci(
     (leading axes are resamples), e.g. ``lambda s: s[..., 0] / s[..., 1]``.
     The estimate is the statistic of the plain sums; lo / hi the percentile
     interval of ``resamples`` resamples of the n requests drawn with
-    ``np.random.default_rng(seed)``, rescaled for a small n (module docstring)
-    unless ``small_sample`` is False; NaN bounds for fewer than two requests."""
+    ``np.random.default_rng(seed)``, corrected for a small n on ``scale`` (module
+    docstring) unless ``small_sample`` is False; NaN bounds for fewer than two requests."""
     a = _aggregates(aggregates)
     counts = resample_counts(a.shape[0], resamples, np.random.default_rng(seed))
-    return _interval_from_counts(a, statistic, counts, level, small_sample)
+    return _interval_from_counts(a, statistic, counts, level, small_sample, scale)
 
 
 def bootstrap_ci_from_indices(
-    aggregates: Any, statistic: Statistic, indices: Any, level: float = DEFAULT_LEVEL, small_sample: bool | None = None
+    aggregates: Any, statistic: Statistic, indices: Any, level: float = DEFAULT_LEVEL,
+    small_sample: bool | None = None, scale: str = "identity",
 ) -> Interval:
     """``bootstrap_ci`` on an explicit resample set: indices [R, k], row r the requests drawn."""
     a = _aggregates(aggregates)
-    return _interval_from_counts(a, statistic, counts_from_indices(indices, a.shape[0]), level, small_sample)
+    return _interval_from_counts(a, statistic, counts_from_indices(indices, a.shape[0]), level, small_sample, scale)
 
 
 def stratified_ci(
@@ -307,6 +365,7 @@ def stratified_ci(
     level: float = DEFAULT_LEVEL,
     counts: Sequence[np.ndarray] | None = None,
     small_sample: bool | None = None,
+    scale: str = "identity",
 ) -> Interval:
     """(estimate, lo, hi) of a statistic of per-group sums, requests resampled within each group.
 
@@ -316,14 +375,16 @@ def stratified_ci(
     average). Each group keeps its size in every resample, as the benchmarks
     of an evaluation do. ``counts`` (G draw-count matrices [R, n_g]) replaces
     the seeded draw, so that several statistics share one resample set; the
-    default draws group after group from ``np.random.default_rng(seed)``. Each
-    group's resampled sums are rescaled for its size (module docstring) unless
-    ``small_sample`` is False; NaN bounds when no group has two requests."""
+    default draws group after group from ``np.random.default_rng(seed)``. The
+    percentile interval is corrected for small groups on ``scale`` (module
+    docstring: "identity", "log" for positive ratios, "logit" for numbers in
+    [0, 1]) unless ``small_sample`` is False; NaN bounds when no group has two requests."""
     arrays = [_aggregates(g) for g in groups]
     if not arrays:
         raise ValueError("stratified_ci needs at least one group")
     if len({a.shape[1:] for a in arrays}) != 1:
         raise ValueError(f"groups have different aggregate shapes {[a.shape[1:] for a in arrays]}")
+    h, _ = _scale(scale)
     if counts is None:
         rng = np.random.default_rng(seed)
         counts = [resample_counts(a.shape[0], resamples, rng) for a in arrays]
@@ -336,15 +397,110 @@ def stratified_ci(
     observed = [a.sum(axis=0) for a in arrays]
     estimate = _evaluate(statistic, np.stack(observed, axis=0))
     resampled = [np.tensordot(np.asarray(c, dtype=np.float64), a, axes=1) for c, a in zip(counts, arrays)]
-    small_sample = SMALL_SAMPLE if small_sample is None else small_sample
-    width: Any = 1.0
-    if small_sample:
+    lo, hi = percentile_interval(_evaluate(statistic, np.stack(resampled, axis=1)), level)  # sums [R, G, d...]
+    if SMALL_SAMPLE if small_sample is None else small_sample:
         sizes = [a.shape[0] for a in arrays]
-        resampled = [_rescaled(r, s, f) for r, s, f in zip(resampled, observed, small_sample_factors(sizes))]
-        width = _width(satterthwaite_df(_group_variances(statistic, observed, resampled), sizes), level)
-    sums = np.stack(resampled, axis=1)  # [R, G, d...]
-    lo, hi = _widened(estimate, *percentile_interval(_evaluate(statistic, sums), level), width)
+        factor = _factor(sizes, lambda: _group_variances(statistic, observed, resampled, h))
+        lo, hi = _corrected(estimate, lo, hi, factor * _t_over_z(design_df(sizes), level), scale)
     return Interval(_scalar(estimate), lo, hi)
+
+
+def jackknife_ci(
+    groups: Sequence[Any],
+    statistic: Statistic,
+    *,
+    level: float = DEFAULT_LEVEL,
+    scale: str = "identity",
+    support: tuple[float, float] = (-math.inf, math.inf),
+) -> Interval:
+    """(estimate, lo, hi) of a smooth statistic of per-group sums: the stratified delete-one
+    jackknife on ``scale`` with Student's t at the design degrees of freedom (module docstring),
+    clipped to the statistic's ``support`` (e.g. (1, inf) for τ).
+
+    groups: G aggregate arrays [n_g, d...] (one per benchmark); statistic: maps stacked group
+    sums [..., G, d...] to the reported number(s), as for ``stratified_ci``. Deleting request i
+    of group g replaces that group's sum by (S_g − a_i) · n_g / (n_g − 1), so every group keeps
+    its weight. NaN bounds where no group has two requests, the estimate is off the scale's
+    range (a ratio of 0 on "log"), or a deletion leaves the statistic undefined."""
+    if not 0.0 < float(level) < 1.0:
+        raise ValueError(f"level must be in (0, 1), e.g. 0.95, got {level!r}")
+    arrays = [_aggregates(g) for g in groups]
+    if not arrays:
+        raise ValueError("jackknife_ci needs at least one group")
+    if len({a.shape[1:] for a in arrays}) != 1:
+        raise ValueError(f"groups have different aggregate shapes {[a.shape[1:] for a in arrays]}")
+    h, inverse = _scale(scale)
+    observed = np.stack([a.sum(axis=0) for a in arrays], axis=0)  # [G, d...]
+    estimate = _evaluate(statistic, observed)
+    sizes = [a.shape[0] for a in arrays]
+    variance: Any = 0.0
+    for g, a in enumerate(arrays):
+        n = a.shape[0]
+        if n < 2:
+            continue
+        deleted = np.broadcast_to(observed, (n,) + observed.shape).copy()  # [n_g, G, d...]
+        deleted[:, g] = (observed[g] - a) * (n / (n - 1))
+        values = _on_scale(h, _evaluate(statistic, deleted))  # [n_g, ...]
+        with np.errstate(invalid="ignore"):
+            variance = variance + (n - 1) / n * ((values - values.mean(axis=0)) ** 2).sum(axis=0)
+    nu = design_df(sizes)
+    t = student_t_quantile((1.0 + float(level)) / 2, nu) if np.isfinite(nu) else math.nan
+    e = _on_scale(h, estimate)
+    with np.errstate(invalid="ignore", over="ignore"):
+        half = t * np.sqrt(variance)
+        ok = np.isfinite(e) & np.isfinite(half)
+        lo = np.where(ok, np.clip(inverse(np.where(ok, e - half, 0.0)), *support), np.nan)
+        hi = np.where(ok, np.clip(inverse(np.where(ok, e + half, 0.0)), *support), np.nan)
+    return Interval(_scalar(estimate), _scalar(lo), _scalar(hi))
+
+
+def proportion_ci(
+    groups: Sequence[Any],
+    *,
+    level: float = DEFAULT_LEVEL,
+    min_rounds: int = MIN_ROUNDS,
+    min_requests: int = MIN_REQUESTS,
+) -> Interval:
+    """(θ̂, lo, hi) of the pooled proportion θ̂ = Σ passed / Σ reached over G groups of requests:
+    Wilson's interval on effective counts (module docstring).
+
+    groups: G arrays [n_g, ..., 2], per request (passed, reached) counts (``passed`` may be
+    fractional, e.g. ℓ / γ per round); the middle axes (draft positions) are computed
+    elementwise. lo / hi are NaN where fewer than ``min_rounds`` rounds were reached, fewer
+    than ``min_requests`` requests reached any, or no group holds two requests."""
+    if not 0.0 < float(level) < 1.0:
+        raise ValueError(f"level must be in (0, 1), e.g. 0.95, got {level!r}")
+    arrays = [_aggregates(g) for g in groups]
+    if not arrays:
+        raise ValueError("proportion_ci needs at least one group")
+    if len({a.shape[1:] for a in arrays}) != 1 or arrays[0].shape[-1] != 2:
+        raise ValueError(f"groups must be [n_g, ..., 2] arrays of (passed, reached), got "
+                         f"{[a.shape for a in arrays]}")
+    passed = sum(a[..., 0].sum(axis=0) for a in arrays)
+    reached = sum(a[..., 1].sum(axis=0) for a in arrays)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        theta = np.asarray(passed / reached, dtype=np.float64)
+        variance = np.zeros_like(theta)
+        for a in arrays:
+            n = a.shape[0]
+            if n >= 2:
+                residual = a[..., 0] - theta * a[..., 1]  # e_i [n_g, ...]
+                variance = variance + n / (n - 1) * ((residual - residual.mean(axis=0)) ** 2).sum(axis=0)
+        variance = variance / reached**2
+        binomial = theta * (1 - theta) / reached
+        deff = np.maximum(np.where(binomial > 0, variance / binomial, 1.0), DEFF_FLOOR)
+        n_eff = reached / deff
+        nu = design_df([a.shape[0] for a in arrays])
+        t = student_t_quantile((1.0 + float(level)) / 2, nu) if np.isfinite(nu) else math.nan
+        scale = 1 + t * t / n_eff
+        center = (theta + t * t / (2 * n_eff)) / scale
+        half = t * np.sqrt(theta * (1 - theta) / n_eff + t * t / (4 * n_eff * n_eff)) / scale
+    requests = sum((a[..., 1] > 0).sum(axis=0) for a in arrays)
+    enough = (reached >= min_rounds) & (requests >= min_requests) & np.isfinite(half)
+    with np.errstate(invalid="ignore"):  # Wilson's interval holds θ̂; the clip only removes rounding
+        lo = np.where(enough, np.clip(np.minimum(center - half, theta), 0.0, 1.0), np.nan)
+        hi = np.where(enough, np.clip(np.maximum(center + half, theta), 0.0, 1.0), np.nan)
+    return Interval(_scalar(theta), _scalar(lo), _scalar(hi))
 
 
 def intervals_overlap(a: Any, b: Any) -> bool | None:

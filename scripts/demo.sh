@@ -2,17 +2,22 @@
 # The main job on the embedded default target, SmolLM2-135M-Instruct, end to end on CPU:
 #   1 data       regenerate answers -> render -> fp8 feature cache
 #   2 train      DSpark, DFlash and Eagle3 with the same budget (Eagle3: draft vocabulary first)
-#   3 eval       all three on the nine benchmarks, T = 1 and greedy, each against target-only decoding
+#   3 eval       all three on the test prompts of the nine benchmarks, T = 1 and greedy, each against
+#                target-only decoding
 #   4 profile    the target's steps/s at B batch tokens (SPS table), in the evaluation dtype
-#   5 calibrate  STS on the T = 1 round logs of DSpark (fit / test split by request)
-#   6 schedule   DSpark under each verification policy of POLICIES at R = 1: wall clock against target-only
+#   5 calibrate  STS on the T = 1 round logs of DSpark on the dev prompts (fit / check split by request)
+#   6 schedule   DSpark under each verification policy of POLICIES at R = 1 on the test prompts: wall
+#                clock against target-only, and the SPS clock of the same requests
 #   7 simulate   the same prompts and policies in the serving simulator at R = 1, 4, ... on the SPS clock
 #                (the R = 4 column of the scheduling table, and the Fig. 8 analogue)
+# Every reported number decodes the test part of each benchmark (eval.split = test); the dev part,
+# which never shares a prompt with it, is where recipes are chosen (bench/recipe_study.py) and STS is
+# fitted (dspark.data.benchmarks: the split).
 #   +            llama.cpp (optional, when a llama-server is found): the three drafters as GGUF in llama-server
 #                beside dspark's loop on the same prompts (bench/llamacpp.py); never builds llama.cpp itself
 #   8 summary    runs/demo/README.md (plots linked) and a short version printed
 #
-#   bash scripts/demo.sh           about 45 minutes on 2 CPU cores
+#   bash scripts/demo.sh           45-60 minutes on 2 CPU cores
 #   bash scripts/demo.sh --quick   every stage at toy size (a first look; the end-to-end test), under 8 minutes
 #   bash scripts/demo.sh --long    twice the epochs under a 12-minute cap, more prompts and tokens (about 2 hours)
 # Every stage resumes: a stage whose outputs are complete (named in timings.json) is skipped,
@@ -108,7 +113,8 @@ PY
 import json, sys
 json.dump({"mode": "$MODE", "epochs": $EPOCHS, "max_wall_minutes": $CAP_MIN, "configs": ["$DS", "$DF", "$E3"],
            "prepare_overrides": "${PREP_SET[*]}".split(), "train_overrides": "${TRAIN_SET[*]}".split(),
-           "eval": {"num_samples": $SAMPLES, "max_new_tokens": $MAXNEW, "dtype": "$DTYPE",
+           "eval": {"num_samples": $SAMPLES, "max_new_tokens": $MAXNEW, "dtype": "$DTYPE", "split": "test",
+                    "calibration_split": "dev",
                     "data": "${EVAL_DATA:-builtin}", "benchmarks": "${BENCHMARKS[*]}".split() or "all"},
            "schedule": {"policies": "$POLICIES".split(), "concurrencies": [1, 4], "num_samples": $SCHED_SAMPLES,
                         "max_new_tokens": $SCHED_MAXNEW},
@@ -132,7 +138,8 @@ for cfg in "$DS" "$DF" "$E3"; do
     "train.epochs=$EPOCHS" "train.max_wall_minutes=$CAP_MIN" ${PREP_SET[@]+"${PREP_SET[@]}"} ${TRAIN_SET[@]+"${TRAIN_SET[@]}"}
 done
 
-EVAL_ARGS=(--target smollm2-135m --dtype "$DTYPE")
+SPLIT=test   # the prompts every reported number decodes; STS is fitted on dev (stage 5)
+EVAL_ARGS=(--target smollm2-135m --dtype "$DTYPE" --split "$SPLIT")
 if [ -n "$EVAL_DATA" ]; then
   EVAL_ARGS+=(--data-dir "$EVAL_DATA")
   if [ ${#BENCHMARKS[@]} -gt 0 ]; then EVAL_ARGS+=(--benchmarks "${BENCHMARKS[@]}"); fi
@@ -142,7 +149,7 @@ else
 fi
 DRAFT="$OUT/dspark_smollm2_135m/drafter"
 
-echo "== 3/8 evaluation, T = 1 and greedy ($SAMPLES prompts per benchmark, $MAXNEW new tokens)"
+echo "== 3/8 evaluation on the $SPLIT prompts, T = 1 and greedy ($SAMPLES prompts per benchmark, $MAXNEW new tokens)"
 for temp in 1.0 0.0; do
   for name in "${NAMES[@]}"; do
     stage "eval-T$temp-${name%%_*}" "$OUT/eval-T$temp/$name/report.md" \
@@ -156,11 +163,16 @@ echo "== 4/8 the target's speed at B batch tokens (SPS table, dtype $DTYPE)"
 stage profile-sps "$OUT/sps.json" dspark profile-sps --target smollm2-135m --dtype "$DTYPE" --draft "$DRAFT" \
   --batch-tokens "$SPS_B" --context-len 128 --warmup 1 --repeats "$SPS_REPEATS" --out "$OUT/sps.json"
 
-echo "== 5/8 calibration: STS fitted on half of the T = 1 requests, ECE on the other half"
-stage calibrate "$OUT/sts.json" dspark calibrate --rounds "$OUT/eval-T1.0/${NAMES[0]}/rounds.jsonl" \
+echo "== 5/8 calibration: DSpark at T = 1 on the dev prompts; STS fitted on half of those requests, ECE on the other half"
+# The policies of stages 6 and 7 are scored on the test prompts: the temperatures are fitted on prompts
+# they never see (the same design as the evaluation, without the target-only decode).
+stage "eval-dev-T1.0-dspark" "$OUT/dev/${NAMES[0]}/report.md" \
+  dspark eval "${EVAL_ARGS[@]}" --split dev --num-samples "$SAMPLES" --max-new-tokens "$MAXNEW" \
+  --draft "$DRAFT" --temperature 1.0 --no-baseline --label dspark-dev --out "$OUT/dev/${NAMES[0]}"
+stage calibrate "$OUT/sts.json" dspark calibrate --rounds "$OUT/dev/${NAMES[0]}/rounds.jsonl" \
   --out "$OUT/sts.json"
 
-echo "== 6/8 scheduled verification at R = 1: policies [$POLICIES], same prompts, T = 1"
+echo "== 6/8 scheduled verification at R = 1: policies [$POLICIES], the $SPLIT prompts, T = 1"
 # Wall-clock tokens/s against target-only decoding of the same prompts, in the same process. The
 # serving loop of `dspark eval` verifies each request on its own (batch 1) and serves one benchmark
 # at a time, so R > 1 is measured by the simulator (stage 7) on the SPS clock instead.
@@ -171,7 +183,7 @@ for policy in $POLICIES; do
     --sts "$OUT/sts.json" --sps "$OUT/sps.json" --label "$policy" --out "$OUT/sched/$policy-R1"
 done
 
-echo "== 7/8 serving simulation at R = $SIM_R on the same prompts (SPS clock; Fig. 8 analogue)"
+echo "== 7/8 serving simulation at R = $SIM_R on the same $SPLIT prompts (SPS clock; Fig. 8 analogue)"
 # The prompts are cycled, so R requests are live at every step: target-only decoding is R·SPS(R).
 stage simulate "$OUT/simulate/results.json" dspark simulate "${EVAL_ARGS[@]}" --draft "$DRAFT" \
   --sps "$OUT/sps.json" --sts "$OUT/sts.json" --concurrency "$SIM_R" --policy ${POLICIES// /,} --draft-overhead measured \

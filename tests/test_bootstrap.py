@@ -1,12 +1,18 @@
-"""Bootstrap intervals over requests (dspark.bootstrap) and their use in the evaluation report
-(dspark.evaluation.intervals via dspark.evaluation.report.build_report) and the STS report (dspark.scheduling.calibration).
+"""Intervals over requests (dspark.bootstrap: the stratified jackknife, the percentile bootstrap,
+Wilson on effective counts) and their use in the evaluation report (dspark.evaluation.intervals via
+dspark.evaluation.report.build_report) and the STS report (dspark.scheduling.calibration).
 
-Oracles: hand-computed quantiles of a fixed resample set; a brute-force bootstrap that resamples
-the request records themselves and calls the plain metric functions; the exact τ of a synthetic
-geometric acceptance process (coverage)."""
+Oracles: hand-computed quantiles of a fixed resample set; hand-computed jackknife and Wilson
+intervals; a brute-force jackknife that deletes request records and calls the plain metric
+functions; a brute-force bootstrap that resamples the request records themselves; the exact τ of
+a synthetic geometric acceptance process, and the simulated designs of bench/interval_coverage.py
+(coverage)."""
 
 import copy
+import importlib.util
 import math
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,9 +22,11 @@ from dspark.bootstrap import (
     bootstrap_ci_from_indices,
     counts_from_indices,
     intervals_overlap,
+    design_df,
+    jackknife_ci,
     percentile_interval,
+    proportion_ci,
     resample_counts,
-    satterthwaite_df,
     small_sample_factors,
     stratified_ci,
     student_t_quantile,
@@ -158,14 +166,37 @@ def brute_force(records, rounds, resamples, seed, metric):
     return np.percentile(values, [2.5, 97.5])
 
 
-def test_report_intervals_match_a_brute_force_bootstrap_of_the_plain_metrics(plain_bootstrap):
-    records, rounds = synthetic_run(np.random.default_rng(5))
+def brute_force_jackknife(records, rounds, metric, scale, t, floor=-math.inf):
+    """The jackknife interval by deleting request records themselves: each remaining request of the
+    deleted request's benchmark weighs n / (n − 1) (every benchmark keeps its weight); ``metric``
+    takes the kept records, rounds and a weight per (benchmark, request)."""
+    names = list(dict.fromkeys(r["benchmark"] for r in records))
+    h, inverse = {"log": (math.log, math.exp)}[scale]
+    variance = 0.0
+    for n in names:
+        mine = [x for x in records if x["benchmark"] == n]
+        values = []
+        for gone in mine:
+            weight = {(x["benchmark"], x["request"]): (len(mine) / (len(mine) - 1) if x["benchmark"] == n else 1.0)
+                      for x in records if x is not gone}
+            kept = [x for x in records if x is not gone]
+            rows = [x for x in rounds if (x["benchmark"], x["request"]) in weight]
+            values.append(h(metric(kept, rows, weight)))
+        variance += (len(mine) - 1) / len(mine) * sum((v - sum(values) / len(values)) ** 2 for v in values)
+    estimate = h(metric(records, rounds, {(x["benchmark"], x["request"]): 1.0 for x in records}))
+    return [max(floor, inverse(estimate - t * math.sqrt(variance))), inverse(estimate + t * math.sqrt(variance))]
+
+
+def test_report_intervals_match_a_brute_force_jackknife_of_the_plain_metrics():
+    records, rounds = synthetic_run(np.random.default_rng(5))  # gsm8k 6 requests, alpaca 4: ν = 5 + 3
     report = build_report(records, rounds, gamma=3, label="x", bootstrap_resamples=60, bootstrap_seed=11)
+    t8 = 2.306004  # Student's t, 0.975 quantile, 8 degrees of freedom (any table)
 
-    def all_tau(rec, rows):
-        return tau_pooled([x["accepted"] for x in rows])
+    def all_tau(rec, rows, weight):
+        w = [weight[(x["benchmark"], x["request"])] for x in rows]
+        return sum(wi * (x["accepted"] + 1) for wi, x in zip(w, rows)) / sum(w)
 
-    def macro_speedup(rec, rows):
+    def macro_speedup(rec, rows, weight):  # within a benchmark every kept request weighs the same
         per = {}
         for n in ("gsm8k", "alpaca"):
             mine = [x for x in rec if x["benchmark"] == n]
@@ -173,13 +204,38 @@ def test_report_intervals_match_a_brute_force_bootstrap_of_the_plain_metrics(pla
                 sum(x["baseline_tokens"] for x in mine) / sum(x["baseline_wall_s"] for x in mine))
         return macro_average(per)["avg"]
 
+    assert report["all"]["tau_ci"] == pytest.approx(brute_force_jackknife(records, rounds, all_tau, "log", t8, floor=1.0))
+    assert report["macro"]["speedup_ci"]["avg"] == pytest.approx(
+        brute_force_jackknife(records, rounds, macro_speedup, "log", t8))
+    assert all_tau(records, rounds, {(x["benchmark"], x["request"]): 1.0 for x in records}) == pytest.approx(
+        tau_pooled([x["accepted"] for x in rounds]))  # the weighted oracle is the plain metric at weight 1
+
+
+def test_report_ece_intervals_match_a_brute_force_bootstrap_of_the_plain_metric(plain_bootstrap):
+    records, rounds = synthetic_run(np.random.default_rng(5))
+    report = build_report(records, rounds, gamma=3, label="x", bootstrap_resamples=60, bootstrap_seed=11)
+
     def ece_k2(rec, rows):
         return confidence_metrics([x["confidences"] for x in rows], [x["accepted"] for x in rows],
                                   [x["proposed"] for x in rows])[1]["ece"]
 
-    assert report["all"]["tau_ci"] == pytest.approx(brute_force(records, rounds, 60, 11, all_tau))
-    assert report["macro"]["speedup_ci"]["avg"] == pytest.approx(brute_force(records, rounds, 60, 11, macro_speedup))
     assert report["all"]["confidence"][1]["ece_ci"] == pytest.approx(brute_force(records, rounds, 60, 11, ece_k2))
+
+
+def test_report_proportions_get_wilson_intervals_on_effective_counts():
+    records, rounds = synthetic_run(np.random.default_rng(5), requests=(6, 6))
+    report = build_report(records, rounds, gamma=3, label="x", bootstrap_resamples=60)
+    passed = {n: np.zeros((6, 3)) for n in ("gsm8k", "alpaca")}
+    reached = {n: np.zeros((6, 3)) for n in ("gsm8k", "alpaca")}
+    for r in rounds:
+        for k in range(3):
+            passed[r["benchmark"]][r["request"], k] += r["accepted"] >= k + 1
+            reached[r["benchmark"]][r["request"], k] += r["accepted"] >= k
+    groups = [np.stack([passed[n], reached[n]], axis=-1) for n in ("gsm8k", "alpaca")]
+    _, lo, hi = proportion_ci(groups)
+    np.testing.assert_allclose(np.array(report["all"]["conditional_acceptance_ci"], dtype=float), np.c_[lo, hi])
+    for (a, b), value in zip(report["all"]["conditional_acceptance_ci"], report["all"]["conditional_acceptance"]):
+        assert math.isnan(a) or 0.0 <= a <= value <= b <= 1.0
 
 
 def test_report_adds_ci_siblings_and_keeps_every_other_value():
@@ -280,85 +336,163 @@ def test_student_t_quantiles_match_the_tables():
     assert student_t_quantile(0.5, 7) == pytest.approx(0.0, abs=1e-12)
 
 
-def test_small_sample_factors_and_satterthwaite_df_by_hand():
+def test_small_sample_factors_and_design_df_by_hand():
     assert small_sample_factors([2, 4, 1]) == pytest.approx([math.sqrt(2), math.sqrt(4 / 3), 0.0])
-    # Equal shares: ν = Σ (n_g − 1); one group carrying everything: ν = its n_g − 1.
-    assert satterthwaite_df([1.0, 1.0, 1.0], [2, 4, 3]) == pytest.approx((3.0**2) / (1 / 1 + 1 / 3 + 1 / 2))
-    assert satterthwaite_df([0.0, 5.0, 0.0], [2, 4, 3]) == pytest.approx(3.0)
-    assert satterthwaite_df([0.0, 0.0], [2, 4]) == pytest.approx(4.0)  # no spread: the plain count
-    assert math.isnan(float(satterthwaite_df([1.0, 2.0], [1, 1])))  # no group of two: no interval
+    assert design_df([2, 4, 3]) == 6.0 and design_df([2, 1, 1]) == 1.0  # a group of one adds nothing
+    assert math.isnan(design_df([1, 1]))  # no group of two: no interval
 
 
 def test_corrected_interval_of_a_fixed_resample_set_by_hand():
     # Group A: requests (2 over 1), (4 over 1); group B: (3 over 1), (5 over 1), (7 over 1). Statistic: pooled ratio.
     a, b = np.array([[2.0, 1], [4, 1]]), np.array([[3.0, 1], [5, 1], [7, 1]])
     counts = [np.array([[2, 0], [0, 2], [1, 1]]), np.array([[3, 0, 0], [1, 1, 1], [0, 0, 3]])]
-    estimate, lo, hi = stratified_ci([a, b], lambda s: ratio(s.sum(axis=-2)), counts=counts, level=0.5)
-    fa, fb = math.sqrt(2), math.sqrt(3 / 2)
-    # Resampled sums rescaled about the observed (6, 2) and (15, 3): numerators only move (rounds are 1 each).
-    da, db = [fa * (4 - 6), fa * (8 - 6), 0.0], [fb * (9 - 15), 0.0, fb * (21 - 15)]
-    values = sorted((21 + x + y) / 5 for x, y in zip(da, db))
+    statistic = lambda s: ratio(s.sum(axis=-2))  # noqa: E731
+    values = sorted([(4 + 9) / 5, (8 + 15) / 5, (6 + 21) / 5])  # the three resamples' pooled ratios
     q_lo, q_hi = np.percentile(values, [25, 75])
-    # Each group's share: the variance of the statistic with it alone resampled; ν by Satterthwaite.
-    va, vb = np.var([x / 5 for x in da]), np.var([y / 5 for y in db])
-    nu = (va + vb) ** 2 / (va**2 / 1 + vb**2 / 2)
-    w = student_t_quantile(0.75, nu) / 0.6744897501960817  # z at 0.75
-    assert estimate == pytest.approx(21 / 5)
-    assert (lo, hi) == pytest.approx((21 / 5 - w * (21 / 5 - q_lo), 21 / 5 + w * (q_hi - 21 / 5)))
-    plain = stratified_ci([a, b], lambda s: ratio(s.sum(axis=-2)), counts=counts, level=0.5, small_sample=False)
-    assert plain.hi - plain.lo < hi - lo
+    theta = 21 / 5
+    # Groups of unequal sizes: f² weighs f_A² = 2 and f_B² = 3/2 by each group's variance on the scale.
+    for scale, h, inverse in (("identity", lambda x: x, lambda y: y), ("log", math.log, math.exp)):
+        va = np.var([h((4 + 15) / 5), h((8 + 15) / 5), h((6 + 15) / 5)])
+        vb = np.var([h((6 + 9) / 5), h((6 + 15) / 5), h((6 + 21) / 5)])
+        f = math.sqrt((2 * va + 1.5 * vb) / (va + vb))
+        w = f * student_t_quantile(0.75, 3.0) / 0.6744897501960817  # ν = 1 + 2, z at 0.75
+        estimate, lo, hi = stratified_ci([a, b], statistic, counts=counts, level=0.5, scale=scale)
+        assert estimate == pytest.approx(theta)
+        assert (lo, hi) == pytest.approx((inverse(h(theta) - w * (h(theta) - h(q_lo))),
+                                          inverse(h(theta) + w * (h(q_hi) - h(theta)))))
+    plain = stratified_ci([a, b], statistic, counts=counts, level=0.5, small_sample=False)
+    assert (plain.lo, plain.hi) == pytest.approx((q_lo, q_hi))
+
+
+def test_a_logit_scale_bootstrap_interval_stays_in_zero_one():
+    # A proportion-like statistic whose resamples are often 0: the stretched bounds stay in [0, 1].
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        groups = [np.c_[rng.binomial(2, 0.1, 3), np.full(3, 2)].astype(float) for _ in range(4)]
+        _, lo, hi = stratified_ci(groups, lambda s: ratio(s.sum(axis=-2)), resamples=100, seed=1, scale="logit")
+        assert math.isnan(lo) or 0.0 <= lo <= hi <= 1.0
 
 
 def test_an_interval_from_single_request_groups_is_refused_as_nan():
-    _, lo, hi = stratified_ci([[[2.0, 1]], [[3.0, 1]]], lambda s: ratio(s.sum(axis=-2)), resamples=50)
-    assert math.isnan(lo) and math.isnan(hi)
+    for interval in (stratified_ci([[[2.0, 1]], [[3.0, 1]]], lambda s: ratio(s.sum(axis=-2)), resamples=50),
+                     jackknife_ci([[[2.0, 1]], [[3.0, 1]]], lambda s: ratio(s.sum(axis=-2)))):
+        assert math.isnan(interval.lo) and math.isnan(interval.hi)
 
 
-def _synthetic_benchmarks(rng, per_benchmark, paired):
-    """9 benchmarks of requests with a benchmark effect and a request effect; per request (tokens,
-    rounds), and for ``paired`` a second evaluation B of the same requests (sharing the request
-    effect, its τ 0.9 of A's in expectation). Returns groups [n, 2] or [n, 4] (A's then B's)."""
-    groups = []
-    for g in range(9):
-        tau = 1.1 + 0.1 * g
-        rounds_a = rng.integers(5, 40, per_benchmark).astype(float)
-        effect = np.clip(rng.normal(0.0, 0.3, per_benchmark), -0.5, None)
-        tokens_a = rounds_a * (tau + effect) + rng.normal(0, 1.0, per_benchmark) * np.sqrt(rounds_a)
-        if not paired:
-            groups.append(np.c_[tokens_a, rounds_a])
-            continue
-        rounds_b = rng.integers(5, 40, per_benchmark).astype(float)
-        tokens_b = rounds_b * 0.9 * (tau + effect) + rng.normal(0, 1.0, per_benchmark) * np.sqrt(rounds_b)
-        groups.append(np.c_[tokens_a, rounds_a, tokens_b, rounds_b])
-    return groups
+# ------------------------------------------------------------------ the jackknife
 
 
-def _pooled(s):
-    s = s.sum(axis=-2)
-    return s[..., 0] / s[..., 1]
+def test_jackknife_interval_by_hand():
+    # Group A: (2 over 1), (4 over 1); group B: (3 over 1), (5 over 2), (7 over 1). Pooled ratio 21 / 6.
+    a, b = np.array([[2.0, 1], [4, 1]]), np.array([[3.0, 1], [5, 2], [7, 1]])
+    statistic = lambda s: ratio(s.sum(axis=-2))  # noqa: E731
+    # Deleting a request of A doubles the other (n / (n − 1) = 2); of B multiplies the other two by 3/2.
+    del_a = [(2 * 4 + 15) / (2 * 1 + 4), (2 * 2 + 15) / (2 * 1 + 4)]
+    del_b = [(6 + 1.5 * 12) / (2 + 1.5 * 3), (6 + 1.5 * 10) / (2 + 1.5 * 2), (6 + 1.5 * 8) / (2 + 1.5 * 3)]
+    for scale, h, inverse in (("identity", lambda x: x, lambda y: y), ("log", math.log, math.exp)):
+        ha, hb = [h(x) for x in del_a], [h(x) for x in del_b]
+        v = 1 / 2 * sum((x - np.mean(ha)) ** 2 for x in ha) + 2 / 3 * sum((x - np.mean(hb)) ** 2 for x in hb)
+        t3 = 3.182446  # Student's t, 0.975 quantile, ν = 1 + 2 (any table)
+        estimate, lo, hi = jackknife_ci([a, b], statistic, scale=scale)
+        assert estimate == pytest.approx(21 / 6)
+        assert (lo, hi) == pytest.approx((inverse(h(21 / 6) - t3 * math.sqrt(v)), inverse(h(21 / 6) + t3 * math.sqrt(v))))
 
 
-def _paired(s):  # the statistic of dspark.evaluation.paired: τ_A / τ_B over jointly resampled requests
-    s = s.sum(axis=-2)
-    return (s[..., 0] / s[..., 1]) / (s[..., 2] / s[..., 3])
+def test_jackknife_bounds_stay_in_the_statistics_support():
+    groups = [np.array([[1.0, 1], [1.3, 1]]), np.array([[1.0, 1], [5.0, 1]])]  # τ near 1, one long request
+    statistic = lambda s: ratio(s.sum(axis=-2))  # noqa: E731
+    free = jackknife_ci(groups, statistic, scale="log")
+    clipped = jackknife_ci(groups, statistic, scale="log", support=(1.0, math.inf))
+    assert free.lo < 1.0 and clipped.lo == 1.0 and clipped.hi == free.hi  # τ >= 1: the bound is clipped
+    assert jackknife_ci(groups, statistic, scale="log").lo > 0  # the log scale keeps a ratio positive
+    with pytest.raises(ValueError, match="scale must be one of"):
+        jackknife_ci(groups, statistic, scale="sqrt")
 
 
-@pytest.mark.parametrize("paired", [False, True], ids=["pooled-ratio", "paired-ratio"])
-def test_95_percent_intervals_cover_at_the_designs_evaluations_use(paired):
-    statistic = _paired if paired else _pooled
-    truth_groups = _synthetic_benchmarks(np.random.default_rng(99), 100_000, paired)  # the truth, to ~1e-3
-    truth = float(statistic(np.stack([g.sum(axis=0) for g in truth_groups])))
-    rng = np.random.default_rng(7)
-    reps = 1000  # Monte Carlo error of a coverage near 0.95: about 0.007
-    for per_benchmark in (2, 4, 8):
-        hits = plain_hits = 0
-        for rep in range(reps):
-            groups = _synthetic_benchmarks(rng, per_benchmark, paired)
-            _, lo, hi = stratified_ci(groups, statistic, resamples=400, seed=rep)
-            hits += lo <= truth <= hi
-            if per_benchmark == 2:
-                _, lo, hi = stratified_ci(groups, statistic, resamples=400, seed=rep, small_sample=False)
-                plain_hits += lo <= truth <= hi
-        assert hits / reps >= 0.93, (per_benchmark, hits / reps)
-        if per_benchmark == 2:
-            assert plain_hits / reps < 0.90  # what the correction is for: n of n resampling undercovers
+# ------------------------------------------------------------------ proportions
+
+
+def wilson_by_hand(passed, reached, groups_of, t):
+    """Wilson on effective counts for one position, from per-request lists, by the formulas."""
+    theta = sum(passed) / sum(reached)
+    n_total = sum(reached)
+    v = 0.0
+    for g in set(groups_of):
+        e = [p - theta * r for p, r, x in zip(passed, reached, groups_of) if x == g]
+        v += len(e) / (len(e) - 1) * sum((x - sum(e) / len(e)) ** 2 for x in e)
+    v /= n_total**2
+    deff = max(v / (theta * (1 - theta) / n_total), 0.5)
+    n = n_total / deff
+    center = (theta + t * t / (2 * n)) / (1 + t * t / n)
+    half = t * math.sqrt(theta * (1 - theta) / n + t * t / (4 * n * n)) / (1 + t * t / n)
+    return theta, center - half, center + half
+
+
+def test_proportion_interval_by_hand():
+    # Two benchmarks of 3 requests: (passed, reached) per request.
+    a = [(1, 4), (0, 3), (3, 5)]
+    b = [(2, 2), (0, 4), (1, 3)]
+    groups = [np.array(a, dtype=float)[:, None, :], np.array(b, dtype=float)[:, None, :]]
+    t4 = 2.776445  # Student's t, 0.975 quantile, ν = 2 + 2 (any table)
+    want = wilson_by_hand([p for p, _ in a + b], [r for _, r in a + b], [0, 0, 0, 1, 1, 1], t4)
+    got = proportion_ci(groups, min_rounds=1, min_requests=1)
+    assert [float(np.asarray(x)[0]) for x in got] == pytest.approx(want)
+
+
+def test_a_proportion_below_its_minimum_counts_has_no_interval():
+    few_rounds = [np.array([[[1, 3]], [[0, 2]], [[1, 2]]], dtype=float)] * 2  # 14 rounds, 6 requests
+    assert not math.isnan(float(proportion_ci(few_rounds, min_rounds=10, min_requests=5).lo[0]))
+    assert math.isnan(float(proportion_ci(few_rounds, min_rounds=15, min_requests=5).lo[0]))  # < 15 rounds
+    assert math.isnan(float(proportion_ci(few_rounds, min_rounds=10, min_requests=7).lo[0]))  # < 7 requests
+    # Zero passes: an interval [0, hi] with hi > 0, not a point.
+    none_passed = [np.array([[[0, 5]], [[0, 4]], [[0, 3]]], dtype=float)] * 2
+    _, lo, hi = proportion_ci(none_passed)
+    assert float(lo[0]) == 0.0 and 0.0 < float(hi[0]) < 0.5
+
+
+def test_no_proportion_interval_leaves_zero_one_at_sparse_designs():
+    # Property: random sparse designs (2-8 requests per benchmark, most requests reaching a late position
+    # zero or one times), every interval given lies in [0, 1] and holds its estimate.
+    rng = np.random.default_rng(3)
+    for _ in range(2000):
+        groups = []
+        for _ in range(int(rng.integers(1, 10))):
+            n = int(rng.integers(1, 9))
+            reached = rng.poisson(rng.uniform(0.05, 2.0), size=(n, 4)).astype(float)
+            passed = rng.binomial(reached.astype(int), rng.uniform(0.0, 1.0)).astype(float)
+            groups.append(np.stack([passed, reached], axis=-1))
+        theta, lo, hi = proportion_ci(groups, min_rounds=1, min_requests=1)
+        for t, a, b in zip(np.atleast_1d(theta), np.atleast_1d(lo), np.atleast_1d(hi)):
+            if not math.isnan(a):
+                assert 0.0 <= a <= t <= b <= 1.0, (t, a, b)
+
+
+# ------------------------------------------------------------------ coverage at the designs evaluations use
+
+
+@pytest.fixture(scope="module")
+def coverage_bench():
+    path = Path(__file__).resolve().parents[1] / "bench" / "interval_coverage.py"
+    spec = importlib.util.spec_from_file_location("interval_coverage", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("design", ["sparse:4", "sparse:2", "sparse:8", "dense:2", "dense:4", "dense:8"])
+def test_95_percent_intervals_cover_between_0_93_and_0_985_at_the_designs_evaluations_use(coverage_bench, design):
+    # 2000 simulated evaluations: the Monte Carlo error of a coverage near 0.95 is about 0.005.
+    profile, per_benchmark = design.split(":")
+    rows = coverage_bench.coverage(coverage_bench.Design(profile, int(per_benchmark)), reps=2000)
+    for name, row in rows.items():  # tau, paired, cond k=2..4
+        assert 0.93 <= row["coverage"] <= 0.985, (design, name, row)
+        assert row["outside"] == 0.0, (design, name, row)
+        assert row["given"] >= (0.5 if name == "cond k=4" and per_benchmark == "2" else 0.95), (design, name, row)
+
+
+def test_the_rescaled_sums_reference_leaves_zero_one_at_the_demo_design(coverage_bench):
+    # What the corrections on the statistic's scale and Wilson's interval avoid: stretching resampled
+    # sums about the observed ones turns sparse counts negative.
+    rows = coverage_bench.coverage(coverage_bench.Design("sparse", 2), reps=100, method="rescaled-sums")
+    assert rows["cond k=4"]["outside"] > 0.2

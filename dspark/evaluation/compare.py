@@ -2,7 +2,7 @@
 gain of each drafter over each other, and their conditional-acceptance curves in one figure (Fig. 2).
 
 - ``compare_reports``   Table 1 as markdown, one row per drafter (τ per benchmark, Math / Code /
-                        Chat / Avg macro averages, "τ ± half-width" of the 95 % intervals), the
+                        Chat / Avg macro averages, "τ [lo, hi]" with the 95 % intervals), the
                         speedups, which pairs' intervals overlap, and the gains below.
 - ``paired_markdown``   for reports of the same requests (the folders `dspark eval` wrote), each
                         pair's speedup and τ ratios with paired intervals (``dspark.evaluation.paired``).
@@ -45,7 +45,7 @@ def compare_reports(reports: Mapping[str, Mapping[str, Any] | PathLike],
 
     Columns: the nine benchmarks in the paper's order (plus any other
     benchmark a report holds), then Math / Code / Chat / Avg (macro averages
-    of τ), each "τ ± half-width" of its 95 % interval when the report has one.
+    of τ), each "τ [lo, hi]" with its 95 % interval when the report has one.
     A benchmark a report lacks shows "–". Then, for two drafters or more, the macro-average gain
     of each over each other (`gains_markdown`); when reports hold speedups,
     their macro averages; and for two drafters or more, one row per pair saying
@@ -121,7 +121,7 @@ def _overlap_table(cells: Mapping[str, Mapping[str, tuple[Any, Any]]], columns: 
     apart = [f"{a} vs {b} on {c} ({fmt_ci(*cells[a][c])} vs {fmt_ci(*cells[b][c])})"
              for a, b in pairs for c in shown if verdict[a, b, c] is False]
     summary = ("Intervals apart: " + "; ".join(apart) + ".") if apart else "Every compared pair of intervals overlaps."
-    return ("Do the 95 % intervals (bootstrap over requests) overlap? \"apart\": the difference is larger than the "
+    return ("Do the 95 % intervals (over requests) overlap? \"apart\": the difference is larger than the "
             "request-to-request noise; \"overlap\": this check does not separate the two drafters (a conservative "
             "check: overlapping 95 % intervals can still hide a real difference).\n\n"
             + markdown_table(["pair", *shown], rows) + "\n\n" + summary)
@@ -146,8 +146,8 @@ def paired_markdown(folders: Mapping[str, PathLike]) -> str:
     if not lines:
         return ""
     return ("Paired ratios over the requests both reports decoded (pooled over benchmarks; each speedup against "
-            "its own target-only decodes; 95 % interval of a bootstrap that draws the same requests for both, "
-            "within each benchmark): an interval that excludes 1 separates the two even where their own "
+            "its own target-only decodes; 95 % interval over requests taken jointly: the jackknife leaves a request "
+            "out of both, within each benchmark): an interval that excludes 1 separates the two even where their own "
             "intervals overlap.\n\n" + "\n".join(lines))
 
 

@@ -14,15 +14,20 @@ The run folder (``scripts/demo.sh`` writes it; the names are this module's contr
     <run>/train_log.jsonl         a training run (any subfolder holding one), drafter/ next to it
     eval-T<temp>/<name>/report.json   `dspark eval` reports (+ report.md, rounds.jsonl, plots)
     sps.json (.profile.json, .png)    `dspark profile-sps`
-    sts.json (sts_reliability.png)    `dspark calibrate`
+    sts.json (sts_reliability.png)    `dspark calibrate` (fitted on dev/<drafter>/rounds.jsonl, a dev-split evaluation)
     sched/<policy>-R<r>/report.json   `dspark eval --policy <policy> --concurrency <r>`
     simulate/results.json (figure8.png, frontier.png)   `dspark simulate`
     llamacpp/results.json (README.md)   `bench/llamacpp.py` (optional: the drafters in llama.cpp)
 
-Intervals: a metric ``x`` of a report may carry a sibling ``x_ci: [lo, hi]`` (a 95 %
-bootstrap interval over requests); for macro averages ``x_ci`` is then a dict of the
-same keys (``{"avg": [lo, hi], ...}``). Present intervals are shown as ``1.14 ± 0.05``
-(half the interval's width), absent ones leave the bare value.
+Intervals: a metric ``x`` of a report may carry a sibling ``x_ci: [lo, hi]`` (its 95 %
+interval over requests, ``dspark.evaluation.intervals``); for macro averages ``x_ci`` is then a
+dict of the same keys (``{"avg": [lo, hi], ...}``). Present intervals are shown as
+``1.14 [1.09, 1.20]`` (intervals are asymmetric in general), absent ones leave the bare value,
+and one resting on too few requests or rounds reads "(no interval)".
+
+Prompts: every reported number decodes the test part of each benchmark (``eval.split``), STS is
+fitted on the dev part (``dspark.data.benchmarks``: the two never share a prompt); the page says
+which split each stage decoded, from the reports' own config.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from dspark.io.atomic import atomic_write_text
+from dspark.bootstrap import MIN_REQUESTS, MIN_ROUNDS
 from dspark.evaluation.markdown import fmt_ci, fmt_number, markdown_table
 from dspark.evaluation.metrics import DISPLAY_NAMES, TABLE1_ORDER
 
@@ -140,10 +146,19 @@ def _interval(ci: Any) -> tuple[float, float] | None:
     return (lo, hi) if math.isfinite(lo) and math.isfinite(hi) else None
 
 
+def _withheld_or_interval(ci: Any) -> tuple[float, float] | None:
+    """``_interval``, or (NaN, NaN) for a pair the report left empty: an interval withheld because it
+    would rest on too few requests or rounds (shown as "(no interval)")."""
+    if isinstance(ci, (list, tuple)) and len(ci) == 2 and _interval(ci) is None:
+        return (math.nan, math.nan)
+    return _interval(ci)
+
+
 def metric(container: Mapping[str, Any] | None, keys: str | Sequence[str], sub: str | None = None
            ) -> tuple[float | None, tuple[float, float] | None]:
     """(value, interval) of the first of ``keys`` present in ``container``; with ``sub`` the
-    value is ``container[key][sub]`` (a macro dict) and the interval ``container[key + "_ci"][sub]``."""
+    value is ``container[key][sub]`` (a macro dict) and the interval ``container[key + "_ci"][sub]``
+    ((NaN, NaN) where the report withheld it, None where it has none)."""
     if not isinstance(container, Mapping):
         return None, None
     for key in (keys,) if isinstance(keys, str) else keys:
@@ -154,7 +169,7 @@ def metric(container: Mapping[str, Any] | None, keys: str | Sequence[str], sub: 
             value = value.get(sub) if isinstance(value, Mapping) else None
             ci = ci.get(sub) if isinstance(ci, Mapping) else None
         number = value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-        return number, _interval(ci)
+        return number, _withheld_or_interval(ci)
     return None, None
 
 
@@ -218,6 +233,11 @@ def _is_float(text: str) -> bool:
         return False
 
 
+def split_of(report: Mapping[str, Any] | None) -> str:
+    """The split an evaluation decoded ("all", "dev" or "test"), from its report's config."""
+    return str(((report or {}).get("config") or {}).get("split", "all"))
+
+
 def tau_table(run: Mapping[str, Any]) -> str:
     """τ per benchmark and Math / Code / Chat / Avg macro averages, one column per evaluation,
     and the macro wall-clock speedup; "" without evaluations."""
@@ -243,10 +263,11 @@ def tau_section(run: Mapping[str, Any]) -> str:
     counts = run["evals"][columns[0]].get("config", {})
     n = counts.get("num_samples")
     per = f"{'/'.join(str(v) for v in sorted(set(n.values())))} prompts per benchmark" if isinstance(n, Mapping) and n else "?"
-    note = (f"{per}, {counts.get('max_new_tokens', '?')} new tokens each, dtype {counts.get('dtype', '?')}; "
-            "τ pooled over rounds; Math / Code / Chat / Avg are macro averages; ± is half the 95 % bootstrap "
-            "interval over requests where the report has one. Speedup: tokens/s against target-only decoding "
-            "of the same prompts in the same process.")
+    note = (f"{per} of the {split_of(run['evals'][columns[0]])} split, {counts.get('max_new_tokens', '?')} new "
+            f"tokens each, dtype {counts.get('dtype', '?')}; τ pooled over rounds; Math / Code / Chat / Avg are macro "
+            "averages; [lo, hi] is the 95 % interval over requests where the report has one (the jackknife on the log "
+            "scale, stratified by benchmark, Student's t at Σ (requests − 1) degrees of freedom). Speedup: tokens/s "
+            "against target-only decoding of the same prompts in the same process.")
     plots = ", ".join(_link(run, f"eval-T{t}/{n}/acceptance.png", f"{n} T={t}") for t, n in columns)
     return "\n".join([table, "", note, "", f"Acceptance plots: {plots}."])
 
@@ -254,7 +275,7 @@ def tau_section(run: Mapping[str, Any]) -> str:
 def acceptance_rows(run: Mapping[str, Any]) -> list[dict[str, Any]]:
     """Per evaluation (T = 1 first, then DSpark, DFlash, the rest), the conditional acceptance
     P(k accepted | 1..k−1 accepted) over all rounds (paper Fig. 2): ``values`` (γ floats),
-    ``cis`` (γ intervals or None: the report's 95 % bootstrap interval over requests) and
+    ``cis`` (γ intervals or None: the report's 95 % interval over requests; None where it has none) and
     ``reached`` (γ round counts, the denominators each position rests on)."""
     rows = []
     for temp, name in _eval_columns(run):
@@ -268,7 +289,7 @@ def acceptance_rows(run: Mapping[str, Any]) -> list[dict[str, Any]]:
         reached = list(pooled.get("conditional_acceptance_den") or [])[:gamma]
         rows.append({"temperature": temp, "name": name, "label": report.get("label") or name,
                      "values": [None if v is None or (isinstance(v, float) and math.isnan(v)) else float(v) for v in values],
-                     "cis": [_interval(ci) for ci in cis] + [None] * (gamma - len(cis)),
+                     "cis": [_withheld_or_interval(ci) for ci in cis] + [None] * (gamma - len(cis)),
                      "reached": reached + [None] * (gamma - len(reached))})
     return rows
 
@@ -281,7 +302,7 @@ def position_verdicts(row: Mapping[str, Any], other: Mapping[str, Any], first: i
     out: dict[str, list[int]] = {"above": [], "below": [], "overlap": [], "unmeasured": []}
     for k in range(first, min(len(row["cis"]), len(other["cis"])) + 1):
         a, b = row["cis"][k - 1], other["cis"][k - 1]
-        if a is None or b is None:
+        if a is None or b is None or not all(math.isfinite(x) for x in (*a, *b)):
             out["unmeasured"].append(k)
         elif a[0] > b[1]:
             out["above"].append(k)
@@ -296,21 +317,29 @@ def _positions(ks: Sequence[int]) -> str:
     return ", ".join(str(k) for k in ks)
 
 
+def _claim(row: Mapping[str, Any], other: Mapping[str, Any], k: int) -> str:
+    """"k (0.40 [0.33, 0.48] against 0.23 [0.17, 0.31])": both values with the bounds a verdict rests on."""
+    return (f"{k} ({fmt_ci(row['values'][k - 1], row['cis'][k - 1])} against "
+            f"{fmt_ci(other['values'][k - 1], other['cis'][k - 1])})")
+
+
 def dspark_vs_dflash(run: Mapping[str, Any]) -> list[str]:
     """One sentence per temperature on the paper's first claim (Section 3: a semi-autoregressive
     head keeps acceptance from decaying along the block): where DSpark's conditional acceptance at
-    positions k ≥ 2 lies above DFlash's beyond both intervals. [] without both evaluations."""
+    positions k ≥ 2 lies above DFlash's beyond both intervals, each such position with both values
+    and their bounds. [] without both evaluations."""
     rows = acceptance_rows(run)
     sentences = []
     for temp in dict.fromkeys(r["temperature"] for r in rows):
         mine = {r["name"].split("_")[0]: r for r in rows if r["temperature"] == temp}
         if "dspark" not in mine or "dflash" not in mine:
             continue
-        v = position_verdicts(mine["dspark"], mine["dflash"])
-        parts = [f"above beyond both intervals at k = {_positions(v['above'])}" if v["above"] else
-                 "above beyond both intervals at no position k ≥ 2"]
+        a, b = mine["dspark"], mine["dflash"]
+        v = position_verdicts(a, b)
+        parts = [f"above beyond both intervals at k = {', '.join(_claim(a, b, k) for k in v['above'])}" if v["above"]
+                 else "above beyond both intervals at no position k ≥ 2"]
         if v["below"]:
-            parts.append(f"below at k = {_positions(v['below'])}")
+            parts.append(f"below beyond both intervals at k = {', '.join(_claim(a, b, k) for k in v['below'])}")
         if v["overlap"]:
             parts.append(f"intervals overlap at k = {_positions(v['overlap'])}")
         if v["unmeasured"]:
@@ -321,7 +350,7 @@ def dspark_vs_dflash(run: Mapping[str, Any]) -> list[str]:
 
 def acceptance_table(run: Mapping[str, Any], last: int | None = None) -> str:
     """One row per evaluation, one column per draft position (up to ``last``): the conditional
-    acceptance ± half its 95 % interval, and in brackets the rounds that reached the position."""
+    acceptance with its 95 % interval [lo, hi], and in brackets the rounds that reached the position."""
     rows = acceptance_rows(run)
     if not rows:
         return ""
@@ -346,8 +375,10 @@ def acceptance_section(run: Mapping[str, Any]) -> str:
     temps = list(dict.fromkeys(r["temperature"] for r in acceptance_rows(run)))
     figures = ", ".join(_link(run, f"report-T{t}-acceptance.png", f"T={t}") for t in temps)
     note = ("P(k accepted | 1..k−1 accepted, k verified) over all rounds of the nine benchmarks (paper Fig. 2), "
-            "± half the 95 % bootstrap interval over requests; in brackets the rounds that reached position k, "
-            "the count each value rests on. Every draft is verified (γ positions per round).")
+            "with its 95 % interval over requests [lo, hi] (Wilson's interval on effective counts: it never leaves "
+            f"[0, 1] and is asymmetric near its ends; none below {MIN_ROUNDS} reaching rounds or {MIN_REQUESTS} "
+            "requests that reached the position); in brackets the rounds that reached position k, the count each "
+            "value rests on. Every draft is verified (γ positions per round).")
     return "\n".join([table, "", note, "", *dspark_vs_dflash(run), "", f"Figures (the three drafters, intervals as bars): {figures}."])
 
 
@@ -359,19 +390,48 @@ def calibration_section(run: Mapping[str, Any]) -> str:
     before, after = sts.get("ece_before") or [], sts.get("ece_after") or []
     brier_before, brier_after = sts.get("brier_before") or [], sts.get("brier_after") or []
     kept = sts.get("kept") or []
-    rows = [[str(k + 1), fmt_number(t, 3), fmt_number(_at(before, k), 4), fmt_number(_at(after, k), 4),
+    test_raw, test_sts, test_name = _scored_calibration(run)
+    rows = [[str(k + 1), fmt_number(t, 3), "fitted" if k < len(kept) and _at(kept, k) is None else (_at(kept, k) or "–"),
+             fmt_number(_at(before, k), 4), fmt_number(_at(after, k), 4),
              fmt_number(_at(brier_before, k), 4), fmt_number(_at(brier_after, k), 4),
-             "fitted" if k < len(kept) and _at(kept, k) is None else (_at(kept, k) or "–")]
+             fmt_number(_at(test_raw, k), 4), fmt_number(_at(test_sts, k), 4)]
             for k, t in enumerate(sts["temperatures"])]
+    fitted = sts.get("fitted_on") or []
+    fit_splits = sorted({str(f.get("split")) for f in fitted if isinstance(f, Mapping)})
+    scored = sorted({split_of(r) for r in run["sched"].values()})
+    where = (f"the {', '.join(fit_splits)} split" if fit_splits else "round logs of unrecorded split")
+    if fit_splits == ["dev"] and scored and "dev" not in scored and "all" not in scored:
+        disjoint = (f"The policies below are scored on the {', '.join(scored)} split: prompts the fit never saw "
+                    "(dev and test never share a prompt).")
+    elif scored:
+        disjoint = (f"The policies below are scored on the {', '.join(scored)} split, which may share prompts with "
+                    "the rounds STS was fitted on: their gains from calibration are not measured out of sample.")
+    else:
+        disjoint = ""
     return "\n".join([
         f"Sequential Temperature Scaling fitted on {split.get('fit_requests', '?')} requests "
-        f"({split.get('fit_rounds', '?')} rounds) of DSpark's T = 1 evaluation, ECE of a_k = Π c_i measured on the "
-        f"{sts.get('evaluated_on', '?')} part ({split.get('test_requests', '?')} requests).", "",
-        markdown_table(["k", "T_k", "ECE before", "ECE after", "Brier before", "Brier after", "T_k = 1 kept because"], rows), "",
-        "STS moves T_k off 1 only where the fit half holds `calibrate.min_events` accepted and rejected "
-        "prefixes and a cross-fitted ECE gain whose 95 % interval excludes 0 (`dspark/scheduling/sts.py`).", "",
+        f"({split.get('fit_rounds', '?')} rounds) of DSpark's T = 1 evaluation on {where}; ECE of a_k = Π c_i "
+        f"checked on that evaluation's other requests (calibrate's held-out half, {split.get('test_requests', '?')} "
+        "requests). "
+        + disjoint, "",
+        markdown_table(["k", "T_k", "the guard's decision (T_k = 1 kept because)", "ECE before", "ECE after",
+                        "Brier before", "Brier after", f"ECE raw ({test_name})", f"ECE after STS ({test_name})"], rows),
+        "", "STS moves T_k off 1 only where the fit half holds `calibrate.min_events` accepted and rejected "
+        "prefixes and a cross-fitted ECE gain whose 95 % interval excludes 0 (`dspark/scheduling/sts.py`); the "
+        "guard's column says, per position, whether the temperature was fitted or why it was kept at 1. The last "
+        "two columns: the same ECE on the rounds the policies are scored on, raw and with these temperatures.", "",
         f"Reliability diagrams: {_link(run, 'sts_reliability.png')}; the STS file: {_link(run, 'sts.json')}.",
     ])
+
+
+def _scored_calibration(run: Mapping[str, Any]) -> tuple[list[Any], list[Any], str]:
+    """ECE of a_k per position on the rounds of the static γ scheduled evaluation (every draft verified,
+    the policies' prompts), raw and with the STS temperatures; empty lists without it."""
+    report = run["sched"].get((PAIRED_BASELINE, 1))
+    pooled = (report or {}).get("all") or {}
+    raw = [c.get("ece") for c in pooled.get("confidence") or []]
+    calibrated = [c.get("ece") for c in pooled.get("confidence_calibrated") or []]
+    return raw, calibrated, f"{split_of(report)} split, static γ" if report else "scored rounds"
 
 
 def _at(values: Sequence[Any], k: int) -> Any:
@@ -423,29 +483,43 @@ def sched_row(run: Mapping[str, Any], policy: str, r: int, report: Mapping[str, 
     ratio_ci = sim.get("vs_target_only_table_ci")
     if not (isinstance(ratio_ci, Sequence) and len(ratio_ci) == 2 and ratio is not None):
         ratio_ci = None
+    clocks = clock_rows(run).get(policy) if r == 1 and report is not None else None
     return {"policy": policy, "R": r, "tau": tau, "tau_ci": tau_ci, "mean_ell": mean_ell,
             "tokens_per_s": a.get("tokens_per_s"), "baseline_tokens_per_s": a.get("baseline_tokens_per_s"),
             "speedup": speedup, "speedup_ci": speedup_ci, "decode_speedup": decode, "decode_speedup_ci": decode_ci,
             "theta": theta, "theta_target": theta0, "theta_ratio": ratio, "theta_ratio_ci": ratio_ci,
-            "clocks": clock_agreement(ratio, decode_ci, ratio_ci), **_round_costs(report or {})}
+            "clock_difference": clocks, "clocks": clock_cell(clocks), **_round_costs(report or {})}
 
 
-def clock_agreement(theta_ratio: float | None, decode_ci: Sequence[float] | None,
-                    theta_ci: Sequence[float] | None = None) -> str:
-    """Whether the SPS clock's ratio to target-only decoding (R = 1) agrees with the wall clock's
-    decode-only speedup (both leave the prefills out): with ``theta_ci`` (the ratio's 95 % interval
-    over the SPS table's own timing noise, ``dspark.scheduling.sps_profile.table_interval``) the
-    two intervals overlap, without it the ratio lies inside the wall clock's interval. "agree",
-    "SPS clock above" / "SPS clock below", or "–" when either clock is missing."""
-    if theta_ratio is None or decode_ci is None or not all(math.isfinite(x) for x in decode_ci):
+def clock_rows(run: Mapping[str, Any]) -> dict[str, Any]:
+    """policy -> the paired difference of the SPS clock and the wall clock on its scheduled evaluation at
+    R = 1 (``dspark.evaluation.clocks.clock_difference``, the profile behind sps.json), or None where it
+    cannot be computed (no profile, a folder still being written). Kept in ``run`` once computed."""
+    cached = run.get("clock_rows")
+    if cached is not None:
+        return cached
+    from dspark.evaluation.clocks import clock_difference
+
+    out: dict[str, Any] = {}
+    profile = run["dir"] / "sps.json"
+    for policy, r in run["sched"]:
+        if r != 1:
+            continue
+        try:
+            out[policy] = clock_difference(run["dir"] / "sched" / f"{policy}-R1", profile)
+        except (OSError, ValueError, KeyError, TypeError):
+            out[policy] = None
+    if isinstance(run, dict):
+        run["clock_rows"] = out
+    return out
+
+
+def clock_cell(diff: Any) -> str:
+    """"−0.03 [−0.07, 0.01]: agree" for a ``ClockDifference`` (SPS clock minus wall clock, paired on
+    the same requests: "agree" means its interval holds 0); "–" without one."""
+    if diff is None or not math.isfinite(diff.difference):
         return "–"
-    lo, hi = decode_ci
-    sps_lo, sps_hi = (theta_ratio, theta_ratio) if theta_ci is None else theta_ci
-    if sps_hi < lo:
-        return "SPS clock below"
-    if sps_lo > hi:
-        return "SPS clock above"
-    return "agree"
+    return f"{fmt_ci(diff.difference, [diff.lo, diff.hi])}: {diff.verdict}"
 
 
 def _round_costs(report: Mapping[str, Any]) -> dict[str, float | None]:
@@ -513,13 +587,11 @@ def _paired_rows(run: Mapping[str, Any], baseline: str) -> list[dict[str, Any]]:
     return rows
 
 
-def _fmt_ratio(interval: Any) -> tuple[str, str]:
-    """("1.04 ± 0.04", "[1.01, 1.08]") of an Interval, "–" without one."""
+def _fmt_ratio(interval: Any) -> str:
+    """"1.04 [1.01, 1.08]" of an Interval, "–" without one."""
     if interval is None:
-        return "–", "–"
-    if not (math.isfinite(interval.lo) and math.isfinite(interval.hi)):
-        return fmt_ci(interval.estimate, [interval.lo, interval.hi]), "(no interval)"
-    return fmt_ci(interval.estimate, [interval.lo, interval.hi]), f"[{interval.lo:.2f}, {interval.hi:.2f}]"
+        return "–"
+    return fmt_ci(interval.estimate, [interval.lo, interval.hi])
 
 
 def _paired_verdict(interval: Any, baseline: str) -> str:
@@ -539,18 +611,17 @@ def paired_section(run: Mapping[str, Any], baseline: str = PAIRED_BASELINE) -> s
     for x in rows:
         p = x["paired"]
         if p is None:
-            cells.append([x["policy"], "–", "–", "–", f"not computed: {x['error']}", "–"])
+            cells.append([x["policy"], "–", "–", f"not computed: {x['error']}", "–"])
             continue
-        speed, speed_ci = _fmt_ratio(p.speedup)
-        cells.append([x["policy"], speed, speed_ci, _fmt_ratio(p.tau)[0], _paired_verdict(p.speedup, baseline),
+        cells.append([x["policy"], _fmt_ratio(p.speedup), _fmt_ratio(p.tau), _paired_verdict(p.speedup, baseline),
                       str(p.common)])
-    header = ["policy (R = 1)", f"speedup vs {baseline} (paired)", "95 % interval", f"τ vs {baseline} (paired)",
+    header = ["policy (R = 1)", f"speedup vs {baseline} (paired) [95 %]", f"τ vs {baseline} (paired) [95 %]",
               "speedup verdict", "common requests"]
     note = (f"Speedup vs {baseline} (paired): the policy's wall-clock speedup over {baseline}'s, each against its "
-            "own target-only decodes, pooled over the requests both evaluated; its 95 % interval resamples those "
-            "requests jointly (the same draws for both policies, within each benchmark, "
-            "`eval.bootstrap_resamples`), so the request-to-request variation both policies share cancels. An "
-            "interval that excludes 1 separates the two policies even where their own intervals above overlap.")
+            "own target-only decodes, pooled over the requests both evaluated; its 95 % interval takes those "
+            "requests jointly (the jackknife leaves a request out of both policies at once, within each benchmark), "
+            "so the request-to-request variation both policies share cancels. An interval that excludes 1 separates "
+            "the two policies even where their own intervals above overlap.")
     return "\n".join([markdown_table(header, cells), "", note])
 
 
@@ -560,7 +631,7 @@ def sched_section(run: Mapping[str, Any]) -> str:
         return "No scheduled evaluation found."
     header = ["policy", "R", "τ", "mean ℓ", "tok/s (wall)", "target-only tok/s", "speedup (wall)",
               "decode-only speedup (wall)", "Θ (SPS clock)", "target-only Θ = R·SPS(R)", "Θ ratio",
-              "SPS vs wall clock", "draft / round", "verify / round"]
+              "SPS − wall clock (same requests, R = 1)", "draft / round", "verify / round"]
     cells = [[x["policy"], str(x["R"]), fmt_ci(x["tau"], x["tau_ci"]), fmt_number(x["mean_ell"]),
               fmt_number(x["tokens_per_s"], 1), fmt_number(x["baseline_tokens_per_s"], 1),
               fmt_ci(x["speedup"], x["speedup_ci"]), fmt_ci(x["decode_speedup"], x["decode_speedup_ci"]),
@@ -580,10 +651,12 @@ def sched_section(run: Mapping[str, Any]) -> str:
         "decoding; the serving loop verifies each request on its own, so its wall clock says nothing about "
         "batching and only the SPS clock measures R > 1. Rows without a scheduled evaluation (R > 1) show the "
         "simulator's τ and mean ℓ. The Θ ratio's interval is the SPS table's own timing noise: the run's steps "
-        "priced by 1000 tables of the profile's timings resampled (every decision kept). **SPS vs wall clock** "
-        "(R = 1, where both exist): whether that interval overlaps the 95 % interval of the decode-only wall "
-        "speedup (both leave the prefills out; the SPS table is timed in interleaved sweeps over B, so a machine "
-        "whose speed drifts does not tilt it).")
+        "priced by 1000 tables of the profile's sweeps resampled jointly across B (every decision kept). "
+        "**SPS − wall clock** (R = 1): the scheduled evaluation's own requests timed by both clocks (the same "
+        "decode, the same tokens): the SPS clock's ratio to target-only decoding (its verification forwards "
+        "priced by the measured table, every other phase as measured, `dspark.evaluation.clocks`) minus the "
+        "wall clock's decode-only speedup, with the 95 % interval of that paired difference over requests and "
+        "the table's timing noise; \"agree\" means the interval holds 0.")
     paired = paired_section(run)
     return "\n".join([markdown_table(header, cells), "", note] + (["", paired] if paired else []))
 
@@ -645,22 +718,44 @@ def results_table(run: Mapping[str, Any] | str | os.PathLike) -> str:
                      fmt_ci(*metric((greedy or {}).get("macro"), TAU_KEYS, "avg")),
                      fmt_ci(*metric((hot or {}).get("macro"), "speedup", "avg")), "–", "–"])
     paired = {x["policy"]: x["paired"] for x in paired_rows(run)}
-    at_r = {x["policy"]: x["theta_ratio"] for x in all_rows if x["R"] == r}
+    at_r = {x["policy"]: fmt_ci(x["theta_ratio"], x["theta_ratio_ci"]) for x in all_rows if x["R"] == r}
     for x in sched:
         gamma = (run["sched"].get((x["policy"], 1)) or {}).get("gamma")
         p = paired.get(x["policy"])
         if x["policy"] == PAIRED_BASELINE:
             vs = "1 (baseline)"
         elif p is not None and p.speedup is not None:
-            vs = f"{p.speedup.estimate:.2f} {_fmt_ratio(p.speedup)[1]}"
+            vs = _fmt_ratio(p.speedup)
         else:
             vs = "–"
         sched_report = run["sched"].get((x["policy"], 1)) or {}
         rows.append([f"DSpark, {_policy_name(x['policy'], gamma)}", _requests(sched_report), fmt_ci(x["tau"], x["tau_ci"]), "–",
-                     fmt_ci(x["speedup"], x["speedup_ci"]), vs, fmt_number(at_r.get(x["policy"]))])
+                     fmt_ci(x["speedup"], x["speedup_ci"]), vs, at_r.get(x["policy"], "–")])
     rows.append(["target-only decoding", "–", "1", "1", "1", "–", "1"])
     header = [h.replace("{r}", str(r) if r else "> 1") for h in RESULTS_HEADER]
     return markdown_table(header, rows)
+
+
+def results_caption(run: Mapping[str, Any]) -> str:
+    """Which prompts the results table decodes: the split, requests per benchmark and new tokens of the
+    evaluations, and the splits STS was fitted on; "" without evaluations."""
+    reports = [run["evals"][c] for c in _eval_columns(run)] + list(run["sched"].values())
+    if not reports:
+        return ""
+    splits = sorted({split_of(r) for r in reports})
+    config = reports[0].get("config") or {}
+    counts = config.get("num_samples")
+    per = "/".join(str(v) for v in sorted(set(counts.values()))) if isinstance(counts, Mapping) and counts else "?"
+    sts = run["sts"] if isinstance(run["sts"], Mapping) else {}
+    fitted = sorted({str(f.get("split")) for f in sts.get("fitted_on") or [] if isinstance(f, Mapping)})
+    text = (f"Prompts: the {' and '.join(splits)} split of each benchmark, {per} per benchmark × "
+            f"{config.get('max_new_tokens', '?')} new tokens.")
+    if splits == ["test"]:
+        text += (" The drafters' recipe is chosen on the dev split (bench/recipe_study.py), which shares no prompt "
+                 "with it.")
+    if fitted:
+        text += f" STS was fitted on the {' and '.join(fitted)} split."
+    return text
 
 
 def simulate_section(run: Mapping[str, Any]) -> str:
@@ -716,7 +811,7 @@ def llamacpp_section(run: Mapping[str, Any]) -> str:
         markdown_table(header, rows), "",
         f"The drafters exported to GGUF and served by `llama-server` ({settings.get('threads', '?')} threads) with "
         f"the target's Q4_1 GGUF, on the {settings.get('requests', '?')} requests of the evaluation. Macro averages "
-        "over the benchmarks, ± half the 95 % bootstrap interval over requests; τ counts the target's token of "
+        "over the benchmarks with their 95 % intervals over requests [lo, hi]; τ counts the target's token of "
         "each round in both engines; tokens/s are the server's, prefill excluded. Per benchmark: "
         f"{_link(run, 'llamacpp/README.md')}.",
     ])
@@ -775,9 +870,10 @@ def summary_markdown(run: Mapping[str, Any]) -> str:
         f"SmolLM2-135M-Instruct as the target; {_drafters_trained(run)} trained with the same budget, "
         "evaluated against target-only decoding, calibrated, and served under verification policies.",
         "", "## Results", "", results_table(run) or "No evaluation found.", "",
-        "τ: accepted tokens per round, macro average over the benchmarks, ± half the 95 % bootstrap interval "
-        "over requests. Speeds: tokens/s against target-only decoding of the same prompts; the sections below "
-        "give every number this table is made of.",
+        results_caption(run), "",
+        "τ: accepted tokens per round, macro average over the benchmarks, with its 95 % interval over requests "
+        "[lo, hi]. Speeds: tokens/s against target-only decoding of the same prompts (R = 4: the SPS clock, its "
+        "interval the SPS table's timing noise); the sections below give every number this table is made of.",
         "", "## 1. What was trained", "", training_section(run),
         "", f"Learning curves: {_link(run, 'curves.png')}.",
         "", "## 2. Accepted length τ", "", tau_section(run),
@@ -803,9 +899,9 @@ def summary_short(run: Mapping[str, Any]) -> str:
         lines.append(f"τ macro avg, {name} T={temp}: {fmt_ci(*metric(report.get('macro'), TAU_KEYS, 'avg'))}"
                      f" (speedup {fmt_ci(*metric(report.get('macro'), 'speedup', 'avg'))}x)")
     if run["evals"]:
-        lines += ["", "accepted length τ (± half the 95 % interval over requests, where reported):", tau_table(run), ""]
+        lines += ["", "accepted length τ ([lo, hi]: the 95 % interval over requests, where reported):", tau_table(run), ""]
     if acceptance_rows(run):
-        lines += ["conditional acceptance per draft position (± half the 95 % interval; rounds reaching k):",
+        lines += ["conditional acceptance per draft position ([lo, hi]: the 95 % interval; rounds reaching k):",
                   acceptance_table(run, last=4), *dspark_vs_dflash(run), ""]
     sts = run["sts"]
     if isinstance(sts, Mapping) and sts.get("ece_before"):
@@ -823,9 +919,9 @@ def summary_short(run: Mapping[str, Any]) -> str:
         lines.append("(R = 1: wall clock of dspark eval --policy; R > 1: the simulator's SPS clock)")
     for x in paired_rows(run):
         if x["paired"] is not None:
-            speed, speed_ci = _fmt_ratio(x["paired"].speedup)
-            lines.append(f"{x['policy']:>12} / {PAIRED_BASELINE} (paired, R=1): speedup ratio {speed} {speed_ci}, "
-                         f"{_paired_verdict(x['paired'].speedup, PAIRED_BASELINE)}; τ ratio {_fmt_ratio(x['paired'].tau)[0]}")
+            speed = _fmt_ratio(x["paired"].speedup)
+            lines.append(f"{x['policy']:>12} / {PAIRED_BASELINE} (paired, R=1): speedup ratio {speed}, "
+                         f"{_paired_verdict(x['paired'].speedup, PAIRED_BASELINE)}; τ ratio {_fmt_ratio(x['paired'].tau)}")
     for line in _llamacpp_short(run):
         lines.append(line)
     if run["timings"]:

@@ -1,11 +1,19 @@
-"""95 % bootstrap intervals of the evaluation report's numbers (``dspark.evaluation.report.build_report``).
+"""95 % intervals over requests of the evaluation report's numbers (``dspark.evaluation.report.build_report``).
 
-Requests are resampled within each benchmark (stratified, ``dspark.bootstrap``):
-each benchmark keeps its number of requests in every resample, as the
-evaluation protocol fixes it, and one set of draw counts per benchmark is used
-for every metric, so that τ, acceptance, ECE and the speedups of one resample
-come from the same requests, and a speedup resamples each request's
-speculative and target-only decodes together.
+Every interval treats the requests of each benchmark as the sample (stratified by
+benchmark, as the evaluation protocol fixes each benchmark's number of requests) and
+works on the scale where the number lives (``dspark.bootstrap``):
+
+- τ and τ per request: the stratified jackknife on the log scale, Student's t at the design
+  degrees of freedom Σ_b (n_b − 1), clipped at τ ≥ 1;
+- speedups: the same on the log scale; a request's speculative and target-only decodes are
+  deleted together;
+- proportions (conditional acceptance per draft position, acceptance rate, verified share of
+  the drafts): Wilson's interval on effective counts (``proportion_ci``), never outside [0, 1],
+  and none (NaN) below ``MIN_ROUNDS`` reaching rounds or ``MIN_REQUESTS`` requests;
+- ECE (a sum of absolute values, not smooth): the stratified percentile bootstrap with the
+  small-sample correction on the logit scale, one set of draw counts per benchmark shared by
+  every position (``eval.bootstrap_resamples``, seeded with the evaluation's seed).
 
 ``add_intervals`` adds, next to each metric ``x`` it covers, ``x_ci``: [lo, hi]
 (for a per-position list, one [lo, hi] per position; for the macro dicts, one
@@ -24,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from dspark.bootstrap import DEFAULT_LEVEL, check_settings, resample_counts, stratified_ci
+from dspark.bootstrap import DEFAULT_LEVEL, check_settings, jackknife_ci, proportion_ci, resample_counts, stratified_ci
 from dspark.data.benchmarks import domain_of
 from dspark.scheduling.calibration import apply_temperatures, ece_from_sums, ece_sums
 from dspark.evaluation.metrics import ECE_BINS, MACRO_KEYS, conditional_acceptance_counts, macro_average_array, round_tau
@@ -61,15 +69,18 @@ def _speedup(s: np.ndarray) -> np.ndarray:
     return (s[..., 0] / s[..., 1]) / (s[..., 2] / s[..., 3])
 
 
-_STATISTICS: dict[str, tuple[str, Callable[[np.ndarray], np.ndarray]]] = {
-    # report key -> (aggregate name, statistic)
-    "tau": ("tau", _ratio),
-    "tau_per_request": ("tau_per_request", _ratio),
-    "acceptance_rate": ("acceptance", _ratio),
-    "verify_rate": ("verify", _ratio),
-    "conditional_acceptance": ("conditional", _conditional),
-    "speedup": ("speed", _speedup),
-    "decode_speedup": ("decode_speed", _speedup),
+# The interval of each kind of number (module docstring): a jackknife scale, or "proportion".
+PROPORTION = "proportion"
+TAU_SUPPORT = (1.0, float("inf"))  # every round emits at least one token
+_STATISTICS: dict[str, tuple[str, Callable[[np.ndarray], np.ndarray], str]] = {
+    # report key -> (aggregate name, statistic, interval)
+    "tau": ("tau", _ratio, "log"),
+    "tau_per_request": ("tau_per_request", _ratio, "log"),
+    "acceptance_rate": ("acceptance", _ratio, PROPORTION),
+    "verify_rate": ("verify", _ratio, PROPORTION),
+    "conditional_acceptance": ("conditional", _conditional, PROPORTION),
+    "speedup": ("speed", _speedup, "log"),
+    "decode_speedup": ("decode_speed", _speedup, "log"),
 }
 
 
@@ -168,6 +179,7 @@ def _speed_aggregates(records: Sequence[Mapping[str, Any]], index: Mapping[Any, 
 
 
 def _pair(lo: Any, hi: Any) -> Any:
+    """[lo, hi], or one [lo, hi] per element; NaN bounds (no interval) stay NaN."""
     if np.ndim(lo) == 0:
         return [float(lo), float(hi)]
     return [[float(a), float(b)] for a, b in zip(lo, hi)]
@@ -183,33 +195,47 @@ class _Intervals:
         self.counts = {name: resample_counts(a.num_requests, resamples, rng).astype(np.float64)
                        for name, a in aggregates.items()}
 
-    def ci(self, names: Sequence[str], aggregate: str, statistic: Callable[[np.ndarray], np.ndarray]) -> Any:
-        """[lo, hi] (or one per element) of ``statistic`` over ``names``; None where a benchmark lacks the aggregate."""
+    def ci(self, names: Sequence[str], aggregate: str, statistic: Callable[[np.ndarray], np.ndarray],
+           method: str = "bootstrap") -> Any:
+        """[lo, hi] (or one per element) of ``statistic`` over ``names``; None where a benchmark lacks the
+        aggregate. ``method``: a jackknife scale ("log", ...), ``PROPORTION``, or "bootstrap"
+        (the shared draw counts, on the logit scale: ECE). τ's intervals are clipped at 1."""
         present = [n for n in names if n in self.aggregates]
         if not present or any(aggregate not in self.aggregates[n].arrays for n in present):
             return None
-        _, lo, hi = stratified_ci([self.aggregates[n].arrays[aggregate] for n in present], statistic,
-                                  counts=[self.counts[n] for n in present])
+        groups = [self.aggregates[n].arrays[aggregate] for n in present]
+        if method == PROPORTION:
+            flat = [g if g.ndim == 3 else g[:, None, :] for g in groups]  # [n, positions, (passed, reached)]
+            _, lo, hi = proportion_ci(flat)
+            if groups[0].ndim == 2:
+                lo, hi = np.asarray(lo)[0], np.asarray(hi)[0]
+        elif method == "bootstrap":
+            _, lo, hi = stratified_ci(groups, statistic, counts=[self.counts[n] for n in present], scale="logit")
+        else:
+            support = TAU_SUPPORT if aggregate.startswith("tau") else (-np.inf, np.inf)
+            _, lo, hi = jackknife_ci(groups, statistic, scale=method, support=support)
         return _pair(lo, hi)
 
     def annotate(self, entry: dict[str, Any], names: Sequence[str]) -> None:
         """Add x_ci next to every covered metric x of ``entry`` (pooled over ``names``)."""
-        for key, (aggregate, statistic) in _STATISTICS.items():
+        for key, (aggregate, statistic, method) in _STATISTICS.items():
             if key in entry:
-                ci = self.ci(names, aggregate, statistic)
+                ci = self.ci(names, aggregate, statistic, method)
                 if ci is not None:
                     entry[f"{key}_ci"] = ci
         for key, aggregate in (("confidence", "ece"), ("confidence_calibrated", "ece_calibrated")):
             if entry.get(key):
-                ci = self.ci(names, aggregate, _ece)
+                ci = self.ci(names, aggregate, _ece, "bootstrap")
                 for position, pair in zip(entry[key], ci or []):
                     position["ece_ci"] = pair
 
-    def macro(self, names: Sequence[str], aggregate: str, statistic: Callable[[np.ndarray], np.ndarray]) -> Any:
-        """{math, code, chat, avg: [lo, hi]} of the macro average of the per-benchmark statistic.
+    def macro(self, names: Sequence[str], aggregate: str, statistic: Callable[[np.ndarray], np.ndarray],
+              scale: str) -> Any:
+        """{math, code, chat, avg: [lo, hi]} of the macro average of the per-benchmark statistic
+        (the jackknife on ``scale``).
 
-        Each column is resampled over the benchmarks it averages (a domain's, or all of them for
-        avg), so that its small-sample correction counts the requests it rests on."""
+        Each column is computed over the benchmarks it averages (a domain's, or all of them for
+        avg), so that its degrees of freedom count the requests it rests on."""
         present = [n for n in names if aggregate in self.aggregates[n].arrays]
         if not present:
             return None
@@ -224,8 +250,9 @@ class _Intervals:
                 per_benchmark = statistic(s[..., None, :])  # [..., G]: each benchmark alone
                 return macro_average_array(per_benchmark, members)[..., column]
 
-            _, lo, hi = stratified_ci([self.aggregates[n].arrays[aggregate] for n in members], macro_stat,
-                                      counts=[self.counts[n] for n in members])
+            support = TAU_SUPPORT if aggregate.startswith("tau") else (-np.inf, np.inf)
+            _, lo, hi = jackknife_ci([self.aggregates[n].arrays[aggregate] for n in members], macro_stat,
+                                     scale=scale, support=support)
             out[key] = _pair(lo, hi)
         return out
 
@@ -249,14 +276,14 @@ def add_intervals(
         intervals.annotate(entry, [name])
     for entry in report["domains"].values():
         intervals.annotate(entry, entry["benchmarks"])
-        ci = intervals.macro(entry["benchmarks"], "tau", _ratio)
+        ci = intervals.macro(entry["benchmarks"], "tau", _ratio, "log")
         if ci is not None:
             entry["tau_macro_ci"] = ci["avg"]
     intervals.annotate(report["all"], list(aggregates))
     names = list(report["benchmarks"])
     for key in [k for k in report["macro"] if k in _STATISTICS]:
-        aggregate, statistic = _STATISTICS[key]
-        ci = intervals.macro(names, aggregate, statistic)
+        aggregate, statistic, method = _STATISTICS[key]
+        ci = intervals.macro(names, aggregate, statistic, method)
         if ci is not None:
             report["macro"][f"{key}_ci"] = ci
     report["bootstrap"] = {"resamples": int(resamples), "seed": int(seed), "level": DEFAULT_LEVEL}

@@ -1,5 +1,5 @@
 """Markdown for every table the library prints or writes: one number format (with its
-interval, ``fmt_ci``), one table layout."""
+interval, ``fmt_ci``: "estimate [lo, hi]"), one table layout."""
 
 from __future__ import annotations
 
@@ -28,19 +28,19 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 
 def fmt_ci(x: Any, ci: Any = None, digits: int = 2) -> str:
-    """A number with its interval as "1.14 ± 0.05": ± the half-width (hi − lo)/2 of
-    ``ci`` = [lo, hi], in ``fmt_number``'s format; the plain number when ``ci`` is
-    missing (a report written without intervals), and "1.14 (no interval)" when the
-    interval is not finite (it rests on too few requests, ``dspark.bootstrap``). An
-    interval narrower than the last digit gets one more decimal."""
+    """A number with its interval as "1.14 [1.09, 1.20]": the estimate, then the 95 % bounds
+    [lo, hi] in ``fmt_number``'s format (intervals are asymmetric in general: a proportion
+    near 0 or 1, a ratio on the log scale); the plain number when ``ci`` is missing (a
+    report written without intervals), and "1.14 (no interval)" when the interval is not
+    finite or null (it rests on too few requests or rounds, ``dspark.bootstrap``). An interval
+    narrower than the last digit gets one more decimal."""
     cell = fmt_number(x, digits)
-    if cell == "–" or ci is None or len(ci) != 2 or any(v is None for v in ci):
+    if cell == "–" or ci is None or len(ci) != 2:
         return cell
-    lo, hi = float(ci[0]), float(ci[1])
+    lo, hi = (math.nan if v is None else float(v) for v in ci)  # JSON keeps a withheld bound as null
     if not (math.isfinite(lo) and math.isfinite(hi)):
         return f"{cell} (no interval)"
-    half = (hi - lo) / 2
-    if 0 < half < 0.5 * 10**-digits:  # an interval narrower than the last digit: one more decimal
+    if 0 < hi - lo < 10**-digits:  # an interval narrower than the last digit: one more decimal
         digits += 1
         cell = fmt_number(x, digits)
-    return f"{cell} ± {half:.{digits}f}"
+    return f"{cell} [{lo:.{digits}f}, {hi:.{digits}f}]"

@@ -29,9 +29,9 @@ Where each quantity lives (τ counts the bonus token, paper Section 4.1):
                                against 1[first k accepted], via dspark.scheduling.calibration
 - ``summarize_rounds``         all of the above for one benchmark or domain
 - ``macro_average``            the Math / Code / Chat / Avg columns of Table 1
-- ``macro_average_array``      the same over a trailing benchmark axis (bootstrap resamples)
+- ``macro_average_array``      the same over a trailing benchmark axis (leading axes: resamples or deletions)
 
-Their 95 % bootstrap intervals over requests are in ``dspark.evaluation.intervals``; the
+Their 95 % intervals over requests are in ``dspark.evaluation.intervals``; the
 benchmarks, their domains and Table 1 headers in ``dspark.data.benchmarks``.
 """
 

@@ -1,13 +1,12 @@
 """Paired comparison of two evaluations of the same requests: the ratio of their speedups and
-of their τ, with a 95 % bootstrap interval that resamples the common requests jointly.
+of their τ, with a 95 % interval over the common requests taken jointly.
 
 Two policies (or two drafters) evaluated on the same prompts share the request-to-request
 variation: a long, hard prompt is slow under both. The intervals of the two speedups
 (``dspark.evaluation.intervals``) each carry that shared variation, so they can overlap while every
-request is faster under one of them. Resampling the common requests jointly (one draw count per
-request, used for both reports) cancels the shared part, and the interval of the ratio measures
-only the difference (Efron & Tibshirani 1993, ch. 6 and 13: the bootstrap of a statistic of
-paired samples resamples the pairs).
+request is faster under one of them. Taking the common requests jointly (a request is left out of
+both reports at once) cancels the shared part, and the interval of the ratio measures only the
+difference (the jackknife of a statistic of paired samples deletes the pairs).
 
 - ``paired_ratio``              the ratios of two evaluation folders (report.json, requests.jsonl,
                                 rounds.jsonl as ``dspark eval`` writes them)
@@ -22,9 +21,9 @@ The ratio of A to B:
 
 each sum over the common requests, i.e. the pooled numbers of ``report["all"]`` restricted to the
 requests both reports decoded (each speedup against its own target-only baseline). Requests are
-matched on (benchmark, request) and resampled within each benchmark, as ``dspark.evaluation.intervals`` does
-(each benchmark keeps its number of common requests), with the report's recorded bootstrap setting
-(``eval.bootstrap_resamples`` and the seed, ``report["bootstrap"]``).
+matched on (benchmark, request); the interval is ``dspark.bootstrap.jackknife_ci`` on the log scale,
+stratified by benchmark as ``dspark.evaluation.intervals`` is (Student's t at the design degrees of
+freedom, Σ_b (n_b − 1) over the common requests).
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ from typing import Any, Union
 
 import numpy as np
 
-from dspark.bootstrap import DEFAULT_LEVEL, DEFAULT_RESAMPLES, Interval, check_settings, resample_counts, stratified_ci
+from dspark.bootstrap import DEFAULT_LEVEL, Interval, jackknife_ci
 from dspark.evaluation.intervals import request_aggregates
 
 PathLike = Union[str, os.PathLike]
@@ -57,8 +56,6 @@ class PairedRatio:
     common: int  # requests in both reports
     only_a: int  # requests of A that B lacks (left out)
     only_b: int
-    resamples: int
-    seed: int
     level: float
 
 
@@ -92,14 +89,6 @@ def load_evaluation(folder: PathLike) -> tuple[dict[str, Any], list[dict[str, An
     with (folder / "report.json").open(encoding="utf-8") as f:
         report = json.load(f)
     return report, _read_jsonl(folder / "requests.jsonl"), _read_jsonl(folder / "rounds.jsonl")
-
-
-def _settings(report: Mapping[str, Any], resamples: int | None, seed: int | None) -> tuple[int, int]:
-    """The arguments, else the bootstrap setting the report recorded, else 1000 resamples and seed 0."""
-    recorded = report.get("bootstrap") or {}
-    resamples = int(recorded.get("resamples", DEFAULT_RESAMPLES)) if resamples is None else resamples
-    seed = int(recorded.get("seed", 0)) if seed is None else seed
-    return resamples, seed
 
 
 # ------------------------------------------------------------------ pairing
@@ -159,17 +148,11 @@ def paired_ratio_from_records(
     *,
     gamma_a: int,
     gamma_b: int,
-    resamples: int = DEFAULT_RESAMPLES,
-    seed: int = 0,
     level: float = DEFAULT_LEVEL,
-    counts: Mapping[str, np.ndarray] | None = None,
 ) -> PairedRatio:
-    """``PairedRatio`` of A over B from their requests.jsonl and rounds.jsonl rows.
-
-    ``counts`` ({benchmark: [R, n_b] draw counts of its common requests, in A's request order})
-    replaces the seeded draw (benchmark after benchmark, in A's order, from
-    ``np.random.default_rng(seed)``); the same counts weigh A's and B's row of each request."""
-    check_settings(resamples, level)
+    """``PairedRatio`` of A over B from their requests.jsonl and rounds.jsonl rows."""
+    if not 0.0 < float(level) < 1.0:
+        raise ValueError(f"level must be in (0, 1), e.g. 0.95, got {level!r}")
     keyed_a, keyed_b = _keyed(records_a, "A"), _keyed(records_b, "B")
     keys = _common_keys(keyed_a, keyed_b)
     if not keys:
@@ -178,35 +161,19 @@ def paired_ratio_from_records(
     agg_a = _aggregates([keyed_a[k] for k in keys], rounds_a, keys, gamma_a)
     agg_b = _aggregates([keyed_b[k] for k in keys], rounds_b, keys, gamma_b)
     names = list(agg_a)
-    if counts is None:
-        rng = np.random.default_rng(seed)
-        counts = {n: resample_counts(agg_a[n].num_requests, resamples, rng) for n in names}
-    shared = [np.asarray(counts[n], dtype=np.float64) for n in names]
 
     def interval(name: str, statistic: Any) -> Interval | None:
         groups = _stacked(agg_a, agg_b, name, names)
-        return None if groups is None else Interval(*stratified_ci(groups, statistic, counts=shared, level=level))
+        return None if groups is None else Interval(*jackknife_ci(groups, statistic, level=level, scale="log"))
 
     return PairedRatio(
         speedup=interval("speed", _speedup_ratio), tau=interval("tau", _tau_ratio), common=len(keys),
-        only_a=len(keyed_a) - len(keys), only_b=len(keyed_b) - len(keys),
-        resamples=int(shared[0].shape[0]), seed=int(seed), level=float(level))
+        only_a=len(keyed_a) - len(keys), only_b=len(keyed_b) - len(keys), level=float(level))
 
 
-def paired_ratio(
-    report_a_dir: PathLike,
-    report_b_dir: PathLike,
-    *,
-    resamples: int | None = None,
-    seed: int | None = None,
-    level: float = DEFAULT_LEVEL,
-) -> PairedRatio:
-    """``PairedRatio`` of evaluation A over evaluation B (two ``dspark eval`` output folders).
-
-    resamples / seed default to the bootstrap setting A's report recorded
-    (``eval.bootstrap_resamples``, eval.seed), else 1000 and 0."""
+def paired_ratio(report_a_dir: PathLike, report_b_dir: PathLike, *, level: float = DEFAULT_LEVEL) -> PairedRatio:
+    """``PairedRatio`` of evaluation A over evaluation B (two ``dspark eval`` output folders)."""
     report_a, records_a, rounds_a = load_evaluation(report_a_dir)
     report_b, records_b, rounds_b = load_evaluation(report_b_dir)
-    resamples, seed = _settings(report_a, resamples, seed)
     return paired_ratio_from_records(records_a, rounds_a, records_b, rounds_b, gamma_a=int(report_a["gamma"]),
-                                     gamma_b=int(report_b["gamma"]), resamples=resamples, seed=seed, level=level)
+                                     gamma_b=int(report_b["gamma"]), level=level)

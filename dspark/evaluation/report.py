@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
 
-from dspark.bootstrap import DEFAULT_RESAMPLES
+from dspark.bootstrap import DEFAULT_RESAMPLES, MIN_REQUESTS, MIN_ROUNDS
 from dspark.scheduling.calibration import apply_temperatures, round_arrays, save_sts_report
 from dspark.evaluation.compare import _compared_numbers, _numbers_table, _table1_columns, compare_reports, load_report
 from dspark.evaluation.intervals import add_intervals
@@ -100,8 +100,8 @@ def build_report(
     macro (Table 1's Math/Code/Chat/Avg of τ, τ per request and speedup),
     timings, bootstrap. Metric keys are those of ``dspark.evaluation.metrics.summarize_rounds``;
     benchmarks also carry tokens, wall times, throughputs and the speedup.
-    The compared numbers carry a 95 % interval ``x_ci`` (``dspark.evaluation.intervals``), a
-    bootstrap over requests with ``bootstrap_resamples`` resamples (default:
+    The compared numbers carry a 95 % interval over requests ``x_ci`` (``dspark.evaluation.intervals``);
+    the ECE's is a bootstrap with ``bootstrap_resamples`` resamples (default:
     config["run"]["eval"]["bootstrap_resamples"], else 1000) seeded with
     ``bootstrap_seed`` (default: config["seed"], the evaluation's eval.seed, else 0).
     """
@@ -272,8 +272,11 @@ def _settings_lines(report: Mapping[str, Any]) -> list[str]:
         lines += ["", f"Skipped (file missing): {', '.join(report['skipped'])}."]
     boot = report.get("bootstrap")
     if boot:
-        lines += ["", f"x ± h: h is the half-width of the {100 * boot['level']:g} % interval of a bootstrap over "
-                      f"requests, resampled within each benchmark ({boot['resamples']} resamples, seed {boot['seed']})."]
+        lines += ["", f"x [lo, hi]: the {100 * boot['level']:g} % interval over requests, stratified by benchmark "
+                      "(τ and speedups: the jackknife on the log scale, Student's t at Σ (requests − 1) degrees of "
+                      "freedom; rates and conditional acceptance: Wilson on effective counts, none below "
+                      f"{MIN_ROUNDS} rounds or {MIN_REQUESTS} requests; ECE: a bootstrap, {boot['resamples']} "
+                      f"resamples, seed {boot['seed']}; `dspark.bootstrap`)."]
     return lines
 
 

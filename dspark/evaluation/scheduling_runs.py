@@ -266,10 +266,25 @@ def read_round_logs(paths: Sequence[str | os.PathLike]) -> list[dict[str, Any]]:
     return rows
 
 
+def round_log_split(path: str | os.PathLike) -> str | None:
+    """The split ("all", "dev" or "test") of the evaluation that wrote a rounds.jsonl, from the
+    settings.json or report.json beside it; None when neither says (a log copied elsewhere)."""
+    folder = Path(path).parent
+    for name in ("settings.json", "report.json"):
+        try:
+            with (folder / name).open(encoding="utf-8") as f:
+                config = json.load(f).get("config") or {}
+        except (OSError, ValueError, AttributeError):
+            continue
+        return str(config.get("split", "all"))
+    return None
+
+
 def calibrate(config: Config) -> tuple[dict[str, Any], dict[str, str]]:
     """Fit STS on the round logs `calibrate.rounds` (fit / test split by request) and write
     the STS JSON at `calibrate.out` (default <run_dir>/sts.json) with its reliability
-    diagrams; returns the calibration report and the written paths."""
+    diagrams; returns the calibration report and the written paths. The report's
+    ``fitted_on`` names each round log and the split of the evaluation that wrote it."""
     from dspark.scheduling.calibration import calibrate_rounds
     from dspark.evaluation.report import write_sts_report
 
@@ -278,6 +293,9 @@ def calibrate(config: Config) -> tuple[dict[str, Any], dict[str, str]]:
         raise ValueError("calibrate.rounds is empty: give the rounds.jsonl of `dspark eval` (--rounds FILE ...)")
     report, evaluated = calibrate_rounds(read_round_logs(c.rounds), fit_fraction=c.fit_fraction, seed=c.seed,
                                          n_bins=c.bins, min_events=c.min_events, folds=c.folds)
+    # Which prompts the temperatures were fitted on: a policy scored on other prompts (the test split,
+    # when these are dev) is scored on rounds the fit never saw.
+    report["fitted_on"] = [{"rounds": os.fspath(path), "split": round_log_split(path)} for path in c.rounds]
     out = config.path(c.out, "sts.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     return report, write_sts_report(out, report, evaluated, n_bins=c.bins)

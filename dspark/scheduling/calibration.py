@@ -621,5 +621,6 @@ def _ece_intervals(
     """[lo, hi] of the ECE of a_k per position, a bootstrap over the requests of ``rows``."""
     groups = _request_ids(rows)
     sums = ece_sums(conf, accepted, proposed, groups, max(groups) + 1, n_bins)  # [requests, γ, n_bins + 1]
-    _, lo, hi = stratified_ci([sums], lambda s: ece_from_sums(s.sum(axis=-3)), resamples=resamples, seed=seed)
+    _, lo, hi = stratified_ci([sums], lambda s: ece_from_sums(s.sum(axis=-3)), resamples=resamples, seed=seed,
+                              scale="logit")
     return [[float(a), float(b)] for a, b in zip(lo, hi)]

@@ -256,7 +256,8 @@ class SimResult:
     requests: one dict per request admitted, in admission order: index, tag, prompt_tokens,
       tokens (count), rounds (count), finished; once finished also finished_by_eos,
       timings (its own phases) and result (its DecodeResult).
-    rounds: one dict per round (step, request, tag, round, proposed, accepted, eos_accepted, emitted,
+    rounds: one dict per round (step, request, tag, round, proposed, verified (ℓ, the drafts the target's
+      forward took: ``proposed`` is cut to m where an accepted EOS ended the round), accepted, eos_accepted, emitted,
       confidences (raw c_1..c_γ or None), expected_accepted (Σ_{j≤ℓ} a_j of the
       confidences the policy saw, None without), batch_tokens).
     step_log: one dict per step (step, live, drafted, batch_tokens, draft_s, overhead_s, verify_s,
@@ -362,7 +363,7 @@ class SimResult:
         forwards: dict[int, int] = {}  # 1 + ℓ_r -> verification forwards of that size
         if measured and self.verify_s > 0:
             for row in self.rounds:
-                size = 1 + int(row["proposed"])
+                size = 1 + int(row.get("verified", row["proposed"]))
                 forwards[size] = forwards.get(size, 0) + 1
         tokens, r, verify_s = self.tokens, self.concurrency, self.verify_s
 
@@ -678,6 +679,7 @@ def _verify(entry: _Live, ell: int | None, expected: float | None, batch: int, r
     result.rounds.append({
         "step": result.steps, "request": entry.index, "tag": entry.job.tag,
         "round": len(request.rounds) - 1, "drafted": ell is not None, "proposed": record.proposed,
+        "verified": 0 if ell is None else int(ell),
         "accepted": record.accepted, "eos_accepted": record.eos_accepted, "emitted": emitted,
         "confidences": record.confidences, "expected_accepted": expected, "batch_tokens": batch,
     })

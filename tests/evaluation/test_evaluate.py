@@ -120,12 +120,13 @@ def test_confidence_quality_uses_only_rounds_with_confidences(tmp_path, clock, m
 # ------------------------------------------------------------------ the files
 
 
-# GSM8K's two requests have τ sums (6 over 2 rounds) and (1 over 1): a resample of them draws
-# both (τ 7/3, p = 1/2), the first twice (3, p = 1/4) or the second twice (1, p = 1/4), so its 95 %
-# interval is [1, 3] (± 1.00); MBPP and Alpaca have one request each (± 0); the Avg (τ_GSM8K + 3 + 2) / 3
-# spans [2, 8/3] (± 0.33).
-DSPARK_ROW = ("| DSpark | 2.33 ± 1.00 | – | – | 3.00 ± 0.00 | – | – | – | 2.00 ± 0.00 | – | 2.33 ± 1.00 | 3.00 ± 0.00 "
-              "| 2.00 ± 0.00 | 2.44 ± 0.33 |")
+# GSM8K's two requests have τ sums (6 over 2 rounds) and (1 over 1): τ 7/3; leaving one out gives 3 or 1,
+# so the jackknife's sd of log τ is |log 3 − log 1| / 2 and, with one degree of freedom (t_1 = 12.706), the
+# interval is exp(log 7/3 ± 12.706 · 0.5493) = [0.0022, 2507.13], clipped at τ = 1. MBPP and Alpaca have one
+# request each: no degree of freedom, no interval. The Avg (τ_GSM8K + 3 + 2) / 3 is 2 or 8/3 with one GSM8K
+# request left out: exp(log 22/9 ± 12.706 · |log(4/3)| / 2) = [0.39, 15.20], clipped at 1.
+DSPARK_ROW = ("| DSpark | 2.33 [1.00, 2507.13] | – | – | 3.00 (no interval) | – | – | – | 2.00 (no interval) | – "
+              "| 2.33 [1.00, 2507.13] | 3.00 (no interval) | 2.00 (no interval) | 2.44 [1.00, 15.20] |")
 
 
 def test_files_hold_rounds_requests_strict_json_markdown_and_plots(tmp_path, clock, monkeypatch, plain_bootstrap):

@@ -1,16 +1,17 @@
 """Paired ratios of two evaluations of the same requests (dspark.evaluation.paired), in the demo summary's
 scheduling section (dspark.evaluation.demo_page) and in `dspark compare` (dspark.evaluation.compare).
 
-Oracles: speedup and τ ratios of a fixed resample set computed by hand; coverage of the known
+Oracles: speedup and τ ratios and their jackknife intervals computed by hand; coverage of the known
 ratio of a synthetic paired population; the report's own pooled numbers (build_report)."""
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from dspark.bootstrap import stratified_ci
+from dspark.bootstrap import jackknife_ci
 from dspark.cli.main import main
 from dspark.evaluation.compare import compare_reports
 from dspark.evaluation.paired import paired_ratio, paired_ratio_from_records, verdict
@@ -34,36 +35,43 @@ ROUNDS_A = _rounds(0, [1, 0]) + _rounds(1, [3]) + _rounds(2, [0])
 # B: speedups 1, 1, 2; τ sums 1 / 1, 2 / 1, 4 / 2.
 RECORDS_B = [_record(0, 10, 1.0, 10, 1.0), _record(1, 10, 2.0, 10, 2.0), _record(2, 20, 2.0, 20, 4.0)]
 ROUNDS_B = _rounds(0, [0]) + _rounds(1, [1]) + _rounds(2, [1, 1])
-COUNTS = {"gsm8k": np.array([[3, 0, 0], [0, 3, 0], [0, 0, 3], [1, 1, 1], [2, 1, 0]])}
+T2 = 4.302653  # Student's t, 0.975 quantile, 2 degrees of freedom (one benchmark of 3 requests; any table)
 
 
 def _hand_case(**kw):
     return paired_ratio_from_records(RECORDS_A, ROUNDS_A, RECORDS_B, ROUNDS_B, gamma_a=3, gamma_b=3, **kw)
 
 
-def test_the_ratios_of_a_fixed_resample_set_are_their_hand_computed_percentiles(plain_bootstrap):
-    p = _hand_case(counts=COUNTS, level=0.5)
-    # Speedup A pooled (40 / 11) / (40 / 7) = 7/11, B (40 / 5) / (40 / 7) = 7/5: ratio 5/11. Resampled:
-    # 0.5 / 1, 0.5 / 1, 0.8 / 2, 5/11, (30 / 8)/(30 / 4) over (30 / 4)/(30 / 4) = 0.5 -> sorted 0.4, 5/11, 0.5, 0.5,
-    # 0.5; level 0.5: positions 1 and 3.
-    assert tuple(p.speedup) == pytest.approx((5 / 11, 5 / 11, 0.5))
-    # τ A 8 / 4 = 2, B 7 / 4: ratio 8/7. Resampled: (9/6)/(3/3) = 1.5, 4/2 = 2, 1/2, 8/7, (10/5)/(4/3) = 1.5
-    # -> sorted 0.5, 8/7, 1.5, 1.5, 2.
-    assert tuple(p.tau) == pytest.approx((8 / 7, 8 / 7, 1.5))
-    assert (p.common, p.only_a, p.only_b, p.resamples) == (3, 0, 0, 5)
-    # 95 %: the 2.5 % quantile at position 0.1, the 97.5 % one at 3.9 (linear interpolation).
-    wide = _hand_case(counts=COUNTS)
-    assert (wide.speedup.lo, wide.speedup.hi) == pytest.approx((0.4 + 0.1 * (5 / 11 - 0.4), 0.5))
-    assert (wide.tau.lo, wide.tau.hi) == pytest.approx((0.5 + 0.1 * (8 / 7 - 0.5), 1.5 + 0.9 * 0.5))
+def _jackknife_by_hand(estimate, deleted, t):
+    """exp(log θ̂ ∓ t · sqrt((n − 1)/n · Σ (log θ_(i) − mean)²)): one group of n requests."""
+    logs = [math.log(x) for x in deleted]
+    n, mean = len(logs), sum(logs) / len(logs)
+    half = t * math.sqrt((n - 1) / n * sum((x - mean) ** 2 for x in logs))
+    return estimate, math.exp(math.log(estimate) - half), math.exp(math.log(estimate) + half)
 
 
-def test_requests_are_matched_on_benchmark_and_request_whatever_their_order(plain_bootstrap):
+def test_the_ratios_and_their_jackknife_intervals_by_hand():
+    p = _hand_case()
+    # Speedup A pooled (40 / 11) / (40 / 7) = 7/11, B (40 / 5) / (40 / 7) = 7/5: ratio 5/11. Without request 0:
+    # A (30 / 9)/(30 / 6), B (30 / 4)/(30 / 6): 4/9; without 1: (30/7)/(30/5) over (30/3)/(30/5) = 3/7; without 2:
+    # (20/6)/(20/3) over (20/3)/(20/3) = 1/2. (One benchmark: the n / (n − 1) weight cancels in each ratio.)
+    assert tuple(p.speedup) == pytest.approx(_jackknife_by_hand(5 / 11, [4 / 9, 3 / 7, 1 / 2], T2))
+    # τ A 8 / 4 = 2, B 7 / 4: ratio 8/7. Without request 0: (5/2)/(6/3) = 5/4; without 1: (4/3)/(5/3) = 4/5;
+    # without 2: (7/3)/(3/2) = 14/9.
+    assert tuple(p.tau) == pytest.approx(_jackknife_by_hand(8 / 7, [5 / 4, 4 / 5, 14 / 9], T2))
+    assert (p.common, p.only_a, p.only_b, p.level) == (3, 0, 0, 0.95)
+    t_half = 0.816497  # t at 0.75, 2 degrees of freedom: a 50 % interval
+    assert tuple(_hand_case(level=0.5).tau) == pytest.approx(_jackknife_by_hand(8 / 7, [5 / 4, 4 / 5, 14 / 9], t_half))
+
+
+def test_requests_are_matched_on_benchmark_and_request_whatever_their_order():
     # B's rows shuffled and an extra request in A that B lacks: the same ratios on the three common requests.
     extra = [_record(7, 10, 9.0, 10, 1.0)]
     p = paired_ratio_from_records(RECORDS_A + extra, ROUNDS_A + _rounds(7, [0, 0]), RECORDS_B[::-1], ROUNDS_B[::-1],
-                                  gamma_a=3, gamma_b=3, counts=COUNTS, level=0.5)
-    assert tuple(p.speedup) == pytest.approx((5 / 11, 5 / 11, 0.5)) and (p.common, p.only_a, p.only_b) == (3, 1, 0)
-    assert tuple(p.tau) == pytest.approx((8 / 7, 8 / 7, 1.5))
+                                  gamma_a=3, gamma_b=3)
+    assert (p.common, p.only_a, p.only_b) == (3, 1, 0)
+    assert tuple(p.speedup) == pytest.approx(tuple(_hand_case().speedup))
+    assert tuple(p.tau) == pytest.approx(tuple(_hand_case().tau))
 
 
 def test_pairs_of_different_prompts_or_without_common_requests_are_refused():
@@ -75,14 +83,14 @@ def test_pairs_of_different_prompts_or_without_common_requests_are_refused():
         paired_ratio_from_records(RECORDS_A, ROUNDS_A, elsewhere, ROUNDS_B, gamma_a=3, gamma_b=3)
 
 
-def test_the_seeded_draw_is_reproducible_and_a_report_against_itself_is_exactly_one():
-    assert _hand_case(seed=4, resamples=200) == _hand_case(seed=4, resamples=200)
-    same = paired_ratio_from_records(RECORDS_A, ROUNDS_A, RECORDS_A, ROUNDS_A, gamma_a=3, gamma_b=3, resamples=50)
+def test_the_interval_is_deterministic_and_a_report_against_itself_is_exactly_one():
+    assert _hand_case() == _hand_case()
+    same = paired_ratio_from_records(RECORDS_A, ROUNDS_A, RECORDS_A, ROUNDS_A, gamma_a=3, gamma_b=3)
     assert tuple(same.speedup) == pytest.approx((1.0, 1.0, 1.0)) and verdict(same.speedup) == "includes 1"
 
 
 def test_verdict_says_which_side_of_1_an_interval_lies():
-    p = _hand_case(counts=COUNTS)
+    p = _hand_case()
     assert verdict(p.speedup) == "below 1" and verdict(p.tau) == "includes 1" and verdict(None) == "–"
 
 
@@ -114,17 +122,16 @@ def test_the_paired_interval_covers_the_known_ratio_and_is_narrower_than_one_spe
     trials, hit_speed, hit_tau, narrower = 120, 0, 0, 0
     for t in range(trials):
         (ra, rb), (na, nb) = _population(rng, 30, true_speed, 0.5)
-        p = paired_ratio_from_records(ra, na, rb, nb, gamma_a=3, gamma_b=3, resamples=400, seed=t)
+        p = paired_ratio_from_records(ra, na, rb, nb, gamma_a=3, gamma_b=3)
         hit_speed += p.speedup.lo <= true_speed <= p.speedup.hi
         hit_tau += p.tau.lo <= true_tau <= p.tau.hi
         # A's own speedup interval (unpaired, as dspark.evaluation.intervals computes it), relative to its value.
         groups = [np.array([[r["tokens"], r["wall_s"], r["baseline_tokens"], r["baseline_wall_s"]]
                             for r in ra if r["benchmark"] == b]) for b in ("gsm8k", "mt-bench")]
-        own = stratified_ci(groups, lambda s: (s.sum(-2)[..., 0] / s.sum(-2)[..., 1]) /
-                            (s.sum(-2)[..., 2] / s.sum(-2)[..., 3]), resamples=400, seed=t)
+        own = jackknife_ci(groups, lambda s: (s.sum(-2)[..., 0] / s.sum(-2)[..., 1]) /
+                           (s.sum(-2)[..., 2] / s.sum(-2)[..., 3]), scale="log")
         narrower += (p.speedup.hi - p.speedup.lo) / p.speedup.estimate < (own.hi - own.lo) / own.estimate
-    # 95 % nominal; 120 trials: binomial sd 2 %, and the percentile bootstrap runs a little short at n = 60
-    # (measured 0.92 and 0.91 with this seed; 0.93 and 0.92 over 200 trials).
+    # 95 % nominal; 120 trials: binomial sd 2 %.
     assert 0.87 <= hit_speed / trials <= 0.99 and 0.87 <= hit_tau / trials <= 0.99
     assert narrower == trials  # the shared slowdown s_i cancels in the paired ratio, not in one speedup
 
@@ -157,17 +164,15 @@ def test_the_summary_shows_each_policys_paired_speedup_over_static(sched_run):
     rows = paired_rows(run)
     assert [x["policy"] for x in rows] == ["algorithm1"]
     expected = paired_ratio(sched_run / "sched" / "algorithm1-R1", sched_run / "sched" / "static-R1")
-    assert rows[0]["paired"] == expected and expected.resamples == 200 and expected.seed == 5  # the report's setting
+    assert rows[0]["paired"] == expected
     # The estimate is the ratio of the two reports' own pooled speedups (all requests are common).
     reports = {p: json.loads((sched_run / "sched" / f"{p}-R1" / "report.json").read_text()) for p in ("algorithm1", "static")}
     assert expected.speedup.estimate == pytest.approx(reports["algorithm1"]["all"]["speedup"] / reports["static"]["all"]["speedup"])
     assert expected.tau.estimate == pytest.approx(reports["algorithm1"]["all"]["tau"] / reports["static"]["all"]["tau"])
     assert expected.speedup.lo > 1.0
     page = summary_markdown(run)
-    assert "| policy (R = 1) | speedup vs static (paired) | 95 % interval |" in page
-    half = (expected.speedup.hi - expected.speedup.lo) / 2
-    row = (f"| algorithm1 | {expected.speedup.estimate:.2f} ± {half:.2f} | "
-           f"[{expected.speedup.lo:.2f}, {expected.speedup.hi:.2f}] |")
+    assert "| policy (R = 1) | speedup vs static (paired) [95 %] | τ vs static (paired) [95 %] |" in page
+    row = f"| algorithm1 | {expected.speedup.estimate:.2f} [{expected.speedup.lo:.2f}, {expected.speedup.hi:.2f}] |"
     assert row in page and "above static beyond the interval | 40 |" in page
     assert "algorithm1 / static (paired, R=1): speedup ratio" in summary_short(run)
 

@@ -43,10 +43,11 @@ def test_the_calibration_table_has_one_row_per_position_of_the_evaluated_part():
 # ------------------------------------------------------------------ intervals in the tables
 
 
-def test_a_number_with_its_interval_shows_the_half_width_in_the_same_format():
-    assert fmt_ci(1.14, [1.10, 1.20]) == "1.14 ± 0.05"
-    assert fmt_ci(0.5, [0.4, 0.7], 3) == "0.500 ± 0.150"
-    assert fmt_ci(1.14) == fmt_ci(1.14, [None, None]) == "1.14"  # no interval computed
+def test_a_number_with_its_interval_shows_its_bounds_in_the_same_format():
+    assert fmt_ci(1.14, [1.10, 1.20]) == "1.14 [1.10, 1.20]"
+    assert fmt_ci(0.5, [0.4, 0.7], 3) == "0.500 [0.400, 0.700]"
+    assert fmt_ci(1.14) == "1.14"  # no interval computed
+    assert fmt_ci(1.14, [None, None]) == "1.14 (no interval)"  # refused, as report.json keeps it (null)
     assert fmt_ci(1.14, [math.nan, 1.2]) == "1.14 (no interval)"  # one refused: too few requests
     assert fmt_ci(None, [1.0, 2.0]) == "–"
 
@@ -62,14 +63,15 @@ def test_compare_shows_intervals_and_says_which_pairs_overlap():
     b = tau_report("B", {"gsm8k": (2.06, [2.0, 2.2]), "mbpp": (1.2, [1.1, 1.3])}, [1.58, 1.68])
     c = tau_report("C", {"gsm8k": (2.0, None), "mbpp": (1.5, None)}, None)  # a report without intervals
     lines = compare_reports({"A": a, "B": b, "C": c}).splitlines()
-    assert lines[2] == "| A | 2.00 ± 0.10 | – | – | 1.50 ± 0.10 | – | – | – | – | – | 2.00 | 1.50 | – | 1.75 ± 0.05 |"
+    assert lines[2] == ("| A | 2.00 [1.90, 2.10] | – | – | 1.50 [1.40, 1.60] | – | – | – | – | – | 2.00 | 1.50 | – "
+                        "| 1.75 [1.70, 1.80] |")
     assert lines[4] == "| C | 2.00 | – | – | 1.50 | – | – | – | – | – | 2.00 | 1.50 | – | 1.75 |"
     table = lines[lines.index("| pair | GSM8K | MBPP | Avg |"):]
     # GSM8K: [1.9, 2.1] and [2.0, 2.2] share [2.0, 2.1]; MBPP: [1.4, 1.6] and [1.1, 1.3] do not; Avg: 1.70 > 1.68.
     assert table[2] == "| A vs B | overlap | apart | apart |"
     assert table[3] == "| A vs C | – | – | – |"
-    assert table[-1] == ("Intervals apart: A vs B on MBPP (1.50 ± 0.10 vs 1.20 ± 0.10); "
-                         "A vs B on Avg (1.75 ± 0.05 vs 1.63 ± 0.05).")
+    assert table[-1] == ("Intervals apart: A vs B on MBPP (1.50 [1.40, 1.60] vs 1.20 [1.10, 1.30]); "
+                         "A vs B on Avg (1.75 [1.70, 1.80] vs 1.63 [1.58, 1.68]).")
 
 
 def test_compare_of_overlapping_drafters_says_so():
@@ -86,7 +88,7 @@ def test_compare_lists_macro_speedups_with_intervals():
     b["macro"].update(speedup={"avg": 1.3}, speedup_ci={"avg": [1.2, 1.4]})
     lines = compare_reports({"A": a, "B": b}).splitlines()
     assert "| drafter | speedup Avg |" in lines  # only the speedups the reports hold
-    assert "| A | 0.90 ± 0.10 |" in lines and "| B | 1.30 ± 0.10 |" in lines
+    assert "| A | 0.90 [0.80, 1.00] |" in lines and "| B | 1.30 [1.20, 1.40] |" in lines
     assert "| pair | GSM8K | Avg | speedup Avg |" in lines
     assert "| A vs B | overlap | overlap | apart |" in lines
 
@@ -98,4 +100,5 @@ def test_the_calibration_table_shows_the_ece_intervals():
     part = {"before": [metrics(0.1, [0.06, 0.14])], "after": [metrics(0.05, [0.03, 0.09])],
             "conditional_before": [metrics(0, None)], "conditional_after": [metrics(0, None)]}
     report = {"temperatures": [2.0], "evaluated_on": "test", "per_position": {"test": part}}
-    assert calibration_markdown(report).splitlines()[2].startswith("| 1 | 10 | 2.000 | 0.1000 ± 0.0400 | 0.0500 ± 0.0300 |")
+    assert calibration_markdown(report).splitlines()[2].startswith(
+        "| 1 | 10 | 2.000 | 0.1000 [0.0600, 0.1400] | 0.0500 [0.0300, 0.0900] |")

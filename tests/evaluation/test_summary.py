@@ -3,13 +3,14 @@
 Every number the tests check is computed by hand from the small JSON files below."""
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 
 from dspark.cli.main import main
-from dspark.evaluation.demo_page import (clock_agreement, fmt_ci, load_run, metric, results_table, sched_row, summary_markdown,
-                                          write_summary)
+from dspark.evaluation.demo_page import (clock_cell, clock_rows, fmt_ci, load_run, metric, results_table, sched_row,
+                                          summary_markdown, write_summary)
 
 SPS = {"sample_batch_tokens": [1, 4], "sample_steps_per_sec": [10.0, 8.0], "max_batch_tokens": 512}
 
@@ -72,14 +73,16 @@ def run_dir(tmp_path: Path) -> Path:
     return root
 
 
-def test_an_interval_is_shown_as_half_its_width_and_its_absence_leaves_the_value():
-    assert fmt_ci(1.14, (1.09, 1.19)) == "1.14 ± 0.05"
+def test_an_interval_is_shown_as_its_bounds_and_its_absence_leaves_the_value():
+    assert fmt_ci(1.14, (1.09, 1.19)) == "1.14 [1.09, 1.19]"
+    assert fmt_ci(0.03, (0.005, 0.16)) == "0.03 [0.01, 0.16]"  # asymmetric: what "±" could not say
     assert fmt_ci(1.14, None) == "1.14"
+    assert fmt_ci(1.14, (float("nan"), float("nan"))) == "1.14 (no interval)"
     assert fmt_ci(None, (1.0, 2.0)) == "–"
 
 
 def test_an_interval_narrower_than_the_last_digit_gets_one_more_decimal():
-    assert fmt_ci(1.1412, (1.1400, 1.1424)) == "1.141 ± 0.001"
+    assert fmt_ci(1.1412, (1.1400, 1.1424)) == "1.141 [1.140, 1.142]"
 
 
 def test_metric_reads_the_sibling_interval_or_the_older_key_without_one():
@@ -87,7 +90,9 @@ def test_metric_reads_the_sibling_interval_or_the_older_key_without_one():
     assert metric({"tau": 1.2}, ("tau_pooled", "tau")) == (1.2, None)
     macro = {"tau": {"avg": 1.3}, "tau_ci": {"avg": [1.2, 1.4]}}
     assert metric(macro, "tau", "avg") == (1.3, (1.2, 1.4))
-    assert metric({"tau": 1.2, "tau_ci": [None, 1.3]}, "tau") == (1.2, None)  # a broken interval is dropped
+    value, ci = metric({"tau": 1.2, "tau_ci": [None, 1.3]}, "tau")  # withheld (null in report.json)
+    assert value == 1.2 and all(math.isnan(x) for x in ci) and fmt_ci(value, ci) == "1.20 (no interval)"
+    assert metric({"tau": 1.2, "tau_ci": "broken"}, "tau") == (1.2, None)
     assert metric(None, "tau") == (None, None)
 
 
@@ -104,20 +109,48 @@ def test_a_scheduling_row_accounts_the_round_in_target_steps_and_compares_the_sp
     assert (row["theta"], row["theta_target"], row["theta_ratio"]) == pytest.approx((20.0, 10.0, 2.0))
 
 
-def test_the_clocks_agree_when_the_sps_ratio_lies_in_the_decode_only_wall_interval():
-    assert clock_agreement(0.90, (0.84, 0.95)) == "agree"
-    assert clock_agreement(0.84, (0.84, 0.95)) == "agree"  # the interval is closed
-    assert clock_agreement(0.61, (0.84, 0.95)) == "SPS clock below"
-    assert clock_agreement(1.02, (0.84, 0.95)) == "SPS clock above"
-    assert clock_agreement(None, (0.84, 0.95)) == clock_agreement(0.9, None) == "–"
-    assert clock_agreement(0.9, (float("nan"), 0.95)) == "–"
+def _clock_folder(folder: Path) -> None:
+    """requests.jsonl and rounds.jsonl of a scheduled evaluation at R = 1: two benchmarks of two requests."""
+    records, rounds = [], []
+    for b, bench in enumerate(("gsm8k", "mt-bench")):
+        step = 0  # one request at a time: every round is a step of its own
+        for q in range(2):
+            ells = [4, 2, 4] if q == 0 else [1, 4]
+            records.append({"benchmark": bench, "request": q, "prompt_tokens": 9, "tokens": 8 + b + q, "wall_s": 2.0 + q,
+                            "timings": {"prefill": 0.2, "draft": 0.3, "verify": 1.0 + 0.5 * q, "accept": 0.1,
+                                        "bookkeeping": 0.1, "schedule": 0.05, "total": 1.75 + 0.5 * q},
+                            "baseline_tokens": 8 + b + q, "baseline_wall_s": 2.2 + q,
+                            "baseline_timings": {"prefill": 0.2, "decode": 1.9 + q, "sample": 0.1}})
+            rounds += [{"benchmark": bench, "request": q, "round": i, "proposed": ell, "accepted": 1, "step": step + i,
+                        "batch_tokens": 1 + ell, "drafted": True} for i, ell in enumerate(ells)]
+            step += len(ells)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (folder / "rounds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds))
+    report = json.loads((folder / "report.json").read_text())
+    report["config"] = {"concurrency": 1}
+    (folder / "report.json").write_text(json.dumps(report))
 
 
-def test_with_the_sps_clocks_own_interval_the_clocks_agree_when_the_intervals_overlap():
-    assert clock_agreement(0.91, (0.93, 1.03), (0.87, 0.95)) == "agree"
-    assert clock_agreement(0.91, (0.93, 1.03), (0.88, 0.93)) == "agree"  # both closed
-    assert clock_agreement(0.85, (0.93, 1.03), (0.80, 0.92)) == "SPS clock below"
-    assert clock_agreement(1.10, (0.93, 1.03), (1.05, 1.15)) == "SPS clock above"
+def test_a_scheduling_row_at_r1_carries_the_paired_difference_of_the_two_clocks(run_dir):
+    from dspark.evaluation.clocks import clock_difference
+    from dspark.evaluation.report import write_profile
+    from dspark.scheduling.sps_profile import SPSProfile
+
+    _clock_folder(run_dir / "sched" / "algorithm1-R1")
+    sweeps = [[0.10, 0.102, 0.098, 0.101, 0.099, 0.1], [0.12, 0.121, 0.119, 0.12, 0.122, 0.118],
+              [0.14, 0.141, 0.139, 0.14, 0.142, 0.138]]
+    profile = SPSProfile([1, 2, 8], sweeps, [sorted(x)[3] for x in sweeps], 128, None, 1, 6, "cpu", "float32", 1)
+    write_profile(profile, run_dir / "sps.json")
+    run = load_run(run_dir)
+    row = sched_row(run, "algorithm1", 1, run["sched"][("algorithm1", 1)], {"throughput": 20.0})
+    want = clock_difference(run_dir / "sched" / "algorithm1-R1", run_dir / "sps.json")
+    assert row["clock_difference"] == want and row["clocks"] == clock_cell(want)
+    assert row["clocks"] == f"{fmt_ci(want.difference, [want.lo, want.hi])}: {want.verdict}"
+    assert want.verdict in ("agree", "SPS clock above", "SPS clock below")
+    assert clock_rows(run)["static"] is None  # no round logs there: no difference, the cell says "–"
+    assert sched_row(run, "static", 1, run["sched"][("static", 1)], None)["clocks"] == "–"
+    assert sched_row(run, "algorithm1", 4, None, {"throughput": 20.0})["clocks"] == "–"  # R > 1: no wall clock
 
 
 def test_a_scheduling_row_carries_the_simulators_table_interval(run_dir):
@@ -141,11 +174,11 @@ def test_the_page_has_every_section_with_intervals_links_and_missing_stages_name
     for heading in ("## 1. What was trained", "## 2. Accepted length τ", "## 3. Calibration",
                     "## 4. Scheduled verification", "## 5. Serving simulation", "## 6. Time per stage", "## 7. Files"):
         assert heading in page
-    assert "| GSM8K | 1.14 ± 0.05 | 1.05 |" in page  # per benchmark: ([1.10, 1.20] → ± 0.05), and no interval at T = 0
-    assert "| **Avg** | 1.14 ± 0.05 | 1.05 |" in page
+    assert "| GSM8K | 1.14 [1.10, 1.20] | 1.05 |" in page  # per benchmark, and no interval at T = 0
+    assert "| **Avg** | 1.14 [1.09, 1.19] | 1.05 |" in page
     assert "| dspark_x | dspark | 4 | 2 | 5 | 2.5 | 1.020 | 1.080 | yes |" in page
-    assert "| 1 | 1.500 | 0.2000 | 0.0500 | 0.0900 | 0.0800 | fitted |" in page  # ECE and Brier before/after
-    assert "| 2 | 1.000 | 0.1000 | 0.1000 | 0.0100 | 0.0100 | 0 accepted prefixes < min_events=10 |" in page  # STS's guard, said
+    assert "| 1 | 1.500 | fitted | 0.2000 | 0.0500 | 0.0900 | 0.0800 |" in page  # the guard, ECE and Brier before/after
+    assert "| 2 | 1.000 | 0 accepted prefixes < min_events=10 | 0.1000 | 0.1000 | 0.0100 | 0.0100 |" in page
     assert "[dspark_x T=1.0](eval-T1.0/dspark_x/acceptance.png)" in page
     assert "dspark_x T=0.0 (missing)" in page
     assert "simulate/figure8.png (missing)" in page
@@ -169,7 +202,7 @@ def test_write_summary_writes_the_page_and_the_learning_curves_and_returns_the_s
     path, short = write_summary(run_dir)
     assert path == run_dir / "README.md" and path.read_text().startswith("# dspark demo: demo")
     assert (run_dir / "curves.png").stat().st_size > 0
-    assert "τ macro avg, dspark_x T=1.0: 1.14 ± 0.05" in short
+    assert "τ macro avg, dspark_x T=1.0: 1.14 [1.09, 1.19]" in short
     assert "ECE per position before->after STS: 0.200->0.050 0.100->0.100" in short
     assert "total 3.5" in short
 
@@ -195,12 +228,12 @@ def test_the_results_table_has_a_row_per_drafter_per_policy_and_target_only(run_
     rows = results_table(run_dir).splitlines()  # a folder, read with load_run
     assert rows[0] == ("|  | requests | τ, T = 1 | τ, greedy | speed vs target-only (T = 1, R = 1, wall clock) "
                        "| speed vs static γ (paired, R = 1) | throughput vs target-only (R = 4, SPS clock) |")
-    # macro τ at T = 1 with [1.09, 1.19] → ± 0.05; greedy without an interval; macro speedup 0.8
-    assert rows[2] == "| DSpark (γ = 4) | 6 | 1.14 ± 0.05 | 1.05 | 0.80 | – | – |"  # 3 + 3 requests
+    # macro τ at T = 1 in [1.09, 1.19]; greedy without an interval; macro speedup 0.8
+    assert rows[2] == "| DSpark (γ = 4) | 6 | 1.14 [1.09, 1.19] | 1.05 | 0.80 | – | – |"  # 3 + 3 requests
     # scheduled: τ 1.2 in [1.1, 1.3], speed 0.75; R = 4 on the SPS clock: Θ 20 over 4 · SPS(4) = 32 → 0.625
-    assert rows[3] == "| DSpark, static γ = 4 | 2 | 1.20 ± 0.10 | – | 0.75 | 1 (baseline) | 0.62 |"
+    assert rows[3] == "| DSpark, static γ = 4 | 2 | 1.20 [1.10, 1.30] | – | 0.75 | 1 (baseline) | 0.62 |"
     # no round logs in the folder: the paired ratio cannot be computed and is left blank
-    assert rows[4] == "| DSpark, Algorithm 1 | 2 | 1.20 ± 0.10 | – | 0.75 | – | 0.62 |"
+    assert rows[4] == "| DSpark, Algorithm 1 | 2 | 1.20 [1.10, 1.30] | – | 0.75 | – | 0.62 |"
     assert rows[5] == "| target-only decoding | – | 1 | 1 | 1 | – | 1 |" and len(rows) == 6
 
 
@@ -226,7 +259,7 @@ def acceptance_run(tmp_path: Path) -> Path:
     k = 4 reached by no DFlash round (no interval)."""
     root = tmp_path / "acc"
     _write(root / "eval-T0.0" / "dspark_x" / "report.json", _acceptance_report(
-        "dspark", [0.30, 0.20, 0.10, 0.0], [[0.26, 0.34], [0.15, 0.25], [0.02, 0.20], [0.0, 0.0]], [900, 270, 54, 5]))
+        "dspark", [0.30, 0.20, 0.10, 0.0], [[0.26, 0.34], [0.15, 0.25], [0.02, 0.20], [None, None]], [900, 270, 54, 5]))
     _write(root / "eval-T0.0" / "dflash_x" / "report.json", _acceptance_report(
         "dflash", [0.28, 0.05, 0.12, None], [[0.24, 0.32], [0.01, 0.09], [0.0, 0.30], None], [900, 252, 13, 0]))
     return root
@@ -237,9 +270,10 @@ def test_the_acceptance_table_shows_each_position_with_its_interval_and_the_roun
 
     rows = acceptance_table(load_run(acceptance_run)).splitlines()
     assert rows[0] == "| drafter | k=1 | k=2 | k=3 | k=4 |"
-    # [0.26, 0.34] → ± 0.04; DSpark first; a position no round reached shows a dash and its zero count
-    assert rows[2] == "| dspark T=0.0 | 0.30 ± 0.04 (900) | 0.20 ± 0.05 (270) | 0.10 ± 0.09 (54) | 0.00 ± 0.00 (5) |"
-    assert rows[3] == "| dflash T=0.0 | 0.28 ± 0.04 (900) | 0.05 ± 0.04 (252) | 0.12 ± 0.15 (13) | – (0) |"
+    # DSpark first; a position no round reached shows a dash and its zero count
+    assert rows[2] == ("| dspark T=0.0 | 0.30 [0.26, 0.34] (900) | 0.20 [0.15, 0.25] (270) | 0.10 [0.02, 0.20] (54) "
+                       "| 0.00 (no interval) (5) |")
+    assert rows[3] == "| dflash T=0.0 | 0.28 [0.24, 0.32] (900) | 0.05 [0.01, 0.09] (252) | 0.12 [0.00, 0.30] (13) | – (0) |"
     assert acceptance_table(load_run(acceptance_run), last=2).splitlines()[0] == "| drafter | k=1 | k=2 |"
 
 
@@ -251,14 +285,14 @@ def test_dspark_is_above_dflash_only_where_the_two_intervals_are_apart(acceptanc
     assert position_verdicts(dspark, dflash) == {"above": [2], "below": [], "overlap": [3], "unmeasured": [4]}
     assert position_verdicts(dflash, dspark) == {"above": [], "below": [2], "overlap": [3], "unmeasured": [4]}
     assert dspark_vs_dflash(load_run(acceptance_run)) == [
-        "T=0.0: DSpark against DFlash: above beyond both intervals at k = 2; intervals overlap at k = 3; "
-        "no interval at k = 4."]
+        "T=0.0: DSpark against DFlash: above beyond both intervals at k = 2 (0.20 [0.15, 0.25] against "
+        "0.05 [0.01, 0.09]); intervals overlap at k = 3; no interval at k = 4."]
 
 
 def test_the_page_and_the_short_text_carry_the_acceptance_table_and_the_verdict(acceptance_run):
     page = summary_markdown(load_run(acceptance_run))
     assert "### Conditional acceptance per draft position" in page
-    assert "| dspark T=0.0 | 0.30 ± 0.04 (900) |" in page
+    assert "| dspark T=0.0 | 0.30 [0.26, 0.34] (900) |" in page
     assert "T=0.0 (missing)" in page  # the comparison figure of `dspark compare` is not in this folder
     _, short = write_summary(acceptance_run)
     assert "above beyond both intervals at k = 2" in short and "| dflash T=0.0 |" in short
@@ -269,3 +303,40 @@ def test_without_dflash_there_is_no_verdict_and_without_evaluations_no_table(run
 
     run = load_run(run_dir)  # DSpark alone, reports without per-position curves
     assert dspark_vs_dflash(run) == [] and acceptance_section(run) == "No evaluation report found."
+
+
+def test_the_page_says_which_split_each_stage_decoded_and_whether_sts_saw_the_scored_prompts(run_dir):
+    from dspark.evaluation.demo_page import calibration_section, results_caption
+
+    # The fixture's reports record no split ("all"), and its STS file no fitted_on: overlap is possible.
+    run = load_run(run_dir)
+    assert "may share prompts with the rounds STS was fitted on" in calibration_section(run)
+    assert results_caption(run).startswith("Prompts: the all split of each benchmark, 3 per benchmark × 16 new tokens.")
+    # The demo's design: evaluations and policies on test, STS fitted on a dev evaluation.
+    for folder in ("eval-T1.0/dspark_x", "eval-T0.0/dspark_x", "sched/algorithm1-R1", "sched/static-R1"):
+        report = json.loads((run_dir / folder / "report.json").read_text())
+        report.setdefault("config", {})["split"] = "test"
+        (run_dir / folder / "report.json").write_text(json.dumps(report))
+    sts = json.loads((run_dir / "sts.json").read_text())
+    sts["fitted_on"] = [{"rounds": "dev/dspark_x/rounds.jsonl", "split": "dev"}]
+    (run_dir / "sts.json").write_text(json.dumps(sts))
+    run = load_run(run_dir)
+    section = calibration_section(run)
+    assert "DSpark's T = 1 evaluation on the dev split" in section
+    assert "scored on the test split: prompts the fit never saw" in section
+    assert results_caption(run) == ("Prompts: the test split of each benchmark, 3 per benchmark × 16 new tokens. The "
+                                    "drafters' recipe is chosen on the dev split (bench/recipe_study.py), which shares "
+                                    "no prompt with it. STS was fitted on the dev split.")
+    assert results_caption(run) in summary_markdown(run)
+
+
+def test_the_calibration_table_shows_the_ece_on_the_scored_rounds_raw_and_with_sts(run_dir):
+    from dspark.evaluation.demo_page import calibration_section
+
+    report = json.loads((run_dir / "sched" / "static-R1" / "report.json").read_text())
+    report["all"]["confidence"] = [{"ece": 0.12}, {"ece": 0.05}]
+    report["all"]["confidence_calibrated"] = [{"ece": 0.08}, {"ece": 0.05}]
+    (run_dir / "sched" / "static-R1" / "report.json").write_text(json.dumps(report))
+    section = calibration_section(load_run(run_dir))
+    assert "| ECE raw (all split, static γ) | ECE after STS (all split, static γ) |" in section
+    assert "| 1 | 1.500 | fitted | 0.2000 | 0.0500 | 0.0900 | 0.0800 | 0.1200 | 0.0800 |" in section

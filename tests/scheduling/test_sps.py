@@ -198,6 +198,9 @@ def test_a_run_priced_by_a_table_by_hand():
     assert frac.priced_by(fast) == pytest.approx(frac.priced_by(table), rel=1e-12)
     steeper = SPSTable([1, 2, 4], [10.0, 6.0, 3.0], 4)  # SPS(3) = 4.5: verification dearer against SPS(1)
     assert run.priced_by(steeper) == pytest.approx(5 / ((1 / 10 + 2 / 4.5) * (1 + 0.06 / 0.3)) / 10, rel=1e-12)
+    # A round whose accepted EOS cut ``proposed`` to m still paid the forward over 1 + ℓ tokens (``verified``).
+    cut = type(run)(**{**run.__dict__, "rounds": [{"proposed": 0, "verified": r["proposed"]} for r in run.rounds]})
+    assert cut.priced_by(steeper) == pytest.approx(run.priced_by(steeper), rel=1e-12)
     with pytest.raises(ValueError, match="step_log"):
         type(run)(policy="static", concurrency=1).priced_by(table)
 

@@ -1,0 +1,319 @@
+"""The wall clock and the SPS clock of the same requests, compared as a paired difference with its interval.
+
+A scheduled evaluation at R = 1 (``dspark eval --policy P --concurrency 1 --sps sps.json``) decodes
+every request once, through the serving loop (``dspark.scheduling.simulator.run_requests``), and
+times it twice over:
+
+- the wall clock: the seconds the request's own phases took (prefill, draft, verify, accept,
+  bookkeeping, schedule), against the target-only decode of the same prompt. Its decode-only
+  speedup (``decode_speed`` of ``dspark.evaluation.intervals``), pooled over the requests:
+
+      wall = [Σ (tokens − 1) / Σ (wall_s − prefill)]
+             / [Σ (baseline_tokens − 1) / Σ (baseline_wall_s − baseline prefill)]
+
+- the SPS clock (paper Section 3.2.2; ``draft_overhead="measured"``, the simulator's module
+  docstring): a round's verification forward over 1 + ℓ tokens costs 1 / SPS(1 + ℓ) from the
+  profiled table (a plain target step of ``algorithm1+skip``, ℓ = 0: 1 / SPS(1)), and every
+  other measured phase but verify and prefill (draft, accept, bookkeeping, schedule, ...) is
+  charged as measured, put on the table's time scale by time_scale = Σ_rounds 1 / SPS(1 + ℓ) /
+  Σ measured verify seconds. The ratio to target-only decoding is Θ / SPS(1), Θ = decode tokens
+  (tokens − 1 per request: x_0 comes from the prefill) over simulated seconds. With
+
+      A(t) = Σ_rounds 1 / t(1 + ℓ),  O = Σ measured non-verify, non-prefill seconds,
+      V = Σ measured verify seconds,
+
+  over a set of requests priced by a table t (steps/s at B batch tokens; between its samples it
+  interpolates, beyond ``max_batch_tokens`` it has no price, as ``SPSTable`` and the simulator's
+  ``_speed`` do), the simulated seconds are A(t) + O · A(t) / V, and
+
+      sps(t) = Σ (tokens − 1) / (t(1) · A(t) · (1 + O / V)).
+
+  On one serving run and its own table this is ``SimResult.summary()["vs_target_only"]``; over
+  several runs (one per benchmark) it pools their time scales into one, Σ A / Σ V.
+
+The wall clock charges the verification forward what it measured; the SPS clock charges what the
+table says a forward of that size costs, so their difference, sps − wall, measures how well the
+profiled table prices this run's forwards relative to the target-only step (the drafting and
+bookkeeping are charged as measured by both). The difference is paired: both clocks time the same
+requests and the same decode (the same tokens, the same rounds), so the request-to-request
+variation that widens each speedup's own interval (a long prompt, a hard one) moves both together
+and cancels in the difference; what is left is the disagreement of the clocks.
+
+Its interval (``clock_difference``). The difference is a smooth function of per-request sums
+(``request_clock_aggregates``: decode tokens and seconds, baseline decode tokens and seconds, the
+verification forwards of each size, O and V), so its variance over requests is the stratified
+delete-one jackknife's (``dspark.bootstrap.jackknife_ci``; benchmarks are the strata, as every
+interval over requests), v_requests. The table's own timing noise enters too: the observed sums are
+priced by each of ``dspark.scheduling.sps_profile.bootstrap_tables`` (the profile's sweeps
+resampled jointly across B), and v_table is the variance of the difference over those tables. The
+two sources are independent (the profile was timed apart from the evaluation), so
+
+    difference ± t_ν · sqrt(v_requests + v_table),   ν = Σ_b (n_b − 1),
+
+with Student's t at the design degrees of freedom. The verdict: "agree" when the interval holds 0,
+"SPS clock above" / "SPS clock below" when it lies above / below 0, "–" without an interval.
+
+At R > 1 a request's phases are not a step's (the serving loop runs the live requests one at a time
+and the SPS clock charges the step's batch B = Σ (1 + ℓ_r)), so only R = 1 runs are compared.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Union
+
+import numpy as np
+
+from dspark.bootstrap import DEFAULT_LEVEL, DEFAULT_RESAMPLES, check_settings, design_df, jackknife_ci, \
+    student_t_quantile
+from dspark.evaluation.paired import load_evaluation
+from dspark.scheduling.algorithm1 import SPSTable
+from dspark.scheduling.sps_profile import SPSProfile, bootstrap_tables, load_profile, profile_path
+
+PathLike = Union[str, os.PathLike]
+Rows = tuple[Sequence[Mapping[str, Any]], Sequence[Mapping[str, Any]]]
+
+__all__ = ["CLOCK_COLUMNS", "ClockDifference", "clock_difference", "clock_verdict", "forward_size", "forward_sizes",
+           "load_scheduled_evaluation", "request_clock_aggregates", "sps_ratio", "wall_ratio"]
+
+# The per-request sums, in this order, then one count of verification forwards per size B.
+CLOCK_COLUMNS = ("tokens", "wall_s", "baseline_tokens", "baseline_s", "other_s", "verify_s")
+_UNCHARGED = frozenset({"verify", "prefill", "total"})  # not in O: modelled, not charged, or the sum
+
+
+# ------------------------------------------------------------------ per-request sums
+def forward_size(round_row: Mapping[str, Any]) -> int:
+    """B of a round's verification forward at R = 1: its step's ``batch_tokens`` (1 + ℓ), else
+    1 + ``proposed``. A round that accepted an EOS records proposed = m (the drafts up to the EOS),
+    while its forward verified 1 + ℓ tokens: only ``batch_tokens`` prices it as the simulator does."""
+    if round_row.get("batch_tokens") is not None:
+        return int(round_row["batch_tokens"])
+    return 1 + int(round_row["proposed"])
+
+
+def forward_sizes(rounds: Sequence[Mapping[str, Any]]) -> list[int]:
+    """The sizes B of the verification forwards of ``rounds``, increasing, each once."""
+    return sorted({forward_size(r) for r in rounds})
+
+
+def request_clock_aggregates(
+    records: Sequence[Mapping[str, Any]], rounds: Sequence[Mapping[str, Any]], sizes: Sequence[int]
+) -> dict[str, np.ndarray]:
+    """Per benchmark, the per-request sums both clocks are functions of: float64 [n_b, 6 + len(sizes)].
+
+    Columns (``CLOCK_COLUMNS``): decode tokens (tokens − 1), decode wall seconds (wall_s − prefill),
+    baseline decode tokens and seconds (the same of the target-only decode), O (measured seconds of
+    every phase but verify and prefill), V (measured verify seconds); then, per B of ``sizes``, the
+    request's verification forwards over B tokens (``forward_size``). Requests in the records'
+    order, grouped by benchmark in order of first appearance. A record without baseline fields
+    has NaN baseline columns; one without timings (or without their prefill) NaN wall, O and V.
+
+    ValueError when a round has no record, a round's size is not in ``sizes``, or two rounds of
+    one benchmark share a step (R > 1: a request's phases are then not a step's)."""
+    index = {i: s for s, i in enumerate(int(b) for b in sizes)}
+    keys = [(str(r["benchmark"]), r["request"]) for r in records]
+    if len(set(keys)) != len(keys):
+        duplicate = next(k for k in keys if keys.count(k) > 1)
+        raise ValueError(f"two request rows for {duplicate}: give one evaluation's requests.jsonl")
+    row_of = {k: i for i, k in enumerate(keys)}
+    values = np.array([_request_sums(r) for r in records], dtype=np.float64).reshape(len(records), -1)
+    counts = np.zeros((len(records), len(index)))
+    steps: set[tuple[str, Any, int]] = set()
+    for r in rounds:
+        key = (str(r["benchmark"]), r["request"])
+        if key not in row_of:
+            raise ValueError(f"rounds.jsonl has a round of request {key} but requests.jsonl has no row for it: "
+                             "give the two files of one evaluation")
+        size = forward_size(r)
+        if size not in index:
+            raise ValueError(f"a round of request {key} verified B = {size} tokens but sizes = {list(sizes)}; "
+                             "pass forward_sizes(rounds)")
+        counts[row_of[key], index[size]] += 1
+        if r.get("step") is not None:
+            step = (key[0], records[row_of[key]].get("rank", 0), int(r["step"]))
+            if step in steps:
+                raise ValueError(f"two rounds of benchmark {key[0]!r} share step {step[2]}: the run served "
+                                 "R > 1 requests at a time, whose phases are not a step's; compare the clocks "
+                                 "on an evaluation at --concurrency 1")
+            steps.add(step)
+    table = np.concatenate([values, counts], axis=1)
+    out: dict[str, np.ndarray] = {}
+    for name in dict.fromkeys(k[0] for k in keys):
+        out[name] = table[[i for i, k in enumerate(keys) if k[0] == name]]
+    return out
+
+
+def _request_sums(record: Mapping[str, Any]) -> list[float]:
+    """(decode tokens, decode wall s, baseline decode tokens, baseline decode s, O, V) of one record."""
+    nan = math.nan
+    tokens = max(0, int(record["tokens"]) - 1)
+    timings = record.get("timings")
+    if isinstance(timings, Mapping) and "prefill" in timings and "wall_s" in record:
+        wall = float(record["wall_s"]) - float(timings["prefill"])
+        other = sum(float(v) for k, v in timings.items() if k not in _UNCHARGED)
+        verify = float(timings.get("verify", 0.0))  # none when x_0 ended the request: no round
+    else:
+        wall = other = verify = nan
+    base_timings = record.get("baseline_timings")
+    if "baseline_wall_s" in record and isinstance(base_timings, Mapping) and "prefill" in base_timings:
+        base_tokens = float(max(0, int(record["baseline_tokens"]) - 1))
+        base_s = float(record["baseline_wall_s"]) - float(base_timings["prefill"])
+    else:
+        base_tokens = base_s = nan
+    return [float(tokens), wall, base_tokens, base_s, other, verify]
+
+
+# ------------------------------------------------------------------ the two clocks
+def wall_ratio(sums: np.ndarray) -> np.ndarray:
+    """The wall clock's decode-only speedup of request sums [..., d] (columns ``CLOCK_COLUMNS``)."""
+    s = np.asarray(sums, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return (s[..., 0] / s[..., 1]) / (s[..., 2] / s[..., 3])
+
+
+def sps_ratio(sums: np.ndarray, speeds: np.ndarray, speed_1: Any) -> np.ndarray:
+    """The SPS clock's ratio to target-only decoding, Σ (tokens − 1) / (t(1) · A · (1 + O / V)).
+
+    sums: request sums [..., d] (``request_clock_aggregates``' columns); speeds: t(B) of each size
+    of ``sizes``, [k] or [K, k] for K tables (then sums broadcast against [K]); speed_1: t(1),
+    scalar or [K]. NaN where V is 0, a size has no price (t(B) = 0) or nothing was decoded."""
+    s = np.asarray(sums, dtype=np.float64)
+    speeds = np.asarray(speeds, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        priced = np.where(speeds > 0, 1.0 / speeds, np.nan)  # [..., k]
+        forwards = (s[..., len(CLOCK_COLUMNS):] * priced).sum(axis=-1)  # A
+        tokens, other, verify = s[..., 0], s[..., 4], s[..., 5]
+        ratio = tokens / (np.asarray(speed_1, dtype=np.float64) * forwards * (1.0 + other / verify))
+    ok = (verify > 0) & (forwards > 0) & np.isfinite(ratio)
+    return np.where(ok, ratio, np.nan)
+
+
+def _prices(table: SPSTable, sizes: Sequence[int]) -> tuple[np.ndarray, float]:
+    """(t(B) for each size [k], t(1)) of one table; 0 beyond ``max_batch_tokens`` (no price)."""
+    return np.asarray(table(np.asarray(sizes, dtype=np.float64)), dtype=np.float64).reshape(-1), float(table(1))
+
+
+# ------------------------------------------------------------------ the difference and its interval
+@dataclass(frozen=True)
+class ClockDifference:
+    """The SPS clock against the wall clock on the same requests (module docstring).
+
+    sps: the SPS clock's ratio to target-only decoding on the profile's measured medians
+    (``SPSProfile.measured_table``); wall: the wall clock's decode-only speedup; difference =
+    sps − wall; lo, hi: its ``level`` interval over requests and the table's timing noise
+    (NaN without one); request_lo, request_hi: the interval over requests alone (the stratified
+    jackknife); v_requests, v_table: the two variances; df: ν = Σ_b (n_b − 1) (NaN when no
+    benchmark has two requests); requests: the requests compared; verdict: ``clock_verdict``."""
+
+    sps: float
+    wall: float
+    difference: float
+    lo: float
+    hi: float
+    request_lo: float
+    request_hi: float
+    v_requests: float
+    v_table: float
+    df: float
+    requests: int
+    level: float
+    verdict: str
+
+
+def clock_verdict(lo: float, hi: float) -> str:
+    """"agree" when [lo, hi] holds 0, "SPS clock above" / "SPS clock below" when it lies above / below
+    0, "–" when there is no interval (NaN bounds)."""
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return "–"
+    if lo > 0.0:
+        return "SPS clock above"
+    if hi < 0.0:
+        return "SPS clock below"
+    return "agree"
+
+
+def load_scheduled_evaluation(folder: PathLike) -> Rows:
+    """(request rows, round rows) of a scheduled evaluation at R = 1 (``dspark eval --policy P
+    --concurrency 1``): its report.json, requests.jsonl and rounds.jsonl. ValueError when
+    report.json's config.concurrency is not 1."""
+    report, records, rounds = load_evaluation(folder)
+    concurrency = (report.get("config") or {}).get("concurrency")
+    if concurrency != 1:
+        what = "a plain evaluation: no serving loop" if concurrency is None else f"R = {concurrency}"
+        raise ValueError(f"{folder}: report.json's config.concurrency is {concurrency!r} ({what}); the clocks are "
+                         "compared on requests served one at a time: run `dspark eval --policy P --concurrency 1 "
+                         "--sps sps.json` (at R > 1 a request's phases are not a step's)")
+    return records, rounds
+
+
+def _profile(profile: SPSProfile | PathLike) -> SPSProfile:
+    if isinstance(profile, SPSProfile):
+        return profile
+    path = Path(profile)
+    return load_profile(path if path.name.endswith(".profile.json") else profile_path(path))
+
+
+def _rows(folder_or_rows: PathLike | Rows) -> Rows:
+    if isinstance(folder_or_rows, (str, os.PathLike)):
+        return load_scheduled_evaluation(folder_or_rows)
+    records, rounds = folder_or_rows
+    return list(records), list(rounds)
+
+
+def clock_difference(
+    folder_or_rows: PathLike | Rows,
+    profile: SPSProfile | PathLike,
+    *,
+    level: float = DEFAULT_LEVEL,
+    resamples: int = DEFAULT_RESAMPLES,
+    seed: int = 0,
+) -> ClockDifference:
+    """sps − wall over the requests of a scheduled evaluation at R = 1, with its interval (module docstring).
+
+    folder_or_rows: the evaluation's output folder (``load_scheduled_evaluation``) or its (request
+    rows, round rows); profile: the ``SPSProfile`` of the table (or the path of its .profile.json,
+    or of the table JSON it sits next to). ``resamples`` tables of ``bootstrap_tables(profile,
+    resamples, seed)`` carry the table's timing noise."""
+    check_settings(resamples, level)
+    records, rounds = _rows(folder_or_rows)
+    if not records:
+        raise ValueError("no request rows: the clocks are compared over the requests of an evaluation")
+    profile = _profile(profile)
+    sizes = forward_sizes(rounds)
+    groups = list(request_clock_aggregates(records, rounds, sizes).values())
+    speeds, speed_1 = _prices(profile.measured_table, sizes)
+
+    def difference(sums: np.ndarray) -> np.ndarray:  # group sums [..., G, d] -> [...]
+        total = sums.sum(axis=-2)
+        return sps_ratio(total, speeds, speed_1) - wall_ratio(total)
+
+    total = np.concatenate(groups, axis=0).sum(axis=0)  # [d]
+    sps, wall = float(sps_ratio(total, speeds, speed_1)), float(wall_ratio(total))
+    estimate, request_lo, request_hi = jackknife_ci(groups, difference, level=level, scale="identity")
+    nu = design_df([len(g) for g in groups])
+    t = student_t_quantile((1.0 + float(level)) / 2, nu) if np.isfinite(nu) else math.nan
+    v_requests = ((request_hi - request_lo) / (2.0 * t)) ** 2 if np.isfinite(t) else math.nan
+    v_table = _table_variance(total, sizes, bootstrap_tables(profile, resamples, seed))
+    half = t * math.sqrt(v_requests + v_table) if np.isfinite(v_requests + v_table) else math.nan
+    lo, hi = float(estimate) - half, float(estimate) + half
+    return ClockDifference(sps=sps, wall=wall, difference=float(estimate), lo=lo, hi=hi,
+                           request_lo=float(request_lo), request_hi=float(request_hi), v_requests=float(v_requests),
+                           v_table=v_table, df=float(nu), requests=len(records), level=float(level),
+                           verdict=clock_verdict(lo, hi))
+
+
+def _table_variance(total: np.ndarray, sizes: Sequence[int], tables: Iterable[SPSTable]) -> float:
+    """The variance of the difference over ``tables`` (the observed sums ``total`` [d] priced by each):
+    the wall clock does not depend on the table, so it is the variance of the SPS ratio. NaN when
+    a table leaves it undefined."""
+    priced = [_prices(table, sizes) for table in tables]
+    speeds = np.stack([p[0] for p in priced]).reshape(len(priced), len(sizes))  # [K, k]
+    ratios = sps_ratio(total, speeds, np.array([p[1] for p in priced]))  # [K]
+    if not np.all(np.isfinite(ratios)):
+        return math.nan
+    # about the first ratio: the same ratio from every table (a profile without noise) gives exactly 0
+    return float(np.var(ratios - ratios[0], ddof=1)) if ratios.size > 1 else 0.0
