@@ -307,6 +307,16 @@ def _aggregates(aggregates: Any) -> np.ndarray:
     return a
 
 
+def _groups(groups: Sequence[Any], caller: str) -> list[np.ndarray]:
+    """The G group arrays as float64, checked: at least one, all of one trailing shape."""
+    arrays = [_aggregates(g) for g in groups]
+    if not arrays:
+        raise ValueError(f"{caller} needs at least one group")
+    if len({a.shape[1:] for a in arrays}) != 1:
+        raise ValueError(f"groups have different aggregate shapes {[a.shape[1:] for a in arrays]}")
+    return arrays
+
+
 def _interval_from_counts(aggregates: np.ndarray, statistic: Statistic, counts: np.ndarray, level: float,
                           small_sample: bool | None = None, scale: str = "identity") -> Interval:
     check_settings(int(counts.shape[0]), level)
@@ -379,11 +389,7 @@ def stratified_ci(
     percentile interval is corrected for small groups on ``scale`` (module
     docstring: "identity", "log" for positive ratios, "logit" for numbers in
     [0, 1]) unless ``small_sample`` is False; NaN bounds when no group has two requests."""
-    arrays = [_aggregates(g) for g in groups]
-    if not arrays:
-        raise ValueError("stratified_ci needs at least one group")
-    if len({a.shape[1:] for a in arrays}) != 1:
-        raise ValueError(f"groups have different aggregate shapes {[a.shape[1:] for a in arrays]}")
+    arrays = _groups(groups, "stratified_ci")
     h, _ = _scale(scale)
     if counts is None:
         rng = np.random.default_rng(seed)
@@ -424,11 +430,7 @@ def jackknife_ci(
     range (a ratio of 0 on "log"), or a deletion leaves the statistic undefined."""
     if not 0.0 < float(level) < 1.0:
         raise ValueError(f"level must be in (0, 1), e.g. 0.95, got {level!r}")
-    arrays = [_aggregates(g) for g in groups]
-    if not arrays:
-        raise ValueError("jackknife_ci needs at least one group")
-    if len({a.shape[1:] for a in arrays}) != 1:
-        raise ValueError(f"groups have different aggregate shapes {[a.shape[1:] for a in arrays]}")
+    arrays = _groups(groups, "jackknife_ci")
     h, inverse = _scale(scale)
     observed = np.stack([a.sum(axis=0) for a in arrays], axis=0)  # [G, d...]
     estimate = _evaluate(statistic, observed)
@@ -470,10 +472,8 @@ def proportion_ci(
     than ``min_requests`` requests reached any, or no group holds two requests."""
     if not 0.0 < float(level) < 1.0:
         raise ValueError(f"level must be in (0, 1), e.g. 0.95, got {level!r}")
-    arrays = [_aggregates(g) for g in groups]
-    if not arrays:
-        raise ValueError("proportion_ci needs at least one group")
-    if len({a.shape[1:] for a in arrays}) != 1 or arrays[0].shape[-1] != 2:
+    arrays = _groups(groups, "proportion_ci")
+    if arrays[0].shape[-1] != 2:
         raise ValueError(f"groups must be [n_g, ..., 2] arrays of (passed, reached), got "
                          f"{[a.shape for a in arrays]}")
     passed = sum(a[..., 0].sum(axis=0) for a in arrays)
