@@ -196,7 +196,7 @@ class _Intervals:
                        for name, a in aggregates.items()}
 
     def ci(self, names: Sequence[str], aggregate: str, statistic: Callable[[np.ndarray], np.ndarray],
-           method: str = "bootstrap") -> Any:
+           method: str) -> Any:
         """[lo, hi] (or one per element) of ``statistic`` over ``names``; None where a benchmark lacks the
         aggregate. ``method``: a jackknife scale ("log", ...), ``PROPORTION``, or "bootstrap"
         (the shared draw counts, on the logit scale: ECE). τ's intervals are clipped at 1."""
