@@ -19,6 +19,9 @@ Sections:
   decode   bf16 target-only steps vs speculative rounds (random drafter, every round
            verifies γ drafts): the round/step ratio; greedy speculative == greedy
            target-only in fp32
+  batched  batched speculative decoding (dspark.decoding.batched) at R = 1, 8, 64 rows: tokens/s
+           against target-only decoding at the same R, and what a round costs in target steps at R;
+           every request's tokens against R = 1's
   lossless rejection_sample on the device against the exact output distribution
   sps      the target's steps/s at B = 1..512 batch tokens (paper Section 3.2.2)
   nccl     a one-rank NCCL process group and an all_reduce
@@ -251,6 +254,63 @@ def check_decode(size: dict, device: torch.device, new_tokens: int) -> dict:
     return out
 
 
+# --------------------------------------------------------------------------- batched
+@section("batched")
+def check_batched(size: dict, device: torch.device, rows: list[int], new_tokens: int) -> dict:
+    """Evaluation throughput of the batched decoder: 2R requests (at least 8) at each R, every round
+    verifying γ drafts, against target-only decoding of the same requests at R."""
+    from dspark.decoding.batched import BatchJob, speculative_batch_generate, target_batch_generate
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    target = build_target(size, device, dtype)
+    drafter = build_drafter(size, target, "sdpa").to(dtype)
+    drafter.eval()
+    gen = torch.Generator().manual_seed(2)
+    longest = max(rows)
+    count = max(8, 2 * longest)
+    plen = 512 if device.type == "cuda" else 24
+    prompts = [torch.randint(0, size["vocab"] - 1, (plen - 8 * (i % 4),), generator=gen).tolist() for i in range(count)]
+    kw = dict(max_new_tokens=new_tokens, temperature=1.0)
+    speculative_batch_generate(target, drafter, [BatchJob(p, i) for i, p in enumerate(prompts[:4])], batch_size=4,
+                               **{**kw, "max_new_tokens": 8})  # warm-up
+    out: dict[str, Any] = {"dtype": str(dtype).removeprefix("torch."), "requests_per_R": {}, "rows": {}}
+    reference: dict[int, list[int]] = {}
+    for r in rows:
+        jobs = [BatchJob(p, 1000 + i, i) for i, p in enumerate(prompts[: max(8, 2 * r)])]
+        sync(device)
+        start = time.perf_counter()
+        spec = speculative_batch_generate(target, drafter, jobs, batch_size=r, **kw)
+        sync(device)
+        spec_s = time.perf_counter() - start
+        start = time.perf_counter()
+        base = target_batch_generate(target, jobs, batch_size=r, **kw)
+        sync(device)
+        base_s = time.perf_counter() - start
+        tokens, base_tokens = sum(len(x.tokens) for x in spec), sum(len(x.tokens) for x in base)
+        rounds = sum(len(x.rounds) for x in spec)
+        # seconds per round and per target-only step, prefills out (each request's share summed)
+        round_s = sum(x.timings["total"] - x.timings["prefill"] for x in spec) / max(1, rounds) * r
+        step_s = sum(x.timings["total"] - x.timings["prefill"] for x in base) / max(1, base_tokens - len(base)) * r
+        for x in spec:
+            reference.setdefault(x.tag, x.tokens)
+        same = sum(reference[x.tag] == x.tokens for x in spec)
+        out["rows"][str(r)] = dict(requests=len(jobs), spec_tokens_per_s=tokens / spec_s,
+                                   target_tokens_per_s=base_tokens / base_s, speedup=(tokens / spec_s) / (base_tokens / base_s),
+                                   tau=sum(y.tau for x in spec for y in x.rounds) / max(1, rounds),
+                                   round_ms=1e3 * round_s, target_step_ms=1e3 * step_s,
+                                   round_per_step=round_s / step_s if step_s > 0 else math.nan,
+                                   same_tokens_as_first_R=f"{same}/{len(spec)}")
+        row = out["rows"][str(r)]
+        print(f"  R = {r:>3}: {row['spec_tokens_per_s']:9.1f} tok/s speculative, {row['target_tokens_per_s']:9.1f} "
+              f"target-only ({row['speedup']:.2f}x), round {row['round_ms']:.2f} ms = {row['round_per_step']:.2f} "
+              f"target steps at R, same tokens as R = {rows[0]}: {row['same_tokens_as_first_R']}", flush=True)
+    first = out["rows"][str(rows[0])]["spec_tokens_per_s"]
+    for r in rows:
+        out["rows"][str(r)]["vs_first_R"] = out["rows"][str(r)]["spec_tokens_per_s"] / first
+    out["ok"] = all(math.isfinite(v["spec_tokens_per_s"]) for v in out["rows"].values())
+    return out
+
+
 # -------------------------------------------------------------------------- lossless
 @section("lossless")
 def check_lossless(device: torch.device, samples: int) -> dict:
@@ -308,7 +368,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny sizes, CPU unless --device says otherwise")
     parser.add_argument("--device", default="", help="default: cuda if available, else cpu")
     parser.add_argument("--size", default="", choices=["", *SIZES], help="default: qwen3-0.6b (quick: quick)")
-    parser.add_argument("--sections", nargs="+", default=["train", "decode", "lossless", "sps", "nccl"])
+    parser.add_argument("--sections", nargs="+", default=["train", "decode", "batched", "lossless", "sps", "nccl"])
     parser.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
                         help="the compiled training variant (auto: on a GPU only)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: up to 4)")
@@ -333,6 +393,8 @@ def main() -> None:
         check_train(size, device, repeats=2 if quick else 10, compile_flex=compiled)
     if "decode" in args.sections:
         check_decode(size, device, new_tokens=16 if quick else 128)
+    if "batched" in args.sections:
+        check_batched(size, device, [1, 4] if quick else [1, 8, 64], new_tokens=8 if quick else 128)
     if "lossless" in args.sections:
         check_lossless(device, samples=20_000 if quick else 2_000_000)
     if "sps" in args.sections:

@@ -15,7 +15,8 @@ Where each name lives, by the paper's parts:
   ``save_drafter`` (any drafter folder, Eagle3 included);
 - training (Section 3.3): ``dspark_loss`` (Eq. 8-12), ``LossWeights``, ``Trainer``;
 - decoding (Section 2): ``verify_draft`` (lossless rejection sampling), ``speculative_generate``,
-  ``target_generate``;
+  ``target_generate``; ``SpeculativeBatch`` and ``speculative_batch_generate``: many requests per
+  drafter and target forward, each decoding the tokens it decodes alone;
 - scheduling (Section 3.2): ``fit_sts`` (Sequential Temperature Scaling), ``schedule_prefix``
   (Algorithm 1), ``SPSTable``;
 - running it: ``Config``, ``load_config``, ``load_target``, ``evaluate`` with its
@@ -42,6 +43,8 @@ _LOCATIONS = {
     "verify_draft": "dspark.decoding.verify",
     "speculative_generate": "dspark.decoding.loop",
     "target_generate": "dspark.decoding.loop",
+    "SpeculativeBatch": "dspark.decoding.batched",
+    "speculative_batch_generate": "dspark.decoding.batched",
     "fit_sts": "dspark.scheduling.calibration",
     "schedule_prefix": "dspark.scheduling.algorithm1",
     "SPSTable": "dspark.scheduling.algorithm1",

@@ -189,6 +189,11 @@ class EvalConfig:
     block_size: int = 0  # 0 = the drafter's γ
     baseline: bool = True  # also decode with the target alone (speedups)
     label: str = ""  # row label in the report tables ("" = from the drafter's variant)
+    # requests decoded together, one drafter and one target forward per round for all of them
+    # (dspark.decoding.batched; every request decodes the tokens it would alone). "auto": the largest
+    # R the SPS table of serve.sps says still pays (dspark.decoding.batched.auto_batch_size), else 8
+    # on a CPU and 64 on a GPU. 1 = one request at a time.
+    batch_size: int | str = "auto"
 
 
 # The policies `dspark simulate` compares when serve.policy is empty.
@@ -214,6 +219,10 @@ class ServeConfig:
     # simulate: drafting on the SPS clock: a fraction of a verification step (0 = ignored), or
     # "measured" (each step also pays every phase measured in it but the verification; see dspark.scheduling.simulator)
     draft_overhead: float | str = 0.0
+    # eval with a policy and simulate: "batched" (one drafter and one target forward per step for every
+    # live request, timed on the wall clock too) or "per-request" (each request verified on its own;
+    # only the SPS clock speaks for R > 1); dspark.scheduling.batched_serving
+    engine: str = "batched"
     out: str = ""  # simulate: "" = <out_dir>/simulate
     # Deprecated spelling of serve.policy (simulate's list), still read with a warning.
     policies: dataclasses.InitVar[list[str] | None] = None
@@ -364,6 +373,7 @@ _CHOICES = {
     "data.cache_precision": ("fp8", "bf16", "fp32"),
     "data.vocab_counts": ("hard", "soft", "hard+soft"),
     "eval.split": ("all", "dev", "test"),
+    "serve.engine": ("batched", "per-request"),
     "generation.backend": ("transformers", "openai"),
     "train.mixed_precision": ("auto", "bf16", "no"),
     "train.distributed": ("ddp", "fsdp"),
@@ -428,6 +438,10 @@ def validate(config: Config) -> None:
         value = get_key(config, key)
         if value < 0:
             raise ValueError(f"{key} must be >= 0, got {value}")
+    rows = config.eval.batch_size
+    if rows != "auto" and (isinstance(rows, str) or rows < 1):
+        raise ValueError(f"eval.batch_size={rows!r} must be an integer >= 1 (requests decoded together) or 'auto' "
+                         "(the largest R the SPS table says pays)")
     overhead = config.serve.draft_overhead
     if isinstance(overhead, str) and overhead != "measured" or not isinstance(overhead, str) and overhead < 0:
         raise ValueError(f"serve.draft_overhead={overhead!r} must be a number >= 0 (a fraction of the step) "

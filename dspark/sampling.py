@@ -10,9 +10,15 @@ Every random draw goes through the ``generator`` argument.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import Union
 
 import torch
 from torch import Tensor
+
+# One generator for every row, or one per row (``dspark.decoding.batched``: each request of a
+# batch keeps its own stream, so its tokens are those it would draw decoding alone).
+Generators = Union[torch.Generator, Sequence[torch.Generator], None]
 
 
 def logits_to_probs(logits: Tensor, temperature: float) -> Tensor:
@@ -42,14 +48,27 @@ def logits_to_probs(logits: Tensor, temperature: float) -> Tensor:
     return torch.softmax(logits.float() / value, dim=-1)
 
 
-def sample_categorical(weights: Tensor, generator: torch.Generator | None = None) -> Tensor:
+def uniforms(rows: int, n: int, generator: Generators, device: torch.device | str,
+             dtype: torch.dtype = torch.float64) -> Tensor:
+    """[rows, n] U(0, 1) draws. With one generator (or None) one ``torch.rand(rows, n)``; with a
+    sequence of ``rows`` generators, row r is ``torch.rand(1, n)`` of generator r, the draw that
+    row would make decoding alone (batch 1)."""
+    if generator is None or isinstance(generator, torch.Generator):
+        return torch.rand(rows, n, generator=generator, device=device, dtype=dtype)
+    if len(generator) != rows:
+        raise ValueError(f"got {len(generator)} generators for {rows} rows; pass one per row or a single generator")
+    return torch.cat([torch.rand(1, n, generator=g, device=device, dtype=dtype) for g in generator])
+
+
+def sample_categorical(weights: Tensor, generator: Generators = None) -> Tensor:
     """One index per row of non-negative ``weights`` [B, V], with P(i) ∝ weights[i].
 
     Inverse CDF on one uniform per row; the CDF is accumulated in float64 so
     that tokens with tiny mass in a large vocabulary keep their probability.
+    ``generator``: one for all rows, or one per row (``uniforms``).
     """
     cdf = weights.cumsum(dim=-1, dtype=torch.float64)  # [B, V]
-    u = torch.rand(weights.shape[0], 1, generator=generator, device=weights.device, dtype=torch.float64)
+    u = uniforms(weights.shape[0], 1, generator, weights.device)
     # First i with cdf_i > u·total. As u < 1, u·total < total in float64, so such an i exists
     # and cdf_i > cdf_{i-1}: a token without mass is never drawn. The clamp only guards
     # against an all-zero row (invalid input).
@@ -57,7 +76,7 @@ def sample_categorical(weights: Tensor, generator: torch.Generator | None = None
     return index.clamp(max=weights.shape[-1] - 1)
 
 
-def sample_token(logits: Tensor, temperature: float, generator: torch.Generator | None = None) -> Tensor:
+def sample_token(logits: Tensor, temperature: float, generator: Generators = None) -> Tensor:
     """One token per row of logits [B, V]: the argmax at T = 0, else a draw from softmax(logits/T). -> [B]."""
     if temperature == 0:
         return logits.argmax(dim=-1)

@@ -2,14 +2,14 @@
 # The main job on the embedded default target, SmolLM2-135M-Instruct, end to end on CPU:
 #   1 data       regenerate answers -> render -> fp8 feature cache
 #   2 train      DSpark, DFlash and Eagle3 with the same budget (Eagle3: draft vocabulary first)
-#   3 eval       all three on the test prompts of the nine benchmarks, T = 1 and greedy, each against
-#                target-only decoding
-#   4 profile    the target's steps/s at B batch tokens (SPS table), in the evaluation dtype
+#   3 profile    the target's steps/s at B batch tokens (SPS table), in the evaluation dtype
+#   4 eval       all three on the test prompts of the nine benchmarks, T = 1 and greedy, each against
+#                target-only decoding; R requests per forward (the largest R the SPS table says pays)
 #   5 calibrate  STS on the T = 1 round logs of DSpark on the dev prompts (fit / check split by request)
 #   6 schedule   DSpark under each verification policy of POLICIES at R = 1 on the test prompts: wall
 #                clock against target-only, and the SPS clock of the same requests
-#   7 simulate   the same prompts and policies in the serving simulator at R = 1, 4, ... on the SPS clock
-#                (the R = 4 column of the scheduling table, and the Fig. 8 analogue)
+#   7 simulate   the same prompts and policies in the batched serving loop at R = 1, 4, 8: the SPS clock
+#                and the wall clock of the same steps, each against target-only decoding at R (Fig. 8 analogue)
 # Every reported number decodes the test part of each benchmark (eval.split = test); the dev part,
 # which never shares a prompt with it, is where recipes are chosen (bench/recipe_study.py) and STS is
 # fitted (dspark.data.benchmarks: the split).
@@ -67,12 +67,12 @@ case "$MODE" in
     SPS_B=1,2,4,8,16,32; SPS_REPEATS=1; SIM_R=1,4 ;;
   long)
     OUT="$OUT-long"; EPOCHS=40; CAP_MIN=12  # held-out τ flattens after about 40 epochs (bench/README.md)
-    SAMPLES=8; MAXNEW=64; SCHED_SAMPLES=4; SCHED_MAXNEW=64
-    SPS_B=1,2,4,8,16,32,64,128,256,512; SPS_REPEATS=20; SIM_R=1,4,16,64 ;;
+    SAMPLES=16; MAXNEW=64; SCHED_SAMPLES=4; SCHED_MAXNEW=64
+    SPS_B=1,2,3,4,5,6,8,10,12,16,20,24,32,33,40,48,64,80,128,256,320,512; SPS_REPEATS=20; SIM_R=1,4,8,16,64 ;;
   *)
     EPOCHS=20; CAP_MIN=5
-    SAMPLES=4; MAXNEW=24; SCHED_SAMPLES=4; SCHED_MAXNEW=24
-    SPS_B=1,2,4,8,16,32,64,128; SPS_REPEATS=20; SIM_R=1,4 ;;
+    SAMPLES=8; MAXNEW=24; SCHED_SAMPLES=4; SCHED_MAXNEW=24
+    SPS_B=1,2,3,4,5,6,8,10,12,16,20,24,32,33,40,64,128; SPS_REPEATS=20; SIM_R=1,4,8 ;;
 esac
 DATA="$OUT/data"
 DS=config/dspark/dspark_smollm2_135m.py
@@ -116,7 +116,7 @@ json.dump({"mode": "$MODE", "epochs": $EPOCHS, "max_wall_minutes": $CAP_MIN, "co
            "eval": {"num_samples": $SAMPLES, "max_new_tokens": $MAXNEW, "dtype": "$DTYPE", "split": "test",
                     "calibration_split": "dev",
                     "data": "${EVAL_DATA:-builtin}", "benchmarks": "${BENCHMARKS[*]}".split() or "all"},
-           "schedule": {"policies": "$POLICIES".split(), "concurrencies": [1, 4], "num_samples": $SCHED_SAMPLES,
+           "schedule": {"policies": "$POLICIES".split(), "concurrencies": [int(r) for r in "$SIM_R".split(",")], "num_samples": $SCHED_SAMPLES,
                         "max_new_tokens": $SCHED_MAXNEW},
            "simulate": {"concurrencies": [int(r) for r in "$SIM_R".split(",")]},
            "profile": {"batch_tokens": [int(b) for b in "$SPS_B".split(",")], "repeats": $SPS_REPEATS}},
@@ -149,19 +149,24 @@ else
 fi
 DRAFT="$OUT/dspark_smollm2_135m/drafter"
 
-echo "== 3/8 evaluation on the $SPLIT prompts, T = 1 and greedy ($SAMPLES prompts per benchmark, $MAXNEW new tokens)"
+echo "== 3/8 the target's speed at B batch tokens (SPS table, dtype $DTYPE)"
+# B covers every size the batched serving loop forwards at R = 1, 4, 8 (R · (1 + max ℓ), γ = 4) and both sides
+# of a CPU's few-row kernel limit (32 | 33 rows): the clock interpolates between samples, never across a jump.
+stage profile-sps "$OUT/sps.json" dspark profile-sps --target smollm2-135m --dtype "$DTYPE" --draft "$DRAFT" \
+  --batch-tokens "$SPS_B" --context-len 128 --warmup 1 --repeats "$SPS_REPEATS" --out "$OUT/sps.json"
+
+echo "== 4/8 evaluation on the $SPLIT prompts, T = 1 and greedy ($SAMPLES prompts per benchmark, $MAXNEW new tokens)"
+# --batch-size auto: the largest R the SPS table of stage 3 says still pays (dspark.decoding.batched.auto_batch_size);
+# every request decodes the tokens it decodes alone, so τ does not depend on R.
 for temp in 1.0 0.0; do
   for name in "${NAMES[@]}"; do
     stage "eval-T$temp-${name%%_*}" "$OUT/eval-T$temp/$name/report.md" \
       dspark eval "${EVAL_ARGS[@]}" --num-samples "$SAMPLES" --max-new-tokens "$MAXNEW" \
-      --draft "$OUT/$name/drafter" --temperature "$temp" --label "${name%%_*}" --out "$OUT/eval-T$temp/$name"
+      --draft "$OUT/$name/drafter" --temperature "$temp" --label "${name%%_*}" --sps "$OUT/sps.json" --batch-size auto \
+      --out "$OUT/eval-T$temp/$name"
   done
   dspark compare "${NAMES[@]/#/$OUT/eval-T$temp/}" --out "$OUT/report-T$temp.md" >/dev/null
 done
-
-echo "== 4/8 the target's speed at B batch tokens (SPS table, dtype $DTYPE)"
-stage profile-sps "$OUT/sps.json" dspark profile-sps --target smollm2-135m --dtype "$DTYPE" --draft "$DRAFT" \
-  --batch-tokens "$SPS_B" --context-len 128 --warmup 1 --repeats "$SPS_REPEATS" --out "$OUT/sps.json"
 
 echo "== 5/8 calibration: DSpark at T = 1 on the dev prompts; STS fitted on half of those requests, ECE on the other half"
 # The policies of stages 6 and 7 are scored on the test prompts: the temperatures are fitted on prompts
@@ -173,9 +178,8 @@ stage calibrate "$OUT/sts.json" dspark calibrate --rounds "$OUT/dev/${NAMES[0]}/
   --out "$OUT/sts.json"
 
 echo "== 6/8 scheduled verification at R = 1: policies [$POLICIES], the $SPLIT prompts, T = 1"
-# Wall-clock tokens/s against target-only decoding of the same prompts, in the same process. The
-# serving loop of `dspark eval` verifies each request on its own (batch 1) and serves one benchmark
-# at a time, so R > 1 is measured by the simulator (stage 7) on the SPS clock instead.
+# Wall-clock tokens/s against target-only decoding of the same prompts, in the same process, and the
+# SPS clock of the same requests. R > 1 is stage 7: the batched serving loop, on both clocks.
 for policy in $POLICIES; do
   stage "sched-$policy-R1" "$OUT/sched/$policy-R1/report.md" \
     dspark eval "${EVAL_ARGS[@]}" --num-samples "$SCHED_SAMPLES" --max-new-tokens "$SCHED_MAXNEW" \
@@ -183,8 +187,9 @@ for policy in $POLICIES; do
     --sts "$OUT/sts.json" --sps "$OUT/sps.json" --label "$policy" --out "$OUT/sched/$policy-R1"
 done
 
-echo "== 7/8 serving simulation at R = $SIM_R on the same $SPLIT prompts (SPS clock; Fig. 8 analogue)"
-# The prompts are cycled, so R requests are live at every step: target-only decoding is R·SPS(R).
+echo "== 7/8 batched serving at R = $SIM_R on the same $SPLIT prompts (SPS and wall clocks; Fig. 8 analogue)"
+# The prompts are cycled, so R requests are live at every step: target-only decoding is R·SPS(R) on the
+# SPS clock and target-only decoding of the same requests at R on the wall clock.
 stage simulate "$OUT/simulate/results.json" dspark simulate "${EVAL_ARGS[@]}" --draft "$DRAFT" \
   --sps "$OUT/sps.json" --sts "$OUT/sts.json" --concurrency "$SIM_R" --policy ${POLICIES// /,} --draft-overhead measured \
   --num-prompts "$SCHED_SAMPLES" --max-new-tokens "$SCHED_MAXNEW" --temperature 1.0 --out "$OUT/simulate"

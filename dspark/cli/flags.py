@@ -46,6 +46,11 @@ FLAGS: dict[str, Flag] = {
     "--temperature": Flag("sampling temperature (0 = greedy)"),
     "--block-size": Flag("override the drafter's γ (0: the drafter's own)"),
     "--seed": Flag("seed of the prompt subset and of every random draw"),
+    "--engine": Flag("the serving loop: batched (one drafter and one target forward per step for every live "
+                     "request, timed on the wall clock too) or per-request (each request verified on its own)"),
+    "--batch-size": Flag("requests decoded together (one drafter and one target forward per round for all; "
+                         "each request decodes the tokens it would alone); auto: the largest the SPS table "
+                         "says pays, else 8 on a CPU, 64 on a GPU; 1: one at a time"),
     "--no-baseline": Flag("skip target-only decoding (no speedup figures)", kind="false"),
     "--label": Flag("row label in the report tables"),
     "--policy": Flag("verification-length policy: eval decodes through the serving loop under one "
@@ -102,8 +107,10 @@ COMMANDS: dict[str, tuple[str, dict[str, str]]] = {
     "train": ("train a drafter (torchrun for several processes)", {**_MODEL, "--resume": "train.resume"}),
     "eval": ("accepted length τ on the nine benchmarks (torchrun shards prompts)",
              {**_MODEL, **_PROMPTS, "--num-samples": "eval.num_samples", "--max-new-tokens": "eval.max_new_tokens",
-              "--no-baseline": "eval.baseline", "--label": "eval.label", "--policy": "serve.policy",
-              "--scheduler": "serve.policy", "--concurrency": "serve.concurrency", "--out": "eval.out"}),
+              "--no-baseline": "eval.baseline", "--batch-size": "eval.batch_size", "--label": "eval.label",
+              "--policy": "serve.policy",
+              "--scheduler": "serve.policy", "--concurrency": "serve.concurrency", "--engine": "serve.engine",
+              "--out": "eval.out"}),
     "profile-sps": ("time the target's verification forward: the SPS(B) table of Algorithm 1",
                     {**_MODEL, "--draft": "eval.draft", "--batch-tokens": "profile.batch_tokens",
                      "--context-len": "profile.context_len", "--tokens-per-request": "profile.tokens_per_request",
@@ -112,7 +119,7 @@ COMMANDS: dict[str, tuple[str, dict[str, str]]] = {
                  {**_MODEL, **_PROMPTS, "--num-prompts": "serve.num_prompts", "--concurrency": "serve.concurrencies",
                   "--policy": "serve.policy", "--num-requests": "serve.num_requests", "--no-cycle": "serve.cycle",
                   "--max-new-tokens": "serve.max_new_tokens", "--draft-overhead": "serve.draft_overhead",
-                  "--out": "serve.out"}),
+                  "--engine": "serve.engine", "--out": "serve.out"}),
     "calibrate": ("fit STS on eval round logs (split by request) and report calibration",
                   {"--rounds": "calibrate.rounds", "--fit-fraction": "calibrate.fit_fraction",
                    "--seed": "calibrate.seed", "--bins": "calibrate.bins", "--min-events": "calibrate.min_events",

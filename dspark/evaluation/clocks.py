@@ -53,8 +53,22 @@ two sources are independent (the profile was timed apart from the evaluation), s
 with Student's t at the design degrees of freedom. The verdict: "agree" when the interval holds 0,
 "SPS clock above" / "SPS clock below" when it lies above / below 0, "–" without an interval.
 
-At R > 1 a request's phases are not a step's (the serving loop runs the live requests one at a time
-and the SPS clock charges the step's batch B = Σ (1 + ℓ_r)), so only R = 1 runs are compared.
+At R > 1 on the per-request engine a request's phases are not a step's (the serving loop runs the
+live requests one at a time and the SPS clock charges the step's batch B = Σ (1 + ℓ_r)), so only
+R = 1 runs are compared that way. On the batched engine (``dspark.scheduling.batched_serving``)
+every step is one drafter and one target forward for all live rows, timed on the wall clock, and
+``serving_clock_difference`` compares the clocks at any R on the run's own steps: each request
+takes its share of every step it was live in (the step's seconds over its rows), so per request
+
+    tokens,  W = Σ wall / rows,  O = Σ (measured non-verify seconds) / rows,  V = Σ verify / rows,
+    and, per forward size B_fwd = rows · (1 + max ℓ), the count Σ 1 / rows,
+
+and the two clocks' throughputs over the same steps are Θ_wall = Σ tokens / Σ W and Θ_sps =
+Σ tokens / (A(t) · (1 + O / V)), A(t) = Σ counts / t(B). Their relative difference Θ_sps / Θ_wall − 1
+is paired (same steps, same tokens) and gets the interval above: the stratified jackknife over the
+requests plus the table's timing noise. Each clock's own ratio to target-only decoding at R
+(the SPS clock's R · SPS(R), the wall clock's measured batched target-only throughput) is reported
+beside it.
 """
 
 from __future__ import annotations
@@ -77,7 +91,7 @@ from dspark.scheduling.sps_profile import SPSProfile, bootstrap_tables, load_pro
 PathLike = Union[str, os.PathLike]
 Rows = tuple[Sequence[Mapping[str, Any]], Sequence[Mapping[str, Any]]]
 
-__all__ = ["CLOCK_COLUMNS", "ClockDifference", "clock_difference", "clock_verdict", "forward_size", "forward_sizes",
+__all__ = ["CLOCK_COLUMNS", "ClockDifference", "clock_difference", "serving_clock_difference", "clock_verdict", "forward_size", "forward_sizes",
            "load_scheduled_evaluation", "request_clock_aggregates", "sps_ratio", "wall_ratio"]
 
 # The per-request sums, in this order, then one count of verification forwards per size B.
@@ -317,3 +331,79 @@ def _table_variance(total: np.ndarray, sizes: Sequence[int], tables: Iterable[SP
         return math.nan
     # about the first ratio: the same ratio from every table (a profile without noise) gives exactly 0
     return float(np.var(ratios - ratios[0], ddof=1)) if ratios.size > 1 else 0.0
+
+
+# ------------------------------------------------------------------ the batched serving loop, any R
+def _serving_groups(result: Any) -> tuple[list[np.ndarray], list[int]]:
+    """Per benchmark (the tag's first field; one group without tags), each request's shares of the
+    run's steps: float64 [n_b, 4 + k] = (tokens, W, O, V, counts per forward size); and the sizes."""
+    steps = {int(row["step"]): row for row in result.step_log}
+    sizes = sorted({int(row["priced_tokens"]) for row in result.step_log})
+    col = {b: 4 + i for i, b in enumerate(sizes)}
+    sums: dict[int, np.ndarray] = {}
+    for r in result.rounds:
+        step = steps[int(r["step"])]
+        rows = float(r["rows"])
+        row = sums.setdefault(int(r["request"]), np.zeros(4 + len(sizes)))
+        row[0] += float(r["emitted"])
+        row[1] += float(step["wall_s"]) / rows
+        row[2] += float(step["overhead_s"]) / rows
+        row[3] += float(step["verify_s"]) / rows
+        row[col[int(step["priced_tokens"])]] += 1.0 / rows
+    groups: dict[str, list[np.ndarray]] = {}
+    for index, row in sums.items():
+        tag = result.requests[index].get("tag")
+        name = str(tag[0]) if isinstance(tag, (list, tuple)) and tag else "all"
+        groups.setdefault(name, []).append(row)
+    return [np.stack(v) for v in groups.values()], sizes
+
+
+def _serving_sps_over_wall(sums: np.ndarray, speeds: np.ndarray) -> np.ndarray:
+    """Θ_sps / Θ_wall − 1 of summed shares [..., 4 + k] priced at t(B) [k] or [K, k]."""
+    s = np.asarray(sums, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        priced = np.where(speeds > 0, 1.0 / np.asarray(speeds, dtype=np.float64), np.nan)
+        forwards = (s[..., 4:] * priced).sum(axis=-1)
+        sps_time = forwards * (1.0 + s[..., 2] / s[..., 3])
+        return s[..., 1] / sps_time - 1.0
+
+
+def serving_clock_difference(result: Any, profile: SPSProfile | PathLike, *, level: float = DEFAULT_LEVEL,
+                             resamples: int = DEFAULT_RESAMPLES, seed: int = 0) -> ClockDifference:
+    """The SPS clock against the wall clock on the steps of one batched serving run (module docstring):
+    ``difference`` = Θ_sps / Θ_wall − 1, with its interval over the requests and the table's timing
+    noise; ``sps`` and ``wall`` are the two clocks' ratios to target-only decoding at R (R · SPS(R) on
+    the profile's measured medians; the run's measured ``target_only_wall``, NaN when not timed)."""
+    check_settings(resamples, level)
+    if getattr(result, "engine", "per-request") != "batched" or not result.step_log:
+        raise ValueError("serving_clock_difference needs a run of the batched engine with its step log "
+                         "(ServeSettings.engine='batched'); for R = 1 evaluations use clock_difference")
+    profile = _profile(profile)
+    groups, sizes = _serving_groups(result)
+    table = profile.measured_table
+    speeds = np.asarray(table(np.asarray(sizes, dtype=np.float64)), dtype=np.float64).reshape(-1)
+
+    def difference(sums: np.ndarray) -> np.ndarray:
+        return _serving_sps_over_wall(sums.sum(axis=-2), speeds)
+
+    total = np.concatenate(groups, axis=0).sum(axis=0)
+    estimate, request_lo, request_hi = jackknife_ci(groups, difference, level=level, scale="identity")
+    nu = design_df([len(g) for g in groups])
+    t = student_t_quantile((1.0 + float(level)) / 2, nu) if np.isfinite(nu) else math.nan
+    v_requests = ((request_hi - request_lo) / (2.0 * t)) ** 2 if np.isfinite(t) else math.nan
+    values = [_serving_sps_over_wall(total, np.asarray(tb(np.asarray(sizes, dtype=np.float64)), dtype=np.float64))
+              for tb in bootstrap_tables(profile, resamples, seed)]
+    values = np.asarray(values, dtype=np.float64)
+    v_table = float(np.var(values - values[0], ddof=1)) if values.size > 1 and np.all(np.isfinite(values)) else \
+        (0.0 if values.size <= 1 else math.nan)
+    half = t * math.sqrt(v_requests + v_table) if np.isfinite(v_requests + v_table) else math.nan
+    lo, hi = float(estimate) - half, float(estimate) + half
+    r = int(result.concurrency)
+    tokens, wall_s = float(total[0]), float(total[1])
+    sps_time = float(((total[4:] / speeds).sum()) * (1.0 + total[2] / total[3]))
+    sps = tokens / sps_time / (r * float(table(r))) if sps_time > 0 else math.nan
+    wall = tokens / wall_s / float(result.target_only_wall) if wall_s > 0 else math.nan
+    return ClockDifference(sps=sps, wall=wall, difference=float(estimate), lo=lo, hi=hi,
+                           request_lo=float(request_lo), request_hi=float(request_hi), v_requests=float(v_requests),
+                           v_table=v_table, df=float(nu), requests=int(sum(len(g) for g in groups)),
+                           level=float(level), verdict=clock_verdict(lo, hi))

@@ -484,11 +484,17 @@ def sched_row(run: Mapping[str, Any], policy: str, r: int, report: Mapping[str, 
     if not (isinstance(ratio_ci, Sequence) and len(ratio_ci) == 2 and ratio is not None):
         ratio_ci = None
     clocks = clock_rows(run).get(policy) if r == 1 and report is not None else None
+    cell = clock_cell(clocks)
+    served = sim.get("clocks") if isinstance(sim.get("clocks"), Mapping) else None
+    if cell == "–" and served is not None and served.get("difference") is not None:
+        # the batched serving loop: Θ_sps / Θ_wall − 1 on the run's own steps (dspark.evaluation.clocks)
+        cell = f"{fmt_ci(served['difference'], [served.get('lo'), served.get('hi')])} (rel.): {served.get('verdict', '–')}"
     return {"policy": policy, "R": r, "tau": tau, "tau_ci": tau_ci, "mean_ell": mean_ell,
+            "wall_ratio": sim.get("wall_vs_target_only"),
             "tokens_per_s": a.get("tokens_per_s"), "baseline_tokens_per_s": a.get("baseline_tokens_per_s"),
             "speedup": speedup, "speedup_ci": speedup_ci, "decode_speedup": decode, "decode_speedup_ci": decode_ci,
             "theta": theta, "theta_target": theta0, "theta_ratio": ratio, "theta_ratio_ci": ratio_ci,
-            "clock_difference": clocks, "clocks": clock_cell(clocks), **_round_costs(report or {})}
+            "clock_difference": clocks, "clocks": cell, **_round_costs(report or {})}
 
 
 def clock_rows(run: Mapping[str, Any]) -> dict[str, Any]:
@@ -631,12 +637,12 @@ def sched_section(run: Mapping[str, Any]) -> str:
         return "No scheduled evaluation found."
     header = ["policy", "R", "τ", "mean ℓ", "tok/s (wall)", "target-only tok/s", "speedup (wall)",
               "decode-only speedup (wall)", "Θ (SPS clock)", "target-only Θ = R·SPS(R)", "Θ ratio",
-              "SPS − wall clock (same requests, R = 1)", "draft / round", "verify / round"]
+              "Θ ratio (wall clock, batched)", "SPS vs wall clock (same decode)", "draft / round", "verify / round"]
     cells = [[x["policy"], str(x["R"]), fmt_ci(x["tau"], x["tau_ci"]), fmt_number(x["mean_ell"]),
               fmt_number(x["tokens_per_s"], 1), fmt_number(x["baseline_tokens_per_s"], 1),
               fmt_ci(x["speedup"], x["speedup_ci"]), fmt_ci(x["decode_speedup"], x["decode_speedup_ci"]),
               fmt_number(x["theta"], 1), fmt_number(x["theta_target"], 1), fmt_ci(x["theta_ratio"], x["theta_ratio_ci"]),
-              x["clocks"], fmt_number(x["draft_steps"]), fmt_number(x["verify_steps"])]
+              fmt_number(x.get("wall_ratio")), x["clocks"], fmt_number(x["draft_steps"]), fmt_number(x["verify_steps"])]
              for x in rows]
     note = (
         "DSpark at T = 1 on the same prompts under each policy. **Wall clock** (R = 1, `dspark eval --policy "
@@ -648,11 +654,15 @@ def sched_section(run: Mapping[str, Any]) -> str:
         "R requests live at every step (the prompts are cycled), each step charged 1 / SPS(B) for its "
         "B = Σ(1 + ℓ_r) tokens at the profile's measured medians (the policies decide on the noise-aware table, "
         "whose rises within the timing noise are flattened) plus every other phase measured in it (drafting, acceptance, cache and context bookkeeping, the policy's decision; the demo runs it with `--draft-overhead measured`), put on the table's time scale by the ratio of the table's price of the run's verification forwards to their measured seconds, against R·SPS(R) for target-only "
-        "decoding; the serving loop verifies each request on its own, so its wall clock says nothing about "
-        "batching and only the SPS clock measures R > 1. Rows without a scheduled evaluation (R > 1) show the "
-        "simulator's τ and mean ℓ. The Θ ratio's interval is the SPS table's own timing noise: the run's steps "
+        "decoding. The serving loop is batched (one drafter and one target forward per step for every live "
+        "request, each forward padded to 1 + max ℓ_r and priced at that size), so the same steps are also timed "
+        "on the wall clock: **Θ ratio (wall clock, batched)** is their tokens/s over target-only decoding of the "
+        "same requests at the same R, measured in the same process. Rows without a scheduled evaluation (R > 1) "
+        "show the simulator's τ and mean ℓ. The Θ ratio's interval is the SPS table's own timing noise: the run's steps "
         "priced by 1000 tables of the profile's sweeps resampled jointly across B (every decision kept). "
-        "**SPS − wall clock** (R = 1): the scheduled evaluation's own requests timed by both clocks (the same "
+        "**SPS vs wall clock**: at R > 1 (\"rel.\"), Θ_sps / Θ_wall − 1 on the serving loop's own steps, with "
+        "its interval over the requests (each takes its share of every step) and the table's noise; at R = 1, "
+        "the scheduled evaluation's own requests timed by both clocks (the same "
         "decode, the same tokens): the SPS clock's ratio to target-only decoding (its verification forwards "
         "priced by the measured table, every other phase as measured, `dspark.evaluation.clocks`) minus the "
         "wall clock's decode-only speedup, with the 95 % interval of that paired difference over requests and "
@@ -664,8 +674,9 @@ def sched_section(run: Mapping[str, Any]) -> str:
 DRAFTER_NAMES = {"dspark": "DSpark", "dflash": "DFlash", "eagle3": "Eagle3"}
 POLICY_NAMES = {"static": "static γ = {gamma}", "static1": "static ℓ = 1", "algorithm1": "Algorithm 1",
                 "async": "async (Section 5.2)", "algorithm1+skip": "Algorithm 1 + skip"}
-RESULTS_HEADER = ("", "requests", "τ, T = 1", "τ, greedy", "speed vs target-only (T = 1, R = 1, wall clock)",
-                  f"speed vs {PAIRED_BASELINE} γ (paired, R = 1)", "throughput vs target-only (R = {r}, SPS clock)")
+RESULTS_HEADER = ("", "requests", "R", "τ, T = 1", "τ, greedy", "speed vs target-only (T = 1, wall clock, at R)",
+                  f"speed vs {PAIRED_BASELINE} γ (paired, R = 1)", "throughput vs target-only (R = {r}, SPS clock)",
+                  "throughput vs target-only (R = {r}, wall clock)")
 
 
 def _drafter_name(run: Mapping[str, Any], name: str, report: Mapping[str, Any]) -> str:
@@ -714,11 +725,13 @@ def results_table(run: Mapping[str, Any] | str | os.PathLike) -> str:
         report = hot or greedy or {}
         gamma = report.get("gamma")
         label = _drafter_name(run, name, report) + (f" (γ = {gamma})" if gamma else "")
-        rows.append([label, _requests(report), fmt_ci(*metric((hot or {}).get("macro"), TAU_KEYS, "avg")),
+        rows.append([label, _requests(report), str((report.get("config") or {}).get("batch_size") or 1),
+                     fmt_ci(*metric((hot or {}).get("macro"), TAU_KEYS, "avg")),
                      fmt_ci(*metric((greedy or {}).get("macro"), TAU_KEYS, "avg")),
-                     fmt_ci(*metric((hot or {}).get("macro"), "speedup", "avg")), "–", "–"])
+                     fmt_ci(*metric((hot or {}).get("macro"), "speedup", "avg")), "–", "–", "–"])
     paired = {x["policy"]: x["paired"] for x in paired_rows(run)}
     at_r = {x["policy"]: fmt_ci(x["theta_ratio"], x["theta_ratio_ci"]) for x in all_rows if x["R"] == r}
+    wall_r = {x["policy"]: fmt_number(x.get("wall_ratio")) for x in all_rows if x["R"] == r}
     for x in sched:
         gamma = (run["sched"].get((x["policy"], 1)) or {}).get("gamma")
         p = paired.get(x["policy"])
@@ -729,9 +742,10 @@ def results_table(run: Mapping[str, Any] | str | os.PathLike) -> str:
         else:
             vs = "–"
         sched_report = run["sched"].get((x["policy"], 1)) or {}
-        rows.append([f"DSpark, {_policy_name(x['policy'], gamma)}", _requests(sched_report), fmt_ci(x["tau"], x["tau_ci"]), "–",
-                     fmt_ci(x["speedup"], x["speedup_ci"]), vs, at_r.get(x["policy"], "–")])
-    rows.append(["target-only decoding", "–", "1", "1", "1", "–", "1"])
+        rows.append([f"DSpark, {_policy_name(x['policy'], gamma)}", _requests(sched_report), "1",
+                     fmt_ci(x["tau"], x["tau_ci"]), "–", fmt_ci(x["speedup"], x["speedup_ci"]), vs,
+                     at_r.get(x["policy"], "–"), wall_r.get(x["policy"], "–")])
+    rows.append(["target-only decoding", "–", "–", "1", "1", "1", "–", "1", "1"])
     header = [h.replace("{r}", str(r) if r else "> 1") for h in RESULTS_HEADER]
     return markdown_table(header, rows)
 
@@ -767,10 +781,13 @@ def simulate_section(run: Mapping[str, Any]) -> str:
         theta0 = _target_only_theta(run, int(r["concurrency"]))
         ratio = r["throughput"] / theta0 if theta0 and isinstance(r.get("throughput"), (int, float)) else None
         rows.append([str(r["policy"]), str(r["concurrency"]), fmt_number(r.get("throughput"), 1),
-                     fmt_number(theta0, 1), fmt_number(ratio), fmt_number(r.get("tau")), fmt_number(r.get("mean_ell"))])
+                     fmt_number(theta0, 1), fmt_number(ratio), fmt_number(r.get("wall_throughput"), 1),
+                     fmt_number(r.get("target_only_wall"), 1), fmt_number(r.get("wall_vs_target_only")),
+                     fmt_number(r.get("tau")), fmt_number(r.get("mean_ell"))])
     config = sim.get("config", {})
     return "\n".join([
-        markdown_table(["policy", "R", "Θ (SPS clock, tok/s)", "target-only R·SPS(R)", "ratio", "τ", "mean ℓ"], rows), "",
+        markdown_table(["policy", "R", "Θ (SPS clock, tok/s)", "target-only R·SPS(R)", "ratio", "wall clock tok/s",
+                        "target-only wall tok/s", "wall ratio", "τ", "mean ℓ"], rows), "",
         f"{config.get('num_prompts', '?')} prompts cycled, {config.get('max_new_tokens', '?')} new tokens, "
         f"drafting charged {_draft_charge(config.get('draft_overhead', 0))}. Plots: "
         f"{_link(run, 'simulate/figure8.png')}, {_link(run, 'simulate/frontier.png')}, SPS table "
@@ -872,8 +889,10 @@ def summary_markdown(run: Mapping[str, Any]) -> str:
         "", "## Results", "", results_table(run) or "No evaluation found.", "",
         results_caption(run), "",
         "τ: accepted tokens per round, macro average over the benchmarks, with its 95 % interval over requests "
-        "[lo, hi]. Speeds: tokens/s against target-only decoding of the same prompts (R = 4: the SPS clock, its "
-        "interval the SPS table's timing noise); the sections below give every number this table is made of.",
+        "[lo, hi]. R: requests decoded together (one drafter and one target forward per round for all of them). "
+        "Speeds: tokens/s against target-only decoding of the same prompts at the same R; the last two columns "
+        "serve R requests in the batched serving loop, on the SPS clock (its interval the SPS table's timing "
+        "noise) and on the wall clock; the sections below give every number this table is made of.",
         "", "## 1. What was trained", "", training_section(run),
         "", f"Learning curves: {_link(run, 'curves.png')}.",
         "", "## 2. Accepted length τ", "", tau_section(run),

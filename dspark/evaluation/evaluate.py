@@ -139,6 +139,7 @@ class _Evaluation:
     world: int
     progress: bool  # progress bars (rank 0 only)
     warm: bool  # the untimed warm-up decode ran (or none was asked for)
+    batch_size: int = 1  # requests decoded together without a policy (dspark.decoding.batched)
 
     @property
     def device(self) -> Any:
@@ -168,6 +169,7 @@ def evaluate(
     run_config: Any = None,
     progress: bool = True,
     resume: bool | None = None,
+    batch_size: int = 1,
 ) -> dict[str, Any]:
     """Evaluate a drafter on the benchmarks; returns the report (see the module docstring).
 
@@ -197,8 +199,15 @@ def evaluate(
             same settings and starts an empty one; True requires results to continue; False
             starts over, deleting the folder's evaluation files. A folder of other settings is
             refused (``dspark.evaluation.journal.SettingsMismatch`` names the fields).
+        batch_size: without a policy, the requests decoded together (R rows, one drafter and one
+            target forward per round for all, rows refilled as requests finish; the target-only
+            baseline at the same R). Every request decodes the tokens it decodes alone, so
+            rounds.jsonl and τ do not depend on it; tokens/s and the speedup are those at R.
     """
     state = _open_evaluation(target, drafter, tokenizer, decoding, serving, baseline, progress)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1 (requests decoded together), got {batch_size!r}")
+    state.batch_size = batch_size if state.serving.policy is None else 1
     files, skipped = resolve_benchmarks(benchmarks, names)
     counts = samples_per_benchmark(list(files), num_samples)
     started = time.perf_counter()
@@ -278,9 +287,10 @@ def evaluate_from_config(target: Any, drafter: Any, config: Any, **overrides: An
     same evaluation again. Keyword arguments override any of ``evaluate``'s."""
     e, s = config.eval, config.serve
     policy = _one_policy(s.policy)
-    if policy is None and (s.sps or s.concurrency != 1):
-        raise ValueError("serve.sps and serve.concurrency need serve.policy "
-                         "(--sps and --concurrency need --policy POLICY, e.g. --policy algorithm1)")
+    if policy is None and s.concurrency != 1:
+        raise ValueError("serve.concurrency needs serve.policy (--concurrency needs --policy POLICY, e.g. --policy "
+                         "algorithm1); to decode requests together without a policy use eval.batch_size "
+                         "(--batch-size R)")
     benchmarks: Any = e.data_dir
     names: list[str] | None = list(e.benchmarks)
     if e.builtin_prompts:
@@ -290,15 +300,27 @@ def evaluate_from_config(target: Any, drafter: Any, config: Any, **overrides: An
     options: dict[str, Any] = dict(
         names=names, num_samples=e.num_samples or None, split=e.split,
         decoding=DecodeSettings(max_new_tokens=e.max_new_tokens, temperature=e.temperature, seed=e.seed),
-        serving=ServeSettings(policy=policy, sps=s.sps or None, concurrency=s.concurrency,
-                              sts_temperatures=s.sts or None),
+        # without a policy the SPS table only sets the automatic batch size
+        serving=ServeSettings(policy=policy, sps=(s.sps or None) if policy else None, concurrency=s.concurrency,
+                              sts_temperatures=s.sts or None, engine=s.engine),
         baseline=e.baseline, label=e.label or None, out_dir=config.path(e.out, "eval"), run_config=config,
+        batch_size=resolve_batch_size(e.batch_size, s.sps or None, drafter, target),
     )
     options.update(overrides)
     if options["out_dir"] is not None and _dist_info()[0] == 0 and options.get("resume") is not False:
         check_config_folder(options["out_dir"], config, resume=options.get("resume"))
     report = evaluate(target, drafter, options.pop("benchmarks", benchmarks), **options)
     return report
+
+
+def resolve_batch_size(value: int | str, sps: Any, drafter: Any, target: Any) -> int:
+    """``eval.batch_size`` as a number: an int as given; "auto" by ``dspark.decoding.batched.auto_batch_size``
+    (the SPS table of ``sps`` when given, else the device's default)."""
+    if value != "auto":
+        return int(value)
+    from dspark.decoding.batched import auto_batch_size
+
+    return auto_batch_size(sps_table(sps), _gamma_of(drafter) or 1, getattr(target, "device", "cpu"))
 
 
 def check_eval_inputs(config: Any) -> None:
@@ -390,6 +412,11 @@ def _decode_benchmarks(
     records: list[dict[str, Any]] = []
     rounds: list[dict[str, Any]] = []
     served: dict[tuple[str, int], Any] = {}
+    if state.serving.policy is None and state.batch_size > 1:
+        records, rounds = _batched_benchmarks(state, prompts, journal, done)
+        if state.world > 1:
+            records, rounds, served = _gather(records, rounds, served, state.world)
+        return records, rounds, served
     for name, conversations in prompts.items():
         if state.serving.policy is not None:
             bench_records, bench_rounds, served[(name, state.rank)] = _scheduled_benchmark(
@@ -430,6 +457,69 @@ def _plain_benchmark(
             bar.set_postfix(tau=f"{tau_sum / num_rounds:.2f}", refresh=False)
     bar.close()
     return records, rounds
+
+
+WAVE_ROWS = 4  # with a baseline, requests go in waves of WAVE_ROWS · R (speculative, then target-only)
+
+
+def _batched_benchmarks(
+    state: _Evaluation, prompts: Mapping[str, list[Conversation]], journal: EvalJournal | None, done: Done
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Every benchmark's prompts ``rank::world`` through one batch of ``state.batch_size`` rows
+    (``dspark.decoding.batched``): the rows are refilled across benchmarks as requests finish.
+
+    Without a baseline each request is committed to the journal as it finishes. With one, the
+    pending requests go in waves of ``WAVE_ROWS`` · R: the wave decodes speculatively, then with the
+    target alone at the same R, and its requests are committed; a kill loses at most the wave in
+    flight. Requests ``done`` holds are read back, not decoded."""
+    from dspark.decoding.batched import BatchJob, speculative_batch_generate, target_batch_generate
+
+    keys = [(name, i) for name, convs in prompts.items() for i in range(state.rank, len(convs), state.world)]
+    pending = [k for k in keys if k not in done.records]
+    by_key: dict[tuple[str, int], tuple[dict[str, Any], list[dict[str, Any]]]] = {
+        k: (done.records[k], done.rounds.get(k, [])) for k in keys if k in done.records}
+    ids = {k: render_prompt(state.tokenizer, prompts[k[0]][k[1]], enable_thinking=False) for k in pending}
+    if pending:
+        _warm_once(state, ids[pending[0]])
+    bar = tqdm(total=len(keys), initial=len(keys) - len(pending), desc=f"eval (R = {state.batch_size})",
+               unit="req", disable=not state.progress, dynamic_ncols=True)
+    rows, kwargs = state.batch_size, _decode_kwargs(state.decoding)
+    wave = len(pending) if not state.baseline else WAVE_ROWS * rows
+    for start in range(0, len(pending), max(wave, 1)):
+        part = pending[start : start + wave]
+        jobs = [BatchJob(ids[k], request_seed(state.decoding.seed, *k), k) for k in part]
+        finished: dict[tuple[str, int], tuple[dict[str, Any], list[dict[str, Any]]]] = {}
+
+        def spec_done(request: Any) -> None:
+            result = request.result()
+            key = request.tag
+            record = _record(*key, ids[key], result, result.timings["total"], result.timings)
+            record["rank"] = state.rank
+            request_rounds = [_round_row(*key, i, int(r.proposed), int(r.accepted), r.confidences, r.eos_accepted)
+                              for i, r in enumerate(result.rounds)]
+            finished[key] = (record, request_rounds)
+            if not state.baseline:
+                _commit(journal, record, request_rounds, bar)
+
+        speculative_batch_generate(state.target, state.drafter, jobs, batch_size=rows, on_finish=spec_done, **kwargs)
+        if state.baseline:
+            for request in target_batch_generate(state.target, jobs, batch_size=rows, **kwargs):
+                base = request.result()
+                finished[request.tag][0].update(
+                    baseline_tokens=len(base.tokens), baseline_wall_s=base.timings["total"],
+                    baseline_timings=dict(base.timings), baseline_finished_by_eos=bool(base.finished_by_eos))
+            for key in part:
+                _commit(journal, *finished[key], bar)
+        by_key.update(finished)
+    bar.close()
+    records = [by_key[k][0] for k in keys]
+    return records, [r for k in keys for r in by_key[k][1]]
+
+
+def _commit(journal: EvalJournal | None, record: dict[str, Any], rounds: list[dict[str, Any]], bar: Any) -> None:
+    if journal is not None:
+        journal.append_request(record, rounds)
+    bar.update(1)
 
 
 def _warm_once(state: _Evaluation, prompt_ids: list[int]) -> None:
@@ -547,14 +637,27 @@ def _scheduled_records(state: _Evaluation, sim: SimResult, jobs: list[Job], roun
                        journal: EvalJournal | None) -> list[dict[str, Any]]:
     """One record per served job, then its baseline decode; each appended to the journal with its
     rounds once its baseline is done. A request's wall_s is the time of its own phases (prefill,
-    draft, verify, ...), not the time it waited while the other live requests were stepped."""
+    draft, verify, ...), not the time it waited while the other live requests were stepped; on the
+    batched engine, its prefill and its share of every step it was live in, and its baseline is
+    target-only decoding of the same jobs at the same R (shares likewise)."""
     by_request: dict[int, list[dict[str, Any]]] = {}
     for row in rounds:
         by_request.setdefault(row["request"], []).append(row)
+    batched = {}  # the batched engine's baseline: target-only decoding of the same jobs at the same R
+    if state.baseline and state.serving.engine == "batched":
+        from dspark.scheduling.batched_serving import target_only_wall
+
+        base = target_only_wall(state.target, jobs, decoding=state.decoding, rows=state.serving.concurrency)
+        batched = {tuple(r["tag"]): r for r in base["requests"]}
     records = []
     for info, job in zip(sim.requests, jobs):
         record = _record(*job.tag, job.prompt_ids, info["result"], info["timings"]["total"], info["timings"])
-        if state.baseline:
+        if batched:
+            row = batched[tuple(job.tag)]
+            record.update(baseline_tokens=row["tokens"], baseline_wall_s=row["timings"]["total"],
+                          baseline_timings=dict(row["timings"]),
+                          baseline_finished_by_eos=bool(row["finished_by_eos"]))
+        elif state.baseline:
             record.update(_run_baseline(state, job.prompt_ids, job.seed))
         record["rank"] = state.rank
         if journal is not None:
@@ -580,9 +683,11 @@ def _run_settings(state: _Evaluation, gamma: int, files: Mapping[str, Path | lis
         "seed": d.seed,
         "gamma": gamma,
         "baseline": state.baseline,
+        "batch_size": state.batch_size,  # requests per forward (speeds are those at this R; τ does not depend on it)
         # the report's name for the verification-length policy (report.md prints it as "scheduler = ...")
         "scheduler": None if s.policy is None else f"{_policy_name(s.policy)} (serving loop, R = {s.concurrency})",
         "concurrency": s.concurrency if s.policy is not None else None,
+        "engine": s.engine if s.policy is not None else None,  # the serving loop's (dspark.scheduling.batched_serving)
         "sps": None if s.sps is None else s.sps.to_dict(),
         "sts_temperatures": None if s.sts_temperatures is None else [float(t) for t in s.sts_temperatures],
         "eos_token_ids": list(d.eos_token_ids or ()),

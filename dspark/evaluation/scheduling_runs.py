@@ -100,7 +100,8 @@ def simulate(config: Config, *, progress: Callable[[Any], None] | None = None,
     from dspark.scheduling.algorithm1 import SPSTable
     from dspark.config import SIMULATE_POLICIES
     from dspark.scheduling.simulator import DecodeSettings, ServeSettings, make_policy, simulate_grid
-    from dspark.scheduling.sps_profile import profile_path, table_interval
+    from dspark.scheduling.sps_profile import profile_path, profile_sps_runs, table_interval
+    from dspark.evaluation.clocks import serving_clock_difference
 
     s, e = config.serve, config.eval
     if not s.sps:
@@ -126,20 +127,39 @@ def simulate(config: Config, *, progress: Callable[[Any], None] | None = None,
     announce("SPS clock: " + (f"the measured medians and their intervals from {profile_path(s.sps)}" if profile
                               else "the table, no interval"))
     results = []
+    walls: dict[int, float] = {}  # R -> target-only tokens/s on the wall clock, timed once per R
+    layouts: dict[int, Any] = {}  # R -> the batched loop's own forwards, R rows of 1..γ+1 tokens, profiled here
+
+    def layout(rows: int) -> Any:
+        if rows not in layouts:
+            # every row of the batch's cache is as wide as its longest row: the expected longest prompt of R
+            context = int(round(expected_longest([len(p) for p in prompts], rows) + s.max_new_tokens / 2))
+            layouts[rows] = profile_sps_runs(target, [rows * q for q in range(1, gamma + 2)], context_len=context,
+                                             warmup=1, repeats=LAYOUT_REPEATS, rows=rows, seed=e.seed)
+            announce(f"SPS clock at R = {rows} (batched engine): the forwards of {rows} rows × 1..{gamma + 1} "
+                     f"tokens after {context} cached, profiled here ({LAYOUT_REPEATS} sweeps)")
+        return layouts[rows]
+
     for spec in policies:
         for concurrency in s.concurrencies:
             if (spec, int(concurrency)) in done:
                 result = done[(spec, int(concurrency))]
             else:
+                # The batched engine's clock prices each forward from a profile of that forward's own shape.
+                cell_profile = layout(int(concurrency)) if s.engine == "batched" else profile
+                cell_price = cell_profile.measured_table if cell_profile is not None else price
                 [result] = simulate_grid(
                     target, drafter, prompts, policies=[spec], concurrencies=[concurrency],
                     decoding=DecodeSettings(max_new_tokens=s.max_new_tokens, temperature=e.temperature, seed=e.seed,
                                             eos_token_ids=eos),
-                    serving=ServeSettings(sps=sps, price_sps=price, sts_temperatures=temps,
-                                          draft_overhead=s.draft_overhead),
-                    cycle=s.cycle, num_requests=s.num_requests or None, keys=keys)
-                if profile is not None:
-                    result.table_ci = list(table_interval(result, profile, seed=e.seed))
+                    serving=ServeSettings(sps=sps, price_sps=cell_price, sts_temperatures=temps,
+                                          draft_overhead=s.draft_overhead, engine=s.engine),
+                    cycle=s.cycle, num_requests=s.num_requests or None, keys=keys, walls=walls)
+                if cell_profile is not None:
+                    result.table_ci = list(table_interval(result, cell_profile, seed=e.seed))
+                    if result.engine == "batched":
+                        result.clocks = dataclasses.asdict(serving_clock_difference(result, cell_profile,
+                                                                                    seed=e.seed))
                 _append_cell(out, spec, result)
             results.append(result)
             if progress is not None:
@@ -151,10 +171,24 @@ def simulate(config: Config, *, progress: Callable[[Any], None] | None = None,
         "concurrencies": list(s.concurrencies), "benchmarks": {n: len(v) for n, v in sets.items()},
         "num_prompts": len(prompts), "max_new_tokens": s.max_new_tokens, "temperature": e.temperature,
         "seed": e.seed, "cycle": s.cycle, "num_requests": s.num_requests or None,
-        "draft_overhead": s.draft_overhead, "eos_token_ids": eos,
+        "draft_overhead": s.draft_overhead, "eos_token_ids": eos, "engine": s.engine,
+        # the batched engine's clock: R -> the table of its own forwards (R rows × 1..γ+1 tokens)
+        "layout_sps": {str(r): {**p.measured_table.to_dict(), "context_len": p.context_len, "rows": p.rows}
+                       for r, p in sorted(layouts.items())},
     }
     out = write_results(out, results, summary)
     return results, out
+
+
+def expected_longest(lengths: Sequence[int], rows: int) -> float:
+    """E[max] of ``rows`` lengths drawn without replacement from ``lengths`` (all of them when there are
+    fewer): Σ_k L_(k) · C(k − 1, R − 1) / C(N, R) over the sorted lengths L_(1) ≤ ... ≤ L_(N)."""
+    ordered = sorted(int(n) for n in lengths)
+    n, r = len(ordered), min(int(rows), len(ordered))
+    if n == 0 or r < 1:
+        raise ValueError("expected_longest needs at least one length and rows >= 1")
+    total = math.comb(n, r)
+    return sum(ordered[k - 1] * math.comb(k - 1, r - 1) for k in range(r, n + 1)) / total
 
 
 def _simulation_prompts(config: Config,
@@ -194,6 +228,7 @@ def _table_profile(sps_path: str | os.PathLike, table: Any) -> Any:
     return profile
 
 
+LAYOUT_REPEATS = 10  # sweeps of the batched engine's per-R profile (dspark simulate)
 _CELL_ROWS = ("rounds", "step_log")  # SimResult fields kept in rounds.jsonl, or not kept
 _SIM_IGNORED = ("threads", "serve.out", "out_dir")  # config fields that do not change a cell
 

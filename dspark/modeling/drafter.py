@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dspark.sampling import sample_categorical
+from dspark.sampling import Generators, sample_categorical
 from dspark.modeling.config import DrafterConfig
 from dspark.modeling.heads import ConfidenceHead, MarkovHead, build_sequential_head
 from dspark.modeling.layers import DraftLayer, Rotary, RMSNorm
@@ -348,7 +348,7 @@ class Drafter(nn.Module):
         anchor_tokens: Tensor,
         *,
         temperature: float = 1.0,
-        generator: torch.Generator | None = None,
+        generator: Generators = None,
     ) -> Proposal:
         """Draft one block per row. The anchor of row b sits at position ctx.lengths[b].
 
@@ -390,7 +390,7 @@ class Drafter(nn.Module):
         anchor_tokens: Tensor,
         *,
         temperature: float = 1.0,
-        generator: torch.Generator | None = None,
+        generator: Generators = None,
     ) -> Proposal:
         """The sequential stage (Eq. 4): left-to-right sampling with the head's carried state.
 
@@ -443,7 +443,7 @@ class Drafter(nn.Module):
         anchor_tokens: Tensor,
         *,
         temperature: float = 1.0,
-        generator: torch.Generator | None = None,
+        generator: Generators = None,
     ) -> Proposal:
         """One-shot propose(): context = all positions of features [B, S, m·d]; anchor at S."""
         ctx = self.new_context(features.shape[0], features.device, capacity=max(1, features.shape[1]))

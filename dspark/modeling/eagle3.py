@@ -48,7 +48,7 @@ from dspark.modeling.drafter import Drafter, Proposal, init_linears, shortened
 from dspark.modeling.layers import GatedMLP, RMSNorm, Rotary, apply_rope, attention
 from dspark.modeling.vocab import DraftVocab, register_vocab_buffers
 from dspark.kernels.lm_head import vocab_logits
-from dspark.sampling import sample_categorical
+from dspark.sampling import Generators, sample_categorical
 
 
 class Eagle3Attention(nn.Module):
@@ -292,7 +292,7 @@ class Eagle3Drafter(nn.Module):
 
     @torch.no_grad()
     def propose(self, ctx: Eagle3Context, anchor_tokens: Tensor, *, temperature: float = 1.0,
-                generator: torch.Generator | None = None) -> Proposal:
+                generator: Generators = None) -> Proposal:
         """Draft γ tokens per row, each from its own forward (the anchor of row b sits at lengths[b]).
 
         temperature > 0 samples x_k ~ softmax(logits_k / T) in fp32 and returns exactly those
@@ -393,7 +393,7 @@ class Eagle3Drafter(nn.Module):
 
     @torch.no_grad()
     def propose_from_features(self, features: Tensor, anchor_tokens: Tensor, *, input_ids: Tensor | None = None,
-                              temperature: float = 1.0, generator: torch.Generator | None = None) -> Proposal:
+                              temperature: float = 1.0, generator: Generators = None) -> Proposal:
         """One-shot propose(): context = features [B, S, m·d] with their tokens input_ids [B, S]; anchor at S."""
         if input_ids is None:
             raise ValueError("an Eagle3 drafter reads the context's tokens too: pass input_ids (the tokens of the "

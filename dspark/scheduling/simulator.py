@@ -86,6 +86,7 @@ The table and files of a run are written by ``dspark.evaluation.report`` (``resu
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import os
 import time
@@ -109,6 +110,7 @@ __all__ = [
     "simulate", "simulate_grid", "sps_table",
 ]
 
+ENGINES = ("per-request", "batched")  # ServeSettings.engine
 MEASURED = "measured"  # draft_overhead: charge each step its measured non-verify phases (draft, accept, ...)
 UNCHARGED_PHASES = frozenset({"verify", "prefill"})  # the phases "measured" does not charge
 PathLike = Union[str, os.PathLike]
@@ -180,6 +182,10 @@ class ServeSettings:
     draft_overhead: drafting on the SPS clock: a fraction f >= 0 of the verification
         step, or "measured": every measured per-round phase but the verification forward
         (draft, accept, bookkeeping, schedule; module docstring).
+    engine: "per-request" (each live request drafts and verifies on its own, batch 1; the SPS
+        clock prices a step at B = Σ (1 + ℓ_r)) or "batched" (``dspark.scheduling.batched_serving``:
+        one drafter and one target forward for every live request, timed on the wall clock too;
+        the SPS clock prices the padded forward).
     """
 
     policy: PolicySpec | None = None
@@ -188,8 +194,12 @@ class ServeSettings:
     concurrency: int = 1
     sts_temperatures: Sequence[float] | PathLike | None = None
     draft_overhead: float | str = 0.0
+    engine: str = "per-request"
 
     def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"ServeSettings.engine={self.engine!r} must be one of {ENGINES}: 'batched' verifies "
+                             "every live request in one target forward, 'per-request' one forward each")
         p = self.policy
         if p is not None and not callable(p) and not (isinstance(p, str) and p.strip()):
             raise ValueError(f"ServeSettings.policy must be None, a non-empty spec ({POLICY_HELP}), a Policy "
@@ -250,6 +260,11 @@ class SimResult:
       verify_s = Σ measured seconds of the verification forwards (one per request-step) and
       verify_table_s = Σ their price in the table, 1 / SPS(1 + ℓ_r); time_scale = verify_table_s /
       verify_s, what "measured" multiplies overhead_s by (1 otherwise, and when nothing was verified).
+    engine: "per-request" or "batched" (``ServeSettings.engine``); step_wall_s: the wall clock of the steps
+      (prefills excluded; batched engine); target_only_wall: tokens/s of target-only decoding of the same
+      requests at the same R on the wall clock (batched engine, when measured; NaN otherwise); clocks: the
+      SPS clock against the wall clock on this run's steps (``dspark.evaluation.clocks.serving_clock_difference``
+      as a dict), when a profile was given.
     table_ci: the 95 % interval of vs_target_only over the SPS table's own timing noise
       (``dspark.scheduling.sps_profile.table_interval``: this run's steps priced by tables of the
       profile's timings resampled), or None when no profile was given.
@@ -286,6 +301,10 @@ class SimResult:
     verify_table_s: float = 0.0
     time_scale: float = 1.0
     wall_s: float = 0.0
+    engine: str = "per-request"
+    step_wall_s: float = 0.0
+    target_only_wall: float = math.nan
+    clocks: dict[str, Any] | None = None
     table_ci: list[float] | None = None
     requests: list[dict[str, Any]] = field(default_factory=list)
     rounds: list[dict[str, Any]] = field(default_factory=list)
@@ -357,11 +376,14 @@ class SimResult:
         measured = self.draft_clock == MEASURED
         steps: dict[int, float] = {}  # B -> what 1 / SPS'(B) is multiplied by, summed over the steps
         for row in self.step_log:
-            b = int(row["batch_tokens"])
+            b = int(row.get("priced_tokens", row["batch_tokens"]))  # the batched engine prices its padded forward
             steps[b] = steps.get(b, 0.0) + (1.0 if measured else row["step_time_s"] / row["verify_step_s"])
         overhead = sum(row["overhead_s"] for row in self.step_log) if measured else 0.0
-        forwards: dict[int, int] = {}  # 1 + ℓ_r -> verification forwards of that size
-        if measured and self.verify_s > 0:
+        forwards: dict[int, int] = {}  # size -> verification forwards of that size
+        if measured and self.verify_s > 0 and self.engine == "batched":
+            for row in self.step_log:  # one forward per step
+                forwards[int(row["priced_tokens"])] = forwards.get(int(row["priced_tokens"]), 0) + 1
+        elif measured and self.verify_s > 0:
             for row in self.rounds:
                 size = 1 + int(row.get("verified", row["proposed"]))
                 forwards[size] = forwards.get(size, 0) + 1
@@ -412,6 +434,13 @@ class SimResult:
             "requests_admitted": len(self.requests),
             "requests_finished": self.requests_finished,
             "wall_s": self.wall_s,
+            "engine": self.engine,
+            "step_wall_s": self.step_wall_s,
+            "wall_throughput": self.tokens / self.step_wall_s if self.step_wall_s > 0 else math.nan,
+            "target_only_wall": self.target_only_wall,
+            "wall_vs_target_only": (self.tokens / self.step_wall_s / self.target_only_wall
+                                    if self.step_wall_s > 0 else math.nan),
+            "clocks": self.clocks,
         }
 
 
@@ -453,6 +482,11 @@ def run_requests(
     soon as ``stop_after_finished`` requests have finished (for an endless
     ``jobs`` iterator). ``on_step`` is called with the result after each step.
     """
+    if serving.engine == "batched":
+        from dspark.scheduling.batched_serving import run_batched
+
+        return run_batched(target, drafter, jobs, decoding=decoding, serving=serving,
+                           stop_after_finished=stop_after_finished, on_step=on_step)
     policy, sps, temps = _resolve(serving)
     if serving.price_sps is not None:
         sps = sps_table(serving.price_sps)  # the clock's table; the policy keeps its own
@@ -803,6 +837,7 @@ def simulate(
     num_requests: int | None = None,
     keys: Sequence[tuple[str, int]] | None = None,
     on_step: Callable[[SimResult], None] | None = None,
+    target_only: bool = True,
 ) -> SimResult:
     """Simulate serving ``prompts`` (token-id lists) at concurrency R = ``serving.concurrency``
     under ``serving.policy``, on the clock of ``serving.sps`` (required).
@@ -815,7 +850,9 @@ def simulate(
     draws from a generator seeded with ``request_seed(decoding.seed, *keys[i mod N], cycle=i // N)``
     (the seed ``dspark eval`` gives that request at cycle 0) and is tagged ``keys[i mod N]``; without
     them it draws from ``job_seed(decoding.seed, i)`` and is tagged i mod N.
-    See ``run_requests`` for one step and the module docstring for the model.
+    See ``run_requests`` for one step and the module docstring for the model. With the batched engine
+    (``serving.engine``) and ``target_only``, target-only decoding of the same requests at the same R
+    is timed too (``SimResult.target_only_wall``).
     """
     if not prompts:
         raise ValueError("prompts is empty; give at least one prompt (a list of token ids)")
@@ -843,8 +880,23 @@ def simulate(
             raise ValueError("num_requests applies to cycle=True only; without cycling every prompt runs once")
         stop = None
         jobs = [job(i) for i in range(len(prompts))]
-    return run_requests(target, drafter, jobs, decoding=decoding, serving=serving, stop_after_finished=stop,
-                        on_step=on_step)
+    result = run_requests(target, drafter, jobs, decoding=decoding, serving=serving, stop_after_finished=stop,
+                          on_step=on_step)
+    if serving.engine == "batched" and target_only:
+        result.target_only_wall = target_only_wall_throughput(
+            target, prompts, keys, decoding=decoding, rows=serving.concurrency, cycle=cycle, stop=stop)
+    return result
+
+
+def target_only_wall_throughput(target: Any, prompts: list[list[int]], keys: Sequence[tuple[str, int]] | None, *,
+                                decoding: DecodeSettings, rows: int, cycle: bool, stop: int | None) -> float:
+    """Tokens/s of target-only decoding of ``simulate``'s requests (the same jobs, seeds and stop rule)
+    with ``rows`` rows on the wall clock (``dspark.scheduling.batched_serving.target_only_wall``)."""
+    from dspark.scheduling.batched_serving import target_only_wall
+
+    job = _job_maker(prompts, keys, decoding.seed)
+    jobs: Iterable[Job] = (job(i) for i in itertools.count()) if cycle else [job(i) for i in range(len(prompts))]
+    return float(target_only_wall(target, jobs, decoding=decoding, rows=rows, stop_after_finished=stop)["throughput"])
 
 
 def _job_maker(prompts: list[list[int]], keys: Sequence[tuple[str, int]] | None, seed: int) -> Callable[[int], Job]:
@@ -877,19 +929,25 @@ def simulate_grid(
     num_requests: int | None = None,
     keys: Sequence[tuple[str, int]] | None = None,
     progress: Callable[[SimResult], None] | None = None,
+    walls: dict[int, float] | None = None,
 ) -> list[SimResult]:
     """``simulate`` for every (policy, concurrency) pair of the grid, ``serving`` giving the rest
     (SPS table, STS temperatures, draft overhead). Each cell makes a fresh policy and uses the
     same seed, so every cell serves the same requests with the same random streams.
     ``keys``: the prompts' (benchmark, index) keys, as ``simulate`` takes them.
-    ``progress`` is called with each finished result."""
+    ``progress`` is called with each finished result. ``walls``: R -> target-only tokens/s on the wall
+    clock (batched engine), filled as each R is timed and reused (pass one dict to share it across calls)."""
     serving = dataclasses.replace(serving, sps=sps_table(serving.sps), price_sps=sps_table(serving.price_sps))
     results = []
+    walls = {} if walls is None else walls
     for spec in policies:
         for concurrency in concurrencies:
             cell = dataclasses.replace(serving, policy=spec, concurrency=concurrency)
             result = simulate(target, drafter, prompts, decoding=decoding, serving=cell, cycle=cycle,
-                              num_requests=num_requests, keys=keys)
+                              num_requests=num_requests, keys=keys, target_only=concurrency not in walls)
+            if serving.engine == "batched":
+                walls.setdefault(concurrency, result.target_only_wall)
+                result.target_only_wall = walls[concurrency]
             results.append(result)
             if progress is not None:
                 progress(result)

@@ -60,7 +60,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -98,6 +98,7 @@ class SPSProfile:
     device: str
     dtype: str
     threads: int
+    rows: int | None = None  # B as `rows` rows of B / rows tokens (the batched serving loop's layout at R = rows)
 
     @property
     def steps_per_sec(self) -> list[float]:
@@ -138,11 +139,12 @@ def load_profile(path: str | os.PathLike) -> SPSProfile:
     with open(path, encoding="utf-8") as f:
         data = json.load(f)
     names = [f.name for f in fields(SPSProfile)]
-    missing = [n for n in names if n not in data]
+    optional = {f.name for f in fields(SPSProfile) if f.default is not MISSING}
+    missing = [n for n in names if n not in data and n not in optional]
     if missing:
         raise ValueError(f"{path}: not an SPS profile (`dspark profile-sps` writes <table>.profile.json); "
                          f"missing {missing}")
-    return SPSProfile(**{n: data[n] for n in names})
+    return SPSProfile(**{n: data[n] for n in names if n in data})
 
 
 def bootstrap_tables(profile: SPSProfile, resamples: int = 1000, seed: int = 0,
@@ -210,10 +212,11 @@ def _check_int(value: Any, name: str, low: int) -> int:
 
 
 def _sizes_to_measure(
-    batch_tokens: Sequence[int], context_len: int, warmup: int, repeats: int, tokens_per_request: int | None
+    batch_tokens: Sequence[int], context_len: int, warmup: int, repeats: int, tokens_per_request: int | None,
+    rows: int | None = None,
 ) -> list[int]:
     """Check the settings; the B to measure, increasing, without repeats (with
-    ``tokens_per_request=q``, only the multiples of q)."""
+    ``tokens_per_request=q`` only the multiples of q, with ``rows=R`` only the multiples of R)."""
     sizes = sorted({_check_int(b, "batch_tokens entries", 1) for b in batch_tokens})
     if not sizes:
         raise ValueError("batch_tokens is empty; give the batch token counts to measure, e.g. 1 2 4 8 16")
@@ -229,6 +232,13 @@ def _sizes_to_measure(
                 f"with q tokens per request measure B = q, 2q, 4q, ..."
             )
         sizes = kept
+    if rows is not None:
+        if tokens_per_request is not None:
+            raise ValueError("give tokens_per_request (fixed tokens per row) or rows (fixed rows), not both")
+        r = _check_int(rows, "rows", 1)
+        sizes = [b for b in sizes if b % r == 0]
+        if not sizes:
+            raise ValueError(f"no batch size in {list(batch_tokens)} is a multiple of rows={r}; measure B = R, 2R, ...")
     return sizes
 
 
@@ -256,11 +266,15 @@ def profile_sps_runs(
     tokens_per_request: int | None = None,
     seed: int = 0,
     progress: Callable[[int, int], None] | None = None,
+    rows: int | None = None,
 ) -> SPSProfile:
     """Time the verification forward at every B of ``batch_tokens`` (see the module docstring).
 
+    ``rows=R``: every B as R rows of B / R tokens, each continuing its own cache: the forwards of the
+    batched serving loop at R live requests (``dspark.scheduling.batched_serving``), q = 1 + max ℓ per row.
     ``progress(done, repeats)`` is called after each timed sweep."""
-    sizes = _sizes_to_measure(batch_tokens, context_len, warmup, repeats, tokens_per_request)
+    sizes = _sizes_to_measure(batch_tokens, context_len, warmup, repeats, tokens_per_request, rows)
+    fixed_rows = rows
     device = torch.device(target.device)
     sync: Callable[[], None] = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     gen = torch.Generator().manual_seed(seed)
@@ -269,8 +283,8 @@ def profile_sps_runs(
     def ids(rows: int, length: int) -> torch.Tensor:
         return torch.randint(0, vocab, (rows, length), generator=gen).to(device)  # [rows, length]
 
-    layout = {b: (1, b) if tokens_per_request is None else (b // tokens_per_request, tokens_per_request)
-              for b in sizes}  # B -> (rows, tokens per row)
+    layout = {b: (fixed_rows, b // fixed_rows) if fixed_rows is not None else (1, b) if tokens_per_request is None
+              else (b // tokens_per_request, tokens_per_request) for b in sizes}  # B -> (rows, tokens per row)
     caches: dict[int, Any] = {}  # rows -> a cache holding context_len tokens per row
     for rows in sorted({r for r, _ in layout.values()}):
         caches[rows] = target.new_cache()
@@ -297,6 +311,7 @@ def profile_sps_runs(
         device=str(device),
         dtype=str(getattr(target, "dtype", "")).replace("torch.", ""),
         threads=torch.get_num_threads(),
+        rows=fixed_rows,
     )
 
 

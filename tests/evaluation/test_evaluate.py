@@ -500,7 +500,8 @@ def test_evaluate_from_config_reads_the_eval_section_and_writes_a_config_that_lo
     write_benchmarks(tmp_path / "data")
     config = Config(out_dir=str(tmp_path / "run"),
                     eval=EvalConfig(benchmarks=["mbpp", "alpaca"], data_dir=str(tmp_path / "data"), num_samples=0,
-                                    split="test", max_new_tokens=16, temperature=0.5, seed=3, label="mine"))
+                                    split="test", max_new_tokens=16, temperature=0.5, seed=3, label="mine",
+                                    batch_size=1))  # the scripted decoders are batch-1 seams
     target, drafter = fake_models()
     use_decoders(monkeypatch, *scripted_decoders(clock))
     report = ev.evaluate_from_config(target, drafter, config, progress=False)
@@ -513,11 +514,11 @@ def test_evaluate_from_config_reads_the_eval_section_and_writes_a_config_that_lo
     assert load_config(tmp_path / "run" / "eval" / "config.json") == config
 
 
-def test_evaluate_from_config_wants_a_policy_for_sps_and_concurrency(tmp_path):
+def test_evaluate_from_config_wants_a_policy_for_concurrency_and_points_to_batch_size(tmp_path):
     from dspark.config import Config, ServeConfig
 
     target, drafter = fake_models()
-    with pytest.raises(ValueError, match="serve.sps and serve.concurrency need serve.policy"):
+    with pytest.raises(ValueError, match="serve.concurrency needs serve.policy.*--batch-size"):
         ev.evaluate_from_config(target, drafter, Config(serve=ServeConfig(concurrency=2)))
 
 
@@ -543,3 +544,19 @@ def test_prompts_given_in_memory_draw_the_same_seeded_subset_as_their_file(tmp_p
                  progress=False, baseline=False)
         picked.append(calls)
     assert picked[0] == picked[1] and len(picked[0]) == 2
+
+
+def test_the_automatic_batch_size_is_the_last_doubling_that_raises_round_throughput_by_a_tenth():
+    """auto_batch_size on hand-made tables: throughput of full rounds R · SPS(R (1 + γ)), γ = 3."""
+    from dspark.decoding.batched import auto_batch_size
+    from dspark.scheduling.algorithm1 import SPSTable
+
+    flat = SPSTable([1, 512], [20.0, 20.0], 512)  # verification free up to 512 tokens: every doubling pays
+    assert auto_batch_size(flat, 3) == 128 and auto_batch_size(flat, 3, requests=20) == 20
+    # R=1: 4·... SPS(4)=20 -> 20; R=2: 2·SPS(8)=2·19=38 (×1.9); R=4: 4·SPS(16)=4·11=44 (×1.16);
+    # R=8: 8·SPS(32)=8·6=48 (×1.09 < 1.1): stop at 4
+    table = SPSTable([1, 4, 8, 16, 32, 64], [20.0, 20.0, 19.0, 11.0, 6.0, 3.0], 64)
+    assert auto_batch_size(table, 3) == 4
+    assert auto_batch_size(SPSTable([1, 4], [20.0, 20.0], 4), 3) == 1  # R = 2 would leave the table
+    assert auto_batch_size(None, 3, "cpu") == 8 and auto_batch_size(None, 3, "cuda") == 64
+    assert ev.resolve_batch_size(5, None, None, None) == 5

@@ -164,3 +164,67 @@ def test_a_killed_evaluation_of_a_tiny_target_resumes_to_the_same_rounds(tmp_pat
     assert (out / "rounds.jsonl").read_text() == (full / "rounds.jsonl").read_text()
     a, b = (json.loads((d / "report.json").read_text()) for d in (out, full))
     assert a["all"]["tau"] == b["all"]["tau"] and a["all"]["num_requests"] == b["all"]["num_requests"] == 4
+
+
+# The tiny evaluation decoded in batches (eval.batch_size = R): killed by SIGKILL after `kill_at` requests
+# were committed, while the other rows of its batch are still decoding.
+TINY_BATCHED_CHILD = textwrap.dedent("""
+    import os, sys
+    sys.path.insert(0, {tests!r})
+    from pathlib import Path
+    import dspark.evaluation.evaluate as ev
+    import dspark.evaluation.journal as journal
+    from helpers.benchmarks import CharTokenizer, write_benchmarks
+    from helpers.decoding import random_drafter
+    from helpers.targets import make_tiny_target
+    out, kill_at, rows, baseline = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
+    ev.WARMUP_TOKENS = 0
+    append, done = journal.EvalJournal.append_request, []
+    def killing(self, record, rounds):
+        append(self, record, rounds)
+        done.append(record["request"])
+        if len(done) == kill_at:
+            os.kill(os.getpid(), 9)
+    journal.EvalJournal.append_request = killing
+    target = make_tiny_target("llama", vocab_size=256)
+    drafter = random_drafter(target, gamma=3, seed=1)
+    ev.evaluate(target, drafter, write_benchmarks(out.parent / "data"), out_dir=out, progress=False,
+                tokenizer=CharTokenizer(), decoding=ev.DecodeSettings(max_new_tokens=6, temperature=1.0, seed=5),
+                batch_size=rows, baseline=baseline)
+""")
+
+
+def same_rounds(a, b):
+    """The same rounds.jsonl rows, confidences to float32 rounding (a batch's forwards sum in
+    another order than batch 1's)."""
+    rows_a, rows_b = read_jsonl(a / "rounds.jsonl")[0], read_jsonl(b / "rounds.jsonl")[0]
+    assert len(rows_a) == len(rows_b)
+    for x, y in zip(rows_a, rows_b):
+        assert {**x, "confidences": None} == {**y, "confidences": None}
+        assert x["confidences"] == pytest.approx(y["confidences"], abs=1e-5)
+
+
+def run_batched_child(tmp_path, out, kill_at: int, rows: int, baseline: bool) -> int:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    script = tmp_path / "batched_child.py"
+    script.write_text(TINY_BATCHED_CHILD.format(tests=str(REPO / "tests")))
+    return subprocess.run([sys.executable, str(script), str(out), str(kill_at), str(rows), str(int(baseline))],
+                          cwd=REPO, capture_output=True, text=True).returncode
+
+
+@pytest.mark.parametrize("baseline", [False, True], ids=["per-request", "waves-with-baseline"])
+def test_a_batched_evaluation_killed_mid_batch_resumes_to_the_rounds_of_batch_1(tmp_path, baseline):
+    """R = 3 rows over 4 requests: killed once 1 request is committed (the others mid-batch, or the
+    wave mid-baseline), resumed, it leaves the rounds of an uninterrupted batched run, which are
+    those of batch 1 (every request decodes its own tokens whatever its neighbours)."""
+    one, full, out = tmp_path / "one" / "out", tmp_path / "full" / "out", tmp_path / "killed" / "out"
+    assert run_batched_child(tmp_path / "one", one, -1, 1, baseline) == 0
+    assert run_batched_child(tmp_path / "full", full, -1, 3, baseline) == 0
+    assert run_batched_child(tmp_path / "killed", out, 1, 3, baseline) == -9
+    assert len(read_jsonl(out / "requests.jsonl")[0]) == 1
+    assert run_batched_child(tmp_path / "killed", out, 99, 3, baseline) == 0
+    same_rounds(out, full)
+    same_rounds(full, one)
+    a, b = (json.loads((d / "report.json").read_text()) for d in (out, full))
+    assert a["all"]["tau"] == b["all"]["tau"] and a["all"]["num_requests"] == b["all"]["num_requests"] == 4
+    assert a["config"]["batch_size"] == 3 and ("speedup" in a["all"]) == baseline

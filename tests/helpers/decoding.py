@@ -11,8 +11,9 @@ from dspark.sampling import logits_to_probs
 
 
 # --------------------------------------------------------------------------- drafters
-def random_drafter(target, *, gamma: int = 4, seed: int = 0, layers: int = 1) -> Drafter:
-    """A drafter of the target's family with every parameter randomised (far from the target)."""
+def random_drafter(target, *, gamma: int = 4, seed: int = 0, layers: int = 1, **fields) -> Drafter:
+    """A drafter of the target's family with every parameter randomised (far from the target);
+    ``fields`` set any other DrafterConfig field (e.g. draft_vocab_size)."""
     config = DrafterConfig.from_target_config(
         target.model.config,
         target_layer_ids=list(target.target_layer_ids),
@@ -20,6 +21,7 @@ def random_drafter(target, *, gamma: int = 4, seed: int = 0, layers: int = 1) ->
         num_draft_layers=layers,
         block_size=gamma,
         markov_rank=8,
+        **fields,
     )
     drafter = Drafter(config).attach_target(target)
     gen = torch.Generator().manual_seed(seed)

@@ -1,0 +1,227 @@
+"""The serving loop on the batched decoder: R requests per drafter and target forward, on two clocks.
+
+``dspark.scheduling.simulator.run_requests`` steps R live requests in lockstep under a policy; with
+``ServeSettings.engine = "batched"`` it runs here, on ``dspark.decoding.batched.SpeculativeBatch``:
+every step the policy's ``plan`` picks the rows that draft, one drafter forward drafts them all, the
+policy picks ℓ_r for every row from the (STS-calibrated) confidences of the whole batch (Algorithm 1's
+own setting, paper Section 3.2.2), and one target forward verifies every row, padded to 1 + max ℓ_r.
+
+Two clocks time the same steps:
+
+- the wall clock: the measured seconds of the step (draft, schedule, verify, accept, bookkeeping;
+  admissions' prefills are not counted, as on the SPS clock). Throughput on it is set against
+  target-only decoding of the same requests at the same R on the same machine
+  (``target_only_wall``, ``dspark.decoding.batched.TargetBatch``, R rows live at every step);
+- the SPS clock: the step's target forward costs 1 / SPS(B_fwd) with B_fwd = rows · (1 + max ℓ_r),
+  the tokens the padded forward runs (the policy decides on B = Σ_r (1 + ℓ_r), a ragged engine's
+  count, which ``batch_tokens`` keeps); ``draft_overhead`` charges the rest as in the simulator.
+  Its target-only reference is R · SPS(R). ``ServeSettings.price_sps`` is the table it prices with;
+  ``dspark simulate`` profiles one per R in the engine's own layout (``profile_sps_runs(rows=R)``:
+  R rows of 1..γ+1 tokens, each continuing its own cache), since R rows of q tokens cost more than
+  one sequence of R · q on some devices (a CPU's few-row kernels stop at a row count), and a table
+  of single sequences would price the batched forwards below what they cost.
+
+With ``"measured"`` both clocks charge the same measured draft, accept and bookkeeping seconds, so
+the two ratios to target-only decoding differ only by how the table prices the step's forwards
+against the measured ones, and by the measured target-only baseline against R · SPS(R):
+``dspark.evaluation.clocks.batched_clock_difference`` gives that difference with its interval.
+
+A request's ``timings`` hold its prefill and its share of every step it was live in (the step's
+seconds over its rows), so the shares of all requests add up to the steps' wall clock.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+import torch
+
+from dspark.decoding.batched import BatchRow, SpeculativeBatch, TargetBatch
+
+__all__ = ["run_batched", "target_only_wall"]
+
+
+def _generator(device: torch.device, seed: int) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(int(seed))
+
+
+@torch.inference_mode()
+def run_batched(target: Any, drafter: Any, jobs: Iterable[Any], *, decoding: Any, serving: Any,
+                stop_after_finished: int | None = None, on_step: Callable[[Any], None] | None = None) -> Any:
+    """``run_requests`` on the batched decoder (module docstring); arguments and result as there.
+    The result's ``engine`` is "batched"; ``step_wall_s`` holds the wall clock of the steps."""
+    from dspark.scheduling import simulator as sim
+
+    policy, sps, temps = sim._resolve(serving)
+    if serving.price_sps is not None:
+        sps = sim.sps_table(serving.price_sps)
+    if policy.on_start is not None:
+        policy.on_start()
+    clock, overhead_mode = sim._draft_clock(serving.draft_overhead)
+    rows = serving.concurrency
+    eos = list(decoding.eos_token_ids or ())
+    device = torch.device(getattr(target, "device", "cpu"))
+    result = sim.SimResult(policy=policy.name, concurrency=rows, draft_clock=clock, engine="batched",
+                           target_step_s=math.nan if sps is None else 1.0 / sim._speed(sps, 1),
+                           target_only_throughput=math.nan if sps is None else rows * sim._speed(sps, rows))
+    batch = SpeculativeBatch(target, drafter, max_new_tokens=decoding.max_new_tokens,
+                             temperature=decoding.temperature, eos_token_ids=eos)
+    index_of: dict[int, int] = {}  # id(BatchRow) -> request index
+    pending = iter(jobs)
+    exhausted = False
+    finished = 0
+    started = time.perf_counter()
+
+    def close(request: BatchRow) -> None:
+        nonlocal finished
+        finished += 1
+        out = request.result()
+        result.requests[index_of[id(request)]].update(
+            tokens=len(out.tokens), rounds=len(out.rounds), finished=True, finished_by_eos=out.finished_by_eos,
+            timings=dict(out.timings), result=out)
+
+    def stopped() -> bool:
+        return stop_after_finished is not None and finished >= stop_after_finished
+
+    while True:
+        while not exhausted and not stopped() and (batch.free_rows() or len(batch.rows) < rows):
+            job = next(pending, None)
+            if job is None:
+                exhausted = True
+                break
+            request = batch.admit(job.prompt_ids, _generator(device, job.seed), job.tag)
+            index_of[id(request)] = len(result.requests)
+            result.requests.append({"index": len(result.requests), "tag": job.tag,
+                                    "prompt_tokens": len(job.prompt_ids), "tokens": len(request.tokens),
+                                    "rounds": 0, "finished": False})
+            if request.done:
+                close(request)
+        batch.shrink()
+        if not batch.rows or stopped():
+            break
+        for request in _step(batch, policy, temps, sps, overhead_mode, result, index_of):
+            close(request)
+        if on_step is not None:
+            on_step(result)
+    for request in batch.rows:  # still running when the run stopped: counted with the tokens they made
+        if request is not None:
+            result.requests[index_of[id(request)]].update(tokens=len(request.tokens), rounds=len(request.rounds),
+                                                           timings=dict(request.result().timings))
+    result.wall_s = time.perf_counter() - started
+    if sps is not None and clock == sim.MEASURED:
+        sim._on_table_scale(result)
+    return result
+
+
+def _step(batch: SpeculativeBatch, policy: Any, temps: np.ndarray | None, sps: Any, overhead_mode: Any,
+          result: Any, index_of: dict[int, int]) -> list[BatchRow]:
+    """One step of every row: plan, draft, schedule, verify; accounted into ``result``."""
+    from dspark.scheduling import simulator as sim
+
+    live = list(batch.rows)
+    ids = [index_of[id(r)] for r in live]
+    step_start = time.perf_counter()
+    before = dict(batch.clock.totals)
+    drafting = np.ones(len(live), dtype=bool) if policy.plan is None else np.asarray(policy.plan(ids), dtype=bool)
+    schedule_s = time.perf_counter() - step_start
+    if drafting.shape != (len(live),):
+        raise ValueError(f"policy {policy.name!r}: plan must return {len(live)} booleans, got {drafting!r}")
+    batch.draft(drafting.tolist())
+    draft_s = batch.clock.totals.get("draft", 0.0) - before.get("draft", 0.0)
+    if policy.on_draft_time is not None and drafting.any():
+        policy.on_draft_time(draft_s)
+    started = time.perf_counter()
+    raw = batch.confidences()
+    if drafting.any():
+        gamma = batch.gamma
+        conf = np.zeros((len(live), gamma))
+        drafted = np.flatnonzero(drafting)
+        conf[drafted] = sim._confidence_matrix([raw[r] for r in drafted], gamma, temps, policy)
+        lengths = sim._checked_lengths(policy(ids, conf), len(live), gamma, policy.name)
+        if lengths[~drafting].any():
+            raise ValueError(f"policy {policy.name!r} gave ℓ > 0 to a request that did not draft at this step")
+        a = np.cumprod(conf, axis=1)
+    else:
+        lengths, a = np.zeros(len(live), dtype=np.int64), np.zeros((len(live), 1))
+    schedule_s += time.perf_counter() - started
+    batch.clock.totals["schedule"] = batch.clock.totals.get("schedule", 0.0) + schedule_s
+    counts = [len(r.tokens) for r in live]
+    done = batch.verify(lengths.tolist())
+    wall = time.perf_counter() - step_start
+    spent = {k: v - before.get(k, 0.0) for k, v in batch.clock.totals.items()}
+    for request in live:  # the policy's decision is part of every row's share, like the other phases
+        request.timings["schedule"] = request.timings.get("schedule", 0.0) + schedule_s / len(live)
+
+    forward_tokens = len(live) * (1 + int(lengths.max(initial=0)))
+    batch_tokens = int(len(live) + lengths.sum())
+    step_tokens = 0
+    for row, request in enumerate(live):
+        record = request.rounds[-1]
+        emitted = len(request.tokens) - counts[row]
+        step_tokens += emitted
+        result.accepted += record.accepted
+        result.eos_rounds += record.eos_accepted
+        ell = int(lengths[row])
+        expected = float(a[row, :ell].sum()) if drafting[row] and raw[row] is not None else None
+        result.rounds.append({
+            "step": result.steps, "request": ids[row], "tag": request.tag, "round": len(request.rounds) - 1,
+            "drafted": bool(drafting[row]), "proposed": record.proposed, "verified": ell,
+            "accepted": record.accepted, "eos_accepted": record.eos_accepted, "emitted": emitted,
+            "confidences": record.confidences, "expected_accepted": expected, "batch_tokens": batch_tokens,
+            "forward_tokens": forward_tokens, "rows": len(live),
+        })
+        result.requests[ids[row]].update(tokens=len(request.tokens), rounds=len(request.rounds))
+    verify_s = spent.get("verify", 0.0)
+    overhead_s = sum(v for k, v in spent.items() if k not in ("verify", "prefill"))
+    verify_step_s = math.nan if sps is None else 1.0 / sim._speed(sps, forward_tokens)
+    step_time = sim._step_time(verify_step_s, overhead_mode, [draft_s] if drafting.any() else [], overhead_s)
+    sim._account_step(result, live=len(live), drafted=int(drafting.sum()), proposed=int(lengths.sum()),
+                      batch=batch_tokens, draft_s=draft_s if drafting.any() else 0.0, overhead_s=overhead_s,
+                      step_time=step_time, tokens=step_tokens, verify_s=verify_s, verify_table_s=verify_step_s,
+                      verify_step_s=verify_step_s)
+    result.step_log[-1].update(priced_tokens=forward_tokens, wall_s=wall)
+    result.step_wall_s += wall
+    return done
+
+
+@torch.inference_mode()
+def target_only_wall(target: Any, jobs: Iterable[Any], *, decoding: Any, rows: int,
+                     stop_after_finished: int | None = None) -> dict[str, Any]:
+    """Target-only decoding of ``jobs`` (objects with prompt_ids, seed, tag) with ``rows`` rows on the
+    wall clock: {"tokens", "step_wall_s" (the steps, prefills excluded), "throughput", "steps",
+    "requests": [{"tag", "tokens", "timings", "finished_by_eos"} per admitted request, the timings its
+    prefill and shares]}.
+    Stops as ``run_batched`` does (every job finished, or ``stop_after_finished`` of them)."""
+    device = torch.device(getattr(target, "device", "cpu"))
+    batch = TargetBatch(target, max_new_tokens=decoding.max_new_tokens, temperature=decoding.temperature,
+                        eos_token_ids=list(decoding.eos_token_ids or ()))
+    pending, admitted, exhausted, finished = iter(jobs), [], False, 0
+    tokens = steps = 0
+    wall = 0.0
+    while True:
+        while not exhausted and (stop_after_finished is None or finished < stop_after_finished) and (
+                batch.free_rows() or len(batch.rows) < rows):
+            job = next(pending, None)
+            if job is None:
+                exhausted = True
+                break
+            request = batch.admit(job.prompt_ids, _generator(device, job.seed), job.tag)
+            admitted.append(request)
+            finished += request.done
+        batch.shrink()
+        if not batch.rows or (stop_after_finished is not None and finished >= stop_after_finished):
+            break
+        start = time.perf_counter()
+        live = len(batch.rows)
+        done = batch.step()
+        wall += time.perf_counter() - start
+        tokens += live
+        steps += 1
+        finished += len(done)
+    return {"tokens": tokens, "step_wall_s": wall, "throughput": tokens / wall if wall > 0 else math.nan,
+            "steps": steps, "requests": [{"tag": r.tag, "tokens": len(r.tokens), "timings": r.result().timings,
+                                          "finished_by_eos": r.result().finished_by_eos} for r in admitted]}

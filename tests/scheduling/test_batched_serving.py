@@ -1,0 +1,188 @@
+"""The serving loop on the batched decoder (dspark.scheduling.batched_serving) and its two clocks
+(dspark.evaluation.clocks.serving_clock_difference).
+
+Oracles: the per-request engine on the same jobs (every request decodes the same rounds), the SPS
+clock's step prices computed by hand from the step log, and the clocks' difference written out from
+its definition on a made-up run."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import numpy as np
+import pytest
+
+from dspark.evaluation.clocks import serving_clock_difference
+from dspark.evaluation.report import results_markdown
+from dspark.scheduling.algorithm1 import SPSTable
+from dspark.scheduling.simulator import DecodeSettings, ServeSettings, SimResult, simulate
+from dspark.scheduling.sps_profile import SPSProfile
+from helpers.decoding import random_drafter
+from helpers.serving import PROMPTS
+from helpers.targets import make_tiny_target
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+DECAYING = SPSTable([1, 4, 8, 16, 64], [100.0, 95.0, 80.0, 50.0, 20.0], 256)
+
+
+def _rounds(sim):
+    return sorted((r["request"], r["round"], r["verified"], r["accepted"], r["emitted"]) for r in sim.rounds)
+
+
+@pytest.mark.parametrize("policy", ["static", "algorithm1", "static1"])
+def test_the_batched_engine_serves_the_rounds_of_the_per_request_engine(policy):
+    target = make_tiny_target("qwen3")
+    drafter = random_drafter(target, gamma=4)
+    runs = {}
+    for engine in ("per-request", "batched"):
+        runs[engine] = simulate(target, drafter, PROMPTS, decoding=DecodeSettings(max_new_tokens=12, temperature=1.0),
+                                serving=ServeSettings(policy=policy, sps=DECAYING, concurrency=3, engine=engine),
+                                num_requests=7)
+    a, b = runs["per-request"], runs["batched"]
+    assert _rounds(a) == _rounds(b) and a.tokens == b.tokens and a.requests_finished == b.requests_finished
+    assert b.engine == "batched" and b.step_wall_s > 0 and b.target_only_wall > 0
+    assert math.isnan(a.target_only_wall)
+
+
+def test_the_sps_clock_prices_each_padded_forward_and_the_wall_clock_is_the_steps():
+    """draft_overhead 0: the SPS clock is Σ_steps 1 / SPS(rows · (1 + max ℓ)); the rounds keep the
+    policy's B = Σ (1 + ℓ); the requests' shares add up to the steps' wall clock plus their prefills."""
+    target = make_tiny_target("llama")
+    sim = simulate(target, random_drafter(target, gamma=4), PROMPTS,
+                   decoding=DecodeSettings(max_new_tokens=10, temperature=1.0, seed=0),
+                   serving=ServeSettings(policy="algorithm1", sps=DECAYING, concurrency=3, engine="batched"),
+                   num_requests=6, target_only=False)
+    assert math.isnan(sim.target_only_wall)
+    price = 0.0
+    for step in sim.step_log:
+        rows = [r for r in sim.rounds if r["step"] == step["step"]]
+        assert step["priced_tokens"] == len(rows) * (1 + max(r["verified"] for r in rows))
+        assert step["batch_tokens"] == sum(1 + r["verified"] for r in rows)
+        price += 1.0 / float(DECAYING(step["priced_tokens"]))
+    assert sim.sim_time_s == pytest.approx(price)
+    assert sim.step_wall_s == pytest.approx(sum(s["wall_s"] for s in sim.step_log))
+    shares = sum(r["timings"]["total"] - r["timings"]["prefill"] for r in sim.requests if "timings" in r)
+    assert shares == pytest.approx(sim.step_wall_s, rel=0.05)  # the steps' phases; the loop's own code aside
+    assert sim.pricing()(DECAYING) == pytest.approx(sim.throughput / (3 * float(DECAYING(3))))
+
+
+def _profile(noise: bool) -> SPSProfile:
+    jitter = [1.0, 1.1, 0.9, 1.05, 0.95]
+    base = {1: 0.010, 2: 0.0125, 4: 0.020, 8: 0.040}
+    seconds = [[base[b] * (j if noise else 1.0) for j in jitter] for b in base]
+    return SPSProfile(list(base), seconds, [statistics.median(s) for s in seconds], context_len=128,
+                      tokens_per_request=None, warmup=1, repeats=5, device="cpu", dtype="float32", threads=1)
+
+
+def _made_up_run() -> SimResult:
+    """R = 2, three requests of two benchmarks over four steps (request 2 takes request 0's row)."""
+    result = SimResult(policy="static", concurrency=2, engine="batched", draft_clock="measured",
+                       target_only_wall=150.0)
+    steps = [  # (rows: [(request, emitted)], priced tokens, wall, overhead, verify)
+        ([(0, 2), (1, 1)], 4, 0.030, 0.010, 0.018),
+        ([(0, 3), (1, 2)], 8, 0.050, 0.012, 0.035),
+        ([(2, 1), (1, 1)], 4, 0.028, 0.009, 0.017),
+        ([(2, 2)], 2, 0.020, 0.006, 0.013),
+    ]
+    result.requests = [{"index": i, "tag": tag, "finished": True} for i, tag in enumerate([("a", 0), ("b", 0), ("a", 1)])]
+    for s, (rows, priced, wall, over, verify) in enumerate(steps):
+        result.step_log.append({"step": s, "priced_tokens": priced, "wall_s": wall, "overhead_s": over,
+                                "verify_s": verify})
+        for request, emitted in rows:
+            result.rounds.append({"step": s, "request": request, "emitted": emitted, "rows": len(rows)})
+    return result
+
+
+def test_the_clocks_difference_is_the_formula_by_hand():
+    result, profile = _made_up_run(), _profile(noise=False)
+    got = serving_clock_difference(result, profile)
+    speed = {2: 1 / 0.0125, 4: 1 / 0.020, 8: 1 / 0.040}
+    # Shares per request: request 0 is in steps 0, 1 (2 rows), request 1 in 0, 1, 2, request 2 in 2 (2 rows), 3 (1).
+    tokens = 2 + 1 + 3 + 2 + 1 + 1 + 2
+    wall = 0.030 + 0.050 + 0.028 + 0.020
+    other, verify = 0.010 + 0.012 + 0.009 + 0.006, 0.018 + 0.035 + 0.017 + 0.013
+    forwards = 1 / speed[4] + 1 / speed[8] + 1 / speed[4] + 1 / speed[2]  # every step's forward, once
+    sps_time = forwards * (1 + other / verify)
+    assert got.difference == pytest.approx(wall / sps_time - 1)
+    assert got.sps == pytest.approx(tokens / sps_time / (2 * float(profile.measured_table(2))))
+    assert got.wall == pytest.approx(tokens / wall / 150.0)
+    assert got.v_table == 0.0 and got.requests == 3 and got.df == 1  # groups a (2 requests) and b (1)
+    # the jackknife: only benchmark a has two requests; deleting one rescales a's sum by 2
+    shares = {0: np.array([2 + 3, 0.030 / 2 + 0.050 / 2, 0.010 / 2 + 0.012 / 2, 0.018 / 2 + 0.035 / 2, 0.5, 0.5, 0]),
+              1: np.array([1 + 2 + 1, 0.030 / 2 + 0.050 / 2 + 0.028 / 2, (0.010 + 0.012 + 0.009) / 2,
+                           (0.018 + 0.035 + 0.017) / 2, 0, 1.0, 0.5]),
+              2: np.array([1 + 2, 0.028 / 2 + 0.020, 0.009 / 2 + 0.006, 0.017 / 2 + 0.013, 1.0, 0.5, 0])}
+    # columns after the first four: counts at B = 2, 4, 8 (request 0: 1/2 at 4 and 1/2 at 8, ...)
+    shares[0][4:] = [0, 0.5, 0.5]
+    shares[1][4:] = [0, 1.0, 0.5]
+    shares[2][4:] = [1.0, 0.5, 0]
+    price = np.array([1 / speed[2], 1 / speed[4], 1 / speed[8]])
+
+    def diff(total):
+        return total[1] / ((total[4:] * price).sum() * (1 + total[2] / total[3])) - 1
+
+    b = shares[1]
+    deleted = [diff((shares[0 if i else 2] * 2) + b) for i in (0, 1)]  # delete request 2, then request 0
+    mean = sum(deleted) / 2
+    var = (2 - 1) / 2 * sum((d - mean) ** 2 for d in deleted)
+    t1 = 12.706205  # Student's t, 0.975 quantile, 1 degree of freedom
+    assert diff(shares[0] + shares[1] + shares[2]) == pytest.approx(got.difference)
+    assert (got.hi - got.lo) / 2 == pytest.approx(t1 * math.sqrt(var), rel=1e-6)
+
+
+def test_timing_noise_of_the_table_widens_the_interval_and_the_table_says_which_clock_is_faster():
+    result = _made_up_run()
+    quiet, noisy = serving_clock_difference(result, _profile(False)), serving_clock_difference(result, _profile(True))
+    assert noisy.v_table > 0 and noisy.hi - noisy.lo > quiet.hi - quiet.lo
+    assert quiet.verdict in ("agree", "SPS clock above", "SPS clock below")
+
+
+def test_the_per_request_engine_is_refused_and_the_table_prints_both_clocks():
+    target = make_tiny_target("llama")
+    sim = simulate(target, random_drafter(target, gamma=4), PROMPTS,
+                   decoding=DecodeSettings(max_new_tokens=8, temperature=1.0),
+                   serving=ServeSettings(policy="static", sps=DECAYING, concurrency=2), num_requests=3)
+    with pytest.raises(ValueError, match="batched engine"):
+        serving_clock_difference(sim, _profile(False))
+    with pytest.raises(ValueError, match="engine"):
+        ServeSettings(policy="static", engine="vectorised")
+    batched = _made_up_run()
+    batched.tokens, batched.sim_time_s, batched.step_wall_s = 12, 0.1, 0.128
+    batched.target_only_throughput = 160.0
+    batched.clocks = {"difference": 0.1, "lo": -0.05, "hi": 0.2, "verdict": "agree", "requests": 3}
+    text = results_markdown([batched])
+    assert "wall clock: vs target-only" in text and "0.10 [-0.05, 0.20]" in text and "agree" in text
+
+
+def test_the_layout_profile_times_r_rows_of_b_over_r_tokens_and_the_expected_longest_row():
+    from dspark.evaluation.scheduling_runs import expected_longest
+    from dspark.scheduling.sps_profile import profile_sps_runs
+
+    calls = []
+
+    class Recording:
+        """A target stand-in that records the shape of every forward (and keeps a cache of lengths)."""
+        vocab_size, device, dtype = 50, "cpu", "float32"
+
+        def new_cache(self):
+            return {"len": 0}
+
+        def __call__(self, x, past_key_values=None, use_cache=True, logits_to_keep=None):
+            calls.append(tuple(x.shape))
+            past_key_values["len"] += x.shape[1]
+
+        @staticmethod
+        def crop_cache(cache, length):
+            cache["len"] = length
+
+    profile = profile_sps_runs(Recording(), [4, 8, 12, 6, 20], context_len=3, warmup=0, repeats=2, rows=4)
+    assert profile.batch_tokens == [4, 8, 12, 20] and profile.rows == 4  # the multiples of R only
+    assert set(calls) == {(4, 3), (4, 1), (4, 2), (4, 3), (4, 5)}  # the prefill, then R rows of B / R tokens
+    with pytest.raises(ValueError, match="not both"):
+        profile_sps_runs(Recording(), [4], context_len=3, repeats=1, rows=4, tokens_per_request=2)
+    # E[max] of R lengths without replacement: by hand for {1, 2, 3}
+    assert expected_longest([3, 1, 2], 1) == pytest.approx(2.0)
+    assert expected_longest([3, 1, 2], 2) == pytest.approx((2 * 1 + 3 * 2) / 3)  # max 2 once, max 3 twice
+    assert expected_longest([3, 1, 2], 5) == 3
