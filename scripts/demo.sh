@@ -17,7 +17,7 @@
 #                beside dspark's loop on the same prompts (bench/llamacpp.py); never builds llama.cpp itself
 #   8 summary    runs/demo/README.md (plots linked) and a short version printed
 #
-#   bash scripts/demo.sh           45-60 minutes on 2 CPU cores
+#   bash scripts/demo.sh           45-65 minutes on 2 CPU cores
 #   bash scripts/demo.sh --quick   every stage at toy size (a first look; the end-to-end test), under 8 minutes
 #   bash scripts/demo.sh --long    twice the epochs under a 12-minute cap, more prompts and tokens (about 2 hours)
 # Every stage resumes: a stage whose outputs are complete (named in timings.json) is skipped,

@@ -90,4 +90,4 @@ def test_gpu_check_quick_passes_every_section_on_cpu(runs):
     lines = _output(runs, "gpu_check.py")
     summary = lines[lines.index("== summary") + 1 :]
     statuses = {line.split()[0]: line.split()[1] for line in summary if line.startswith("  ")}
-    assert statuses == dict.fromkeys(["train", "decode", "lossless", "sps", "nccl"], "PASS"), "\n".join(lines)
+    assert statuses == dict.fromkeys(["train", "decode", "batched", "lossless", "sps", "nccl"], "PASS"), "\n".join(lines)

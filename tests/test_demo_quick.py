@@ -56,8 +56,8 @@ def test_quick_demo_runs_every_stage_and_resumes_without_redoing_them(tmp_path):
     assert not missing, f"stages left no file: {missing}"
     timings = json.loads((run / "timings.json").read_text())
     stages = ["data", "vocab", "train-dspark_smollm2_135m", "train-dflash_smollm2_135m", "train-eagle3_smollm2_135m",
-              *[f"eval-T{t}-{n}" for t in ("1.0", "0.0") for n in ("dspark", "dflash", "eagle3")],
-              "profile-sps", "eval-dev-T1.0-dspark", "calibrate",
+              "profile-sps", *[f"eval-T{t}-{n}" for t in ("1.0", "0.0") for n in ("dspark", "dflash", "eagle3")],
+              "eval-dev-T1.0-dspark", "calibrate",
               *[f"sched-{p}-R1" for p in policies], "simulate"]
     assert list(timings) == stages and all(s > 0 for s in timings.values())
     # Every reported number decodes the test prompts; STS is fitted on a dev evaluation.
@@ -66,6 +66,11 @@ def test_quick_demo_runs_every_stage_and_resumes_without_redoing_them(tmp_path):
     assert {k: v for k, v in splits.items() if not k.startswith("dev/")} and all(
         v == ("dev" if k.startswith("dev/") else "test") for k, v in splits.items()), splits
     assert [f["split"] for f in json.loads((run / "sts.json").read_text())["fitted_on"]] == ["dev"]
+    # The evaluations decode R requests per forward (R from the SPS table); the serving loop is batched
+    # and times its steps on both clocks.
+    assert all(json.loads(p.read_text())["config"]["batch_size"] >= 1 for p in run.glob("eval-T*/*/report.json"))
+    served = json.loads((run / "simulate" / "results.json").read_text())["results"]
+    assert served and all(r["engine"] == "batched" and r["step_wall_s"] > 0 and r["clocks"]["verdict"] for r in served)
     page = (run / "README.md").read_text()
     assert "No scheduled evaluation found" not in page and "No serving simulation" not in page
     assert "scored on the test split: prompts the fit never saw" in page

@@ -15,8 +15,10 @@ Two settings objects, shared with the serving simulator, say how:
 ``ServeSettings`` (policy, SPS table, concurrency, STS temperatures).
 
 Without a policy (``ServeSettings.policy`` None, the default) every round
-verifies all γ drafts, one request at a time: the offline protocol of the
-paper's Table 1 (Section 4.2). With a policy (``dspark eval --policy``) the
+verifies all γ drafts: the offline protocol of the paper's Table 1 (Section 4.2),
+one request at a time or, with ``batch_size`` R > 1, R requests per drafter and
+target forward (``dspark.decoding.batched``), each decoding the tokens it decodes
+alone, against target-only decoding at the same R. With a policy (``dspark eval --policy``) the
 requests of each benchmark run through the serving simulator's stepping loop
 (``dspark.scheduling.simulator.run_requests``): ``concurrency`` requests in
 lockstep, the policy choosing ℓ for all of them from their confidences

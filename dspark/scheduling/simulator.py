@@ -49,8 +49,10 @@ What is real and what is modelled:
   accept and bookkeeping phases (the target-only reference R · SPS(R) is not
   charged those). Prefills are not charged (as in decode-throughput
   measurements), and the tokens they emit (x_0) are not counted in Θ.
-  Verification runs per request here (batch 1), so at R > 1 the wall clock of
-  the simulation says nothing about serving speed; only the SPS clock does.
+  With ``engine="per-request"`` verification runs per request (batch 1), so at R > 1
+  the wall clock of the simulation says nothing about serving speed; only the SPS clock
+  does. ``engine="batched"`` (``dspark.scheduling.batched_serving``) runs the live
+  requests in one drafter and one target forward per step, timed on the wall clock too.
 
 Concurrency: R slots. A request that finishes frees its slot and the next
 request takes it at the next step. ``simulate`` either cycles the prompt
