@@ -412,11 +412,17 @@ class _Batch:
             for request in rows:
                 request.timings[phase] = request.timings.get(phase, 0.0) + spent / len(rows)
 
-    def _finish(self, row: int, finished: list[BatchRow]) -> None:
-        request = self.rows[row]
-        request.latency_s = time.perf_counter() - request.admitted_at
-        finished.append(request)
-        self.rows[row] = None
+    def _retire(self, served: Sequence[BatchRow], before: dict[str, float]) -> list[BatchRow]:
+        """After a step over ``served`` (the rows in order): free the rows of the finished requests,
+        share the step's phase seconds among every served request; returns the finished ones."""
+        finished = []
+        for row, request in enumerate(served):
+            if request.done:
+                request.latency_s = time.perf_counter() - request.admitted_at
+                finished.append(request)
+                self.rows[row] = None
+        self._share(before, served)
+        return finished
 
 
 class SpeculativeBatch(_Batch):
@@ -529,7 +535,6 @@ class SpeculativeBatch(_Batch):
         with self.clock("verify"):  # row r: x_0 at next_pos[r], drafts after it, padding after 1 + ℓ_r
             x = torch.cat([self.anchor[:, None], proposal.tokens[:, :width]], dim=1)  # [R, 1+max ℓ]
             out = self.kv.forward(x, counts)
-        finished: list[BatchRow] = []
         keep = [0] * rows
         next_tokens = self.anchor.clone()
         with self.clock("accept"):
@@ -562,11 +567,7 @@ class SpeculativeBatch(_Batch):
             width = max(keep)  # the longest kept prefix: no feature rows past it go through the context
             _extend(self.drafter, self.ctx, out.features[:, :width], x[:, :width], num_valid=keep_t)
             self.anchor = next_tokens
-        for r, request in enumerate(served):
-            if request.done:
-                self._finish(r, finished)
-        self._share(before, served)
-        return finished
+        return self._retire(served, before)
 
 
 class TargetBatch(_Batch):
@@ -602,7 +603,6 @@ class TargetBatch(_Batch):
             gens = [r.generator for r in self.rows]
             token = sample_token(logits, self.temperature, None if any(g is None for g in gens) else gens)
             values = token.tolist()
-        finished: list[BatchRow] = []
         served = list(self.rows)
         for request, value in zip(served, values):
             request.tokens.append(value)
@@ -610,11 +610,7 @@ class TargetBatch(_Batch):
             self.kv.commit(ones)
             self.kv.maybe_compact()
             self.anchor = token
-        for r, request in enumerate(served):
-            if request.done:
-                self._finish(r, finished)
-        self._share(before, served)
-        return finished
+        return self._retire(served, before)
 
 
 def _no_draft(rows: int, vocab: int, device: torch.device) -> Any:

@@ -100,7 +100,7 @@ def simulate(config: Config, *, progress: Callable[[Any], None] | None = None,
     from dspark.scheduling.algorithm1 import SPSTable
     from dspark.config import SIMULATE_POLICIES
     from dspark.scheduling.simulator import DecodeSettings, ServeSettings, make_policy, simulate_grid
-    from dspark.scheduling.sps_profile import profile_path, profile_sps_runs, table_interval
+    from dspark.scheduling.sps_profile import profile_path, table_interval
     from dspark.evaluation.clocks import serving_clock_difference
 
     s, e = config.serve, config.eval
@@ -132,12 +132,7 @@ def simulate(config: Config, *, progress: Callable[[Any], None] | None = None,
 
     def layout(rows: int) -> Any:
         if rows not in layouts:
-            # every row of the batch's cache is as wide as its longest row: the expected longest prompt of R
-            context = int(round(expected_longest([len(p) for p in prompts], rows) + s.max_new_tokens / 2))
-            layouts[rows] = profile_sps_runs(target, [rows * q for q in range(1, gamma + 2)], context_len=context,
-                                             warmup=1, repeats=LAYOUT_REPEATS, rows=rows, seed=e.seed)
-            announce(f"SPS clock at R = {rows} (batched engine): the forwards of {rows} rows × 1..{gamma + 1} "
-                     f"tokens after {context} cached, profiled here ({LAYOUT_REPEATS} sweeps)")
+            layouts[rows] = _layout_profile(target, prompts, rows, gamma, s.max_new_tokens, e.seed, announce)
         return layouts[rows]
 
     for spec in policies:
@@ -178,6 +173,21 @@ def simulate(config: Config, *, progress: Callable[[Any], None] | None = None,
     }
     out = write_results(out, results, summary)
     return results, out
+
+
+def _layout_profile(target: Any, prompts: Sequence[Sequence[int]], rows: int, gamma: int, max_new_tokens: int,
+                    seed: int, announce: Announce) -> Any:
+    """The SPS profile of the batched serving loop's forwards at R = ``rows``: R rows of 1..γ+1 tokens
+    after the expected longest of R prompts plus half the new tokens (every row of a batch's cache is
+    as wide as its longest row)."""
+    from dspark.scheduling.sps_profile import profile_sps_runs
+
+    context = int(round(expected_longest([len(p) for p in prompts], rows) + max_new_tokens / 2))
+    profile = profile_sps_runs(target, [rows * q for q in range(1, gamma + 2)], context_len=context,
+                               warmup=1, repeats=LAYOUT_REPEATS, rows=rows, seed=seed)
+    announce(f"SPS clock at R = {rows} (batched engine): the forwards of {rows} rows × 1..{gamma + 1} "
+             f"tokens after {context} cached, profiled here ({LAYOUT_REPEATS} sweeps)")
+    return profile
 
 
 def expected_longest(lengths: Sequence[int], rows: int) -> float:
