@@ -202,6 +202,8 @@ def serve_all(server: Path, target_gguf: Path, prompts: Mapping[str, list[list[i
     if draft is not None:
         options = dict(draft_gguf=draft["gguf"], spec_type=draft["spec_type"], draft_n_max=draft["gamma"],
                        draft_sampling="probabilistic")
+        if draft.get("p_min"):
+            options["extra_args"] = ["--spec-draft-p-min", f"{float(draft['p_min']):g}"]
     with llama_server(target_gguf, server=server, threads=threads, log_path=logs / f"{label}.log", **options) as srv:
         first = next(ids for batch in prompts.values() for ids in batch)
         srv.client.complete(first, temperature=0.0, n_predict=WARMUP_TOKENS, seed=0)  # untimed warm-up
@@ -217,6 +219,53 @@ def serve_all(server: Path, target_gguf: Path, prompts: Mapping[str, list[list[i
                     bar.update(1)
         bar.close()
     return rows
+
+
+def tune(name: str, folder: Path, draft: Mapping[str, Any], target: Any, settings: Mapping[str, Any], tokenizer: Any,
+         target_gguf: Path, server: Path, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """The setting dspark chooses for one drafter (``dspark.interop.llamacpp_tuning.recommend``): greedy
+    rounds on the dev prompts (``<out>/dev-T0.0/<name>``), the engine's cost table on dev prompts
+    (``<out>/costs/<name>.json``; both reused when present); the served entry at that setting."""
+    from dspark.interop.llamacpp_tuning import EngineCosts, load_rounds, measure_costs, recommend
+
+    dev = {**settings, "split": "dev"}
+    rounds_dir = out / "dev-T0.0" / name
+    if not (rounds_dir / "report.json").is_file():  # no finished evaluation there (a killed one resumes)
+        from dspark.data.prompts import builtin_eval_sets
+        from dspark.evaluation.evaluate import evaluate
+        from dspark.modeling import load_drafter
+        from dspark.scheduling.simulator import DecodeSettings
+
+        from dspark.target import TargetModel
+
+        layer_ids = json.loads((folder / "config.json").read_text()).get("target_layer_ids", [-1])
+        if list(getattr(target, "target_layer_ids", [])) != list(layer_ids):  # this drafter's own feature layers
+            target = TargetModel.from_pretrained(settings["target"], layer_ids)
+        source = builtin_eval_sets() if dev["builtin"] else dev["data_dir"]
+        evaluate(target, load_drafter(folder, target), source, names=None if dev["builtin"] else dev["benchmarks"],
+                 num_samples=dev["num_samples"] or None, split="dev", batch_size=8,
+                 decoding=DecodeSettings(max_new_tokens=dev["max_new_tokens"], temperature=0.0, seed=dev["seed"]),
+                 baseline=False, out_dir=rounds_dir)
+    logged = load_rounds(rounds_dir)
+    confidence = not all(np.isnan(c).all() for reqs in logged.requests.values() for c, _ in reqs)
+    costs_path = out / "costs" / f"{name}.json"
+    if costs_path.is_file():
+        costs = EngineCosts.from_json(costs_path)
+    else:
+        prompts = load_prompt_ids({**dev, "num_samples": max(1, -(-args.cost_requests // 9))}, tokenizer)
+        flat = [ids for batch in prompts.values() for ids in batch][: args.cost_requests]
+        costs = measure_costs(target_gguf, draft["gguf"], spec_type=draft["spec_type"], gamma=int(draft["gamma"]),
+                              prompts=flat, max_new_tokens=dev["max_new_tokens"], confidence=confidence,
+                              sweeps=args.cost_sweeps, threads=args.threads, server=server,
+                              log_dir=out / "logs", machine=f"{args.threads} threads")
+        costs_path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(costs_path, json.dumps(costs.to_json(), indent=2) + "\n")
+    choice = recommend(logged, costs, confidence=confidence)
+    atomic_write_text(out / "costs" / f"{name}.recommendation.json", json.dumps(choice.to_json(), indent=2) + "\n")
+    setting = choice.chosen.setting
+    return {**draft, "gamma": setting.n_max, "p_min": setting.p_min, "static_of": name,
+            "label": f"{draft['label']} (n-max {setting.n_max}, p-min {setting.p_min:g})",
+            "predicted": choice.chosen.to_json(), "predicted_static": choice.static.to_json()}
 
 
 # ---------------------------------------------------------------------------
@@ -286,6 +335,13 @@ def summarize(rows: Sequence[Mapping[str, Any]], prompts: Mapping[str, list[list
             mine = _by_key(rows, name, temperature)
             entry["drafters"][name] = _drafter_entry(mine, base, keys, dspark_evals.get((name, temperature)),
                                                      temperature)
+            static = drafters[name].get("static_of")
+            if static:  # the chosen setting against the same drafter at n-max γ, p-min 0, paired by request
+                theirs = _by_key(rows, static, temperature)
+                both = {b: [k for k in ks if k in mine and k in theirs] for b, ks in keys.items()}
+                entry["drafters"][name]["over_static"] = intervals(
+                    {b: np.array([[*_steps(mine[k]), *_steps(theirs[k])] for k in ks], dtype=np.float64).reshape(-1, 4)
+                     for b, ks in both.items()}, _ratio_of_rates)
         out[f"{temperature:.1f}"] = entry
     return out
 
@@ -388,12 +444,12 @@ def tables(results: Mapping[str, Any]) -> str:
                 if bench in d["tokens_per_s"]:
                     rows.append([labels[name], bench, fmt(d["tau"].get(bench)), fmt(d.get("dspark_tau", {}).get(bench)),
                                  fmt(target["tokens_per_s"].get(bench), 1), fmt(d["tokens_per_s"].get(bench), 1),
-                                 fmt(d["speedup"].get(bench)),
+                                 fmt(d["speedup"].get(bench)), fmt(d.get("over_static", {}).get(bench)),
                                  f"{equal[0]}/{equal[1]}" if equal and bench == "macro" else ""])
         title = "greedy" if float(temp) == 0.0 else f"T = {float(temp):g}"
         parts += [f"## {title}", "", markdown_table(
             ["drafter", "benchmark", "τ llama.cpp", "τ dspark", "tok/s target alone", "tok/s with drafter",
-             "speedup", "greedy output = target's"], rows), ""]
+             "speedup", "over the static setting", "greedy output = target's"], rows), ""]
         rows = [[bench, fmt(target["tokens_per_s"].get(bench), 1),
                  fmt(target.get("dspark_tokens_per_s", {}).get(bench), 1),
                  fmt(target.get("llamacpp_over_dspark", {}).get(bench))]
@@ -445,6 +501,12 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="decode the same requests with dspark where the run has no evaluation folder")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="one prompt of three benchmarks, 12 tokens")
+    parser.add_argument("--tune", action="store_true",
+                        help="also serve each drafter at the setting dspark chooses for it (bench/llamacpp_tuning.py's "
+                             "model): greedy rounds on the dev prompts, the engine's cost table, the best (n-max, p-min); "
+                             "paired with the static setting on the same requests")
+    parser.add_argument("--cost-requests", type=int, default=9, help="--tune: dev prompts of the cost table")
+    parser.add_argument("--cost-sweeps", type=int, default=2, help="--tune: interleaved sweeps of the cost table")
     return parser.parse_args(argv)
 
 
@@ -509,6 +571,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         gguf = Path(given[name]) if name in given else export_gguf_of(folder, out / "gguf" / f"{name}.gguf",
                                                                         settings["target"], target())
         drafters[name] = {"folder": str(folder), "gguf": str(gguf), **facts, "label": facts["variant"]}
+    if args.tune:
+        for name in list(drafters):
+            chosen = tune(name, drafter_dirs[name], drafters[name], target(), settings, tokenizer, target_gguf,
+                          server, args, out)
+            drafters[f"{name}@chosen"] = chosen
     if args.dspark_eval:
         for name, folder in drafter_dirs.items():
             for t in temperatures:

@@ -14,7 +14,9 @@
 # which never shares a prompt with it, is where recipes are chosen (bench/recipe_study.py) and STS is
 # fitted (dspark.data.benchmarks: the split).
 #   +            llama.cpp (optional, when a llama-server is found): the three drafters as GGUF in llama-server
-#                beside dspark's loop on the same prompts (bench/llamacpp.py); never builds llama.cpp itself
+#                beside dspark's loop on the same prompts (bench/llamacpp.py), each at n-max γ and at the
+#                setting chosen from its greedy dev rounds and the engine's cost table (--tune); never builds
+#                llama.cpp itself
 #   8 summary    runs/demo/README.md (plots linked) and a short version printed
 #
 #   bash scripts/demo.sh           45-65 minutes on 2 CPU cores
@@ -209,11 +211,12 @@ except FileNotFoundError as error:
     print("")')
 fi
 llamacpp_bench() {
-  "$DSPARK_PY" bench/llamacpp.py --run "$OUT" --server "$LLAMA_SERVER" --out "$OUT/llamacpp" && return 0
+  "$DSPARK_PY" bench/llamacpp.py --run "$OUT" --server "$LLAMA_SERVER" --out "$OUT/llamacpp" --tune && return 0
   echo "   llama.cpp stage failed (error above; server logs in $OUT/llamacpp/logs); the summary goes on without it"
 }
 if [ -n "$LLAMA_SERVER" ]; then
-  echo "== llama.cpp: the three drafters in llama-server ($LLAMA_SERVER) beside dspark's loop, same prompts"
+  echo "== llama.cpp: the three drafters in llama-server ($LLAMA_SERVER) beside dspark's loop, same prompts,"
+  echo "   each at n-max γ and at the setting chosen from its dev rounds and the engine's cost table"
   stage llamacpp "$OUT/llamacpp/results.json" llamacpp_bench
 elif [ "${DSPARK_DEMO_LLAMACPP:-1}" != 0 ]; then
   echo "== llama.cpp: skipped, no llama-server found (set DSPARK_LLAMA_SERVER=/path/to/llama-server, or build one with \`python bench/llamacpp.py --build\`: about 15 minutes once)"

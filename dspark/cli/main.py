@@ -280,7 +280,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         target = TargetModel.from_pretrained(args.target, drafter.config.target_layer_ids)
         drafter = load_drafter(args.drafter, target)
     folder = export_drafter(drafter, args.out, args.to, target=args.target or None, sts=args.sts or None,
-                            sps=args.sps or None, outtype=args.outtype or None, tokenizer_pre=args.tokenizer_pre or None)
+                            sps=args.sps or None, outtype=args.outtype or None, tokenizer_pre=args.tokenizer_pre or None,
+                            rounds=args.rounds or None, costs=args.costs or None)
     print(f"exported {args.drafter} for {args.to} to {folder}\n")
     print((folder / SERVE_NAME).read_text())
     return 0
@@ -421,12 +422,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output folder (replaced atomically)")
     p.add_argument("--target", default="", help="the target (name or path): named in SERVE.md; gives DeepSpec "
                    "exports the embedding / LM head when the drafter folder has none")
-    p.add_argument("--sts", default="", help="SGLang DSpark: STS JSON (dspark calibrate), copied next to the weights")
+    p.add_argument("--sts", default="", help="STS JSON (dspark calibrate): SGLang DSpark copies it next to the weights; "
+                   "llamacpp folds one shared temperature into the confidence head")
     p.add_argument("--sps", default="", help="SGLang DSpark: SPS table JSON (dspark profile-sps), copied next to the weights")
     p.add_argument("--outtype", default="", choices=["", "f16", "bf16", "f32"],
                    help="llamacpp: the GGUF's matrix type (default f16; norms, biases stay f32)")
     p.add_argument("--tokenizer-pre", default="", help="llamacpp: llama.cpp's pre-tokenizer name for a target "
                    "tokenizer dspark does not recognise (tokenizer.ggml.pre of a GGUF of the target)")
+    p.add_argument("--rounds", default="", help="llamacpp: a greedy `dspark eval` folder of this drafter (or its "
+                   "rounds.jsonl), on prompts apart from those you will measure; with --costs, SERVE.md gets the "
+                   "chosen --spec-draft-n-max / --spec-draft-p-min and their predicted speed")
+    p.add_argument("--costs", default="", help="llamacpp: the engine's cost table of this drafter "
+                   "(bench/llamacpp.py --costs)")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("report", help="rebuild report.json, report.md and the plots of a `dspark eval` folder "

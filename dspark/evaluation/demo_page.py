@@ -815,19 +815,25 @@ def llamacpp_section(run: Mapping[str, Any]) -> str:
         target = entry.get("target", {})
         for name, d in sorted(entry.get("drafters", {}).items(), key=lambda kv: _drafter_order(kv[0])):
             equal = d.get("greedy_equal")
-            rows.append([DRAFTER_NAMES.get(str(settings.get("drafters", {}).get(name, {}).get("variant")), name), t,
-                         _triple(d, "tau"), _triple(d, "dspark_tau"), _triple(target, "tokens_per_s"),
-                         _triple(d, "tokens_per_s"), _triple(d, "speedup"),
+            facts = settings.get("drafters", {}).get(name, {})
+            shown = DRAFTER_NAMES.get(str(facts.get("variant")), name)
+            if facts.get("static_of"):
+                shown += f", chosen: n-max {facts.get('gamma')}, p-min {float(facts.get('p_min') or 0):g}"
+            rows.append([shown, t, _triple(d, "tau"), _triple(d, "dspark_tau"), _triple(target, "tokens_per_s"),
+                         _triple(d, "tokens_per_s"), _triple(d, "speedup"), _triple(d, "over_static"),
                          f"{equal[0]}/{equal[1]}" if equal else "–"])
         rows.append(["target alone", t, "–", "–", _triple(target, "tokens_per_s"),
                      f"dspark loop: {_triple(target, 'dspark_tokens_per_s')}", _triple(target, "llamacpp_over_dspark"),
-                     "–"])
+                     "–", "–"])
     header = ["drafter", "", "τ llama.cpp", "τ dspark", "llama.cpp tok/s, target alone", "tok/s with the drafter",
-              "speedup (target alone: llama.cpp / dspark)", "greedy output = target's"]
+              "speedup (target alone: llama.cpp / dspark)", "over the static setting (paired)",
+              "greedy output = target's"]
     return "\n".join([
         markdown_table(header, rows), "",
         f"The drafters exported to GGUF and served by `llama-server` ({settings.get('threads', '?')} threads) with "
-        f"the target's Q4_1 GGUF, on the {settings.get('requests', '?')} requests of the evaluation. Macro averages "
+        f"the target's Q4_1 GGUF, on the {settings.get('requests', '?')} requests of the evaluation: each at the "
+        "static setting (n-max γ, p-min 0) and, where a row says so, at the setting dspark chose for it from its "
+        "greedy rounds on the dev prompts and the engine's own cost table (`bench/llamacpp.py --tune`). Macro averages "
         "over the benchmarks with their 95 % intervals over requests [lo, hi]; τ counts the target's token of "
         "each round in both engines; tokens/s are the server's, prefill excluded. Per benchmark: "
         f"{_link(run, 'llamacpp/README.md')}.",

@@ -40,7 +40,10 @@ serving layout: refused.
 - **llamacpp**: one GGUF file, `draft.gguf` (dspark.interop.gguf: architecture `dflash` for DSpark and
   DFlash, `eagle3` for Eagle3, the target's tokenizer inside), and SERVE.md with the `llama-server`
   command (`-md draft.gguf --spec-type draft-dspark|draft-dflash|draft-eagle3 --spec-draft-n-max γ`).
-  What llama.cpp cannot run is refused there (GGUFRefused, an ExportRefused).
+  With a drafter's greedy rounds and the engine's cost table, the command carries the chosen
+  `--spec-draft-n-max` / `--spec-draft-p-min` and SERVE.md their predicted speed
+  (dspark.interop.llamacpp_tuning). What llama.cpp cannot run is refused there (GGUFRefused, an
+  ExportRefused).
 
 The RNN head without a bias (the paper's Eq. 6) is written with a zero `joint_proj.bias`, since
 DeepSpec and SGLang build the biased head: the outputs are the same.
@@ -56,6 +59,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors.torch import save_file
 
@@ -81,6 +85,7 @@ from dspark.modeling.eagle3 import Eagle3Drafter
 DESTINATIONS = ("vllm", "sglang", "deepspec", "zlab", "llamacpp")
 GGUF_NAME = "draft.gguf"
 SERVE_NAME = "SERVE.md"
+RECOMMENDATION_NAME = "recommendation.json"
 
 
 @dataclass
@@ -264,23 +269,37 @@ def export_drafter(
     sps: str | os.PathLike | None = None,
     outtype: str | None = None,
     tokenizer_pre: str | None = None,
+    rounds: str | os.PathLike | None = None,
+    costs: str | os.PathLike | None = None,
 ) -> Path:
     """Write `drafter` in the layout destination `to` loads, plus SERVE.md with its launch command.
 
     `target` (a name or path) fills the target in the commands; `sts`/`sps` (SGLang DSpark only)
     are checked and copied next to the weights. `outtype` (llamacpp: f16, bf16 or f32) and
-    `tokenizer_pre` (llamacpp: llama.cpp's pre-tokenizer name) go to export_gguf. Raises ExportRefused (a ValueError) naming the
-    reason when the destination cannot serve this drafter. The folder is written atomically.
+    `tokenizer_pre` (llamacpp: llama.cpp's pre-tokenizer name) go to export_gguf. llamacpp with
+    `rounds` (a greedy `dspark eval` folder of this drafter, or its rounds.jsonl) and `costs` (the
+    engine's cost table, bench/llamacpp.py --costs) also chooses --spec-draft-n-max / -p-min
+    (dspark.interop.llamacpp_tuning.recommend) and writes them, with the predicted speed, into
+    SERVE.md and recommendation.json; `sts` then folds one shared temperature into the GGUF's
+    confidence head. Raises ExportRefused (a ValueError) naming the reason when the destination
+    cannot serve this drafter. The folder is written atomically.
     """
     if to not in DESTINATIONS:
         raise ValueError(f"--to {to!r}: choose one of {list(DESTINATIONS)}")
-    if (sts or sps) and to != "sglang":
-        refuse(to, "--sts/--sps are the files of SGLang's DSPARK confidence scheduling (use --to sglang)")
-    if (outtype or tokenizer_pre) and to != "llamacpp":
-        refuse(to, "--outtype/--tokenizer-pre are options of the GGUF export (use --to llamacpp)")
+    if sps and to != "sglang":
+        refuse(to, "--sps is the SPS table of SGLang's DSPARK confidence scheduling (use --to sglang)")
+    if sts and to not in ("sglang", "llamacpp"):
+        refuse(to, "--sts is the STS file of SGLang's DSPARK confidence scheduling (--to sglang) or the "
+                   "temperature folded into a llama.cpp GGUF (--to llamacpp)")
+    if (outtype or tokenizer_pre or rounds or costs) and to != "llamacpp":
+        refuse(to, "--outtype/--tokenizer-pre/--rounds/--costs are options of the GGUF export (use --to llamacpp)")
+    if bool(rounds) != bool(costs):
+        refuse(to, "a recommended llama.cpp setting needs both --rounds (a greedy `dspark eval` folder of this "
+                   "drafter) and --costs (bench/llamacpp.py --costs)")
     folder = Path(out).resolve()
     if to == "llamacpp":
-        return _export_llamacpp(drafter, folder, target=target, outtype=outtype, tokenizer_pre=tokenizer_pre)
+        return _export_llamacpp(drafter, folder, target=target, outtype=outtype, tokenizer_pre=tokenizer_pre,
+                                rounds=rounds, costs=costs, sts=sts)
     options = {"target": target, "sts": sts, "sps": sps}
     if drafter.config.variant == "eagle3":  # never written as a DSpark/DFlash layout by mistake
         layout = _eagle3(drafter, folder, to, options)
@@ -323,35 +342,68 @@ def llamacpp_target_gguf(target: str | None) -> str:
     return "TARGET.gguf"
 
 
-def llamacpp_serve(drafter, draft: Path, target: str | None, threads: int | None = None) -> str:
-    """SERVE.md's body: the llama-server command for `draft` next to the target GGUF."""
+def llamacpp_serve(drafter, draft: Path, target: str | None, threads: int | None = None,
+                   recommendation: Any = None) -> str:
+    """SERVE.md's body: the llama-server command for `draft` next to the target GGUF, at the
+    recommended setting when there is one (dspark.interop.llamacpp_tuning.Recommendation)."""
     from dspark.interop.gguf import draft_n_max, spec_type
 
     threads = threads or os.cpu_count() or 1
     target_gguf = llamacpp_target_gguf(target)
+    flags = (recommendation.flags() if recommendation is not None
+             else f"--spec-draft-n-max {draft_n_max(drafter)}")
     text = ("llama.cpp (`llama-server`; the draft shares the target's embedding and, with the full vocabulary, "
             "its LM head):\n\n```bash\n"
             f"llama-server -m {target_gguf} -md {draft} \\\n"
-            f"    --spec-type {spec_type(drafter)} --spec-draft-n-max {draft_n_max(drafter)} -t {threads}\n```\n")
+            f"    --spec-type {spec_type(drafter)} {flags} -t {threads}\n```\n")
     if target_gguf == "TARGET.gguf":
         text += "\nReplace TARGET.gguf by a GGUF of the target the drafter was trained for (same tokenizer).\n"
     if spec_type(drafter) == "draft-dspark" and drafter.config.has_confidence_head:
         text += ("\nThe draft has a confidence head: `--spec-draft-p-min P` stops a block at the first position "
                  "whose confidence is below P.\n")
+    if recommendation is not None:
+        text += "\n" + recommendation.markdown()
     return text
 
 
 def _export_llamacpp(drafter, folder: Path, *, target: str | None, outtype: str | None,
-                     tokenizer_pre: str | None) -> Path:
+                     tokenizer_pre: str | None, rounds: Any = None, costs: Any = None, sts: Any = None) -> Path:
     from dspark.interop.gguf import DEFAULT_OUTTYPE, export_gguf
 
+    recommendation = None
+    has_confidence = bool(getattr(drafter.config, "has_confidence_head", False)) and drafter.config.variant != "eagle3"
+    if sts and not has_confidence:
+        refuse("llamacpp", "--sts needs a confidence head to fold its temperature into; this drafter has none")
+    temperatures = None
+    if sts:
+        from dspark.scheduling.calibration import load_sts_json
+
+        temperatures = load_sts_json(sts, int(drafter.config.block_size))
+    if rounds:
+        from dspark.interop.llamacpp_tuning import EngineCosts, load_rounds, recommend
+
+        logged = load_rounds(rounds)
+        if logged.gamma != int(drafter.config.block_size):
+            refuse("llamacpp", f"--rounds {rounds} were logged at block {logged.gamma}, the drafter's γ is "
+                               f"{drafter.config.block_size}: give an evaluation of this drafter")
+        recommendation = recommend(logged, EngineCosts.from_json(costs), confidence=has_confidence,
+                                   temperatures=temperatures)
+    temperature = recommendation.temperature if recommendation is not None else (
+        float(temperatures[0]) if temperatures is not None and np.allclose(temperatures, temperatures[0]) else 1.0)
+    if temperatures is not None and recommendation is None and temperature == 1.0 and not np.allclose(temperatures, 1.0):
+        refuse("llamacpp", f"STS temperatures {list(map(float, temperatures))} differ by position and llama.cpp "
+                           "applies one --spec-draft-p-min to every position: none can be folded (leave out --sts, "
+                           "or give --rounds/--costs to see what per-position thresholds would add)")
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
     try:
         export_gguf(drafter, tmp / GGUF_NAME, target=target, outtype=outtype or DEFAULT_OUTTYPE,
-                    tokenizer_pre=tokenizer_pre)
+                    tokenizer_pre=tokenizer_pre, confidence_temperature=temperature)
         header = "# Serving this drafter (llamacpp)\n\nWritten by `dspark export --to llamacpp`.\n\n"
-        (tmp / SERVE_NAME).write_text(header + llamacpp_serve(drafter, folder / GGUF_NAME, target))
+        (tmp / SERVE_NAME).write_text(header + llamacpp_serve(drafter, folder / GGUF_NAME, target,
+                                                              recommendation=recommendation))
+        if recommendation is not None:
+            (tmp / RECOMMENDATION_NAME).write_text(json.dumps(recommendation.to_json(), indent=2) + "\n")
         replace_dir(tmp, folder)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -65,6 +65,7 @@ standard EAGLE-3 (3 fused layers, Llama layer).
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -433,15 +434,28 @@ def _dflash_keys_and_tensors(w, arch: str, drafter, base: dict[str, Any], outtyp
             for name, t in state.items() if name != "t2d"}
 
 
+def fold_confidence_temperature(tensors: dict[str, torch.Tensor], temperature: float) -> dict[str, torch.Tensor]:
+    """``conf_proj`` weight and bias divided by T: the head's logit z becomes z/T, its output σ(z/T)."""
+    t = float(temperature)
+    if not (math.isfinite(t) and t > 0.0):
+        raise ValueError(f"confidence temperature must be finite and > 0, got {temperature!r}")
+    if "conf_proj.weight" not in tensors:
+        _refuse("a confidence temperature needs a confidence head: this drafter has none")
+    return {name: (tensor.float() / t if name in ("conf_proj.weight", "conf_proj.bias") else tensor)
+            for name, tensor in tensors.items()}
+
+
 def export_gguf(drafter, path: str | os.PathLike, *, target: Any, outtype: str = DEFAULT_OUTTYPE,
-                tokenizer_pre: str | None = None) -> Path:
+                tokenizer_pre: str | None = None, confidence_temperature: float = 1.0) -> Path:
     """Write `drafter` (a loaded dspark Drafter or Eagle3Drafter, with its target's LM head attached
     when it has a draft vocabulary or is an Eagle3) to `path` as a llama.cpp draft GGUF.
 
     `target`: the target's HF folder, a name dspark resolves ('smollm2-135m'), or a TargetModel
     loaded from a folder; its tokenizer and vocabulary go into the file. `outtype`: f16 (default),
     bf16 or f32 for the matrices. `tokenizer_pre`: llama.cpp's pre-tokenizer name, for tokenizers not
-    recognised here. Raises GGUFRefused naming what llama.cpp cannot run. Returns the path written.
+    recognised here. `confidence_temperature`: an STS temperature T folded into the confidence head
+    (``conf_proj`` weight and bias divided by T, so llama.cpp computes σ(z/T)). Raises GGUFRefused
+    naming what llama.cpp cannot run. Returns the path written.
     """
     import gguf
 
@@ -482,6 +496,8 @@ def export_gguf(drafter, path: str | os.PathLike, *, target: Any, outtype: str =
             out = _eagle3_keys_and_tensors(w, arch, drafter, base, outtype)
         else:
             out = _dflash_keys_and_tensors(w, arch, drafter, base, outtype)
+        if confidence_temperature != 1.0:
+            out = fold_confidence_temperature(out, confidence_temperature)
         _add_fields(w, tok)
         if not is_eagle3:
             w.add_uint32("tokenizer.ggml.mask_token_id", int(config.mask_token_id))

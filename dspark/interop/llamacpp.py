@@ -62,6 +62,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -91,6 +92,7 @@ __all__ = [
     "find_llama_server",
     "llama_server",
     "parse_completion",
+    "parse_draft_stats",
     "parse_metrics",
     "request_body",
     "server_command",
@@ -486,14 +488,16 @@ def _stop(process: subprocess.Popen) -> None:
 # ---------------------------------------------------------------------------
 
 
-def request_body(prompt_ids: Sequence[int], *, temperature: float, n_predict: int, seed: int) -> dict[str, Any]:
+def request_body(prompt_ids: Sequence[int], *, temperature: float, n_predict: int, seed: int,
+                 cache_prompt: bool = False) -> dict[str, Any]:
     """The ``/completion`` body that samples exactly softmax(logits / T) (argmax at T = 0).
 
     The sampler chain is the temperature sampler alone (llama.cpp appends the final ``dist``
     draw, which has one candidate left at T = 0); every other sampler is also set to its
     neutral value, so a server started with other defaults changes nothing. ``prompt_ids``
     are token ids (the chat template already applied); the generated ids come back in
-    ``tokens`` (``return_tokens``). No prompt cache: every request is prefilled from scratch."""
+    ``tokens`` (``return_tokens``). No prompt cache unless ``cache_prompt``: every request is
+    prefilled from scratch (with it, only the tokens after the prefix the slot already holds)."""
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if n_predict < 1:
@@ -521,7 +525,7 @@ def request_body(prompt_ids: Sequence[int], *, temperature: float, n_predict: in
         "n_probs": 0,
         "ignore_eos": False,
         "return_tokens": True,
-        "cache_prompt": False,
+        "cache_prompt": bool(cache_prompt),
         "stream": False,
     }
 
@@ -604,6 +608,23 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
+_STATS = re.compile(r"#calls\(b,g,a\) =\s*(\d+)\s+(\d+)\s+(\d+).*?dur\(b,g,a\) = ([\d.]+), ([\d.]+), ([\d.]+) ms")
+
+
+def parse_draft_stats(log_text: str) -> tuple[int, float] | None:
+    """(draft calls, ms spent in them) of the last speculative statistics line of a llama-server
+    log written at trace verbosity (``-lv 4``): common/speculative.cpp's
+    ``common_speculative_print_stats``, cumulative over the server's life, printed when a slot is
+    released. The draft call is the drafter's block forward and the sampling of its drafts; the
+    injection of target features into the drafter's cache is not in it. None without such a line."""
+    found = None
+    for line in log_text.splitlines():
+        m = _STATS.search(line)
+        if m:
+            found = (int(m.group(2)), float(m.group(5)))
+    return found
+
+
 class LlamaClient:
     """A small HTTP client of one llama-server (urllib; timeouts; bounded retries of connection
     errors and 503 "loading")."""
@@ -654,12 +675,13 @@ class LlamaClient:
         except RuntimeError:
             return None
 
-    def complete(self, prompt_ids: Sequence[int], *, temperature: float, n_predict: int, seed: int) -> Completion:
+    def complete(self, prompt_ids: Sequence[int], *, temperature: float, n_predict: int, seed: int,
+                 cache_prompt: bool = False) -> Completion:
         """Generate up to ``n_predict`` tokens after ``prompt_ids`` (:func:`request_body`); the
         rounds are the difference of the server's round counter around the request."""
         before = self.metrics()
         status, payload = self._request("/completion", request_body(
-            prompt_ids, temperature=temperature, n_predict=n_predict, seed=seed))
+            prompt_ids, temperature=temperature, n_predict=n_predict, seed=seed, cache_prompt=cache_prompt))
         response = json.loads(payload)
         after = self.metrics()
         rounds = None

@@ -343,3 +343,26 @@ def test_the_calibration_table_shows_the_ece_on_the_scored_rounds_raw_and_with_s
     section = calibration_section(load_run(run_dir))
     assert "| ECE raw (all split, static γ) | ECE after STS (all split, static γ) |" in section
     assert "| 1 | 1.500 | fitted | 0.2000 | 0.0500 | 0.0900 | 0.0800 | 0.1200 | 0.0800 |" in section
+
+
+def test_the_llamacpp_section_shows_the_chosen_setting_beside_the_static_one_and_target_alone():
+    from dspark.evaluation.demo_page import llamacpp_section
+
+    tri = lambda x: {"macro": [x, x - 0.1, x + 0.1]}  # noqa: E731
+    results = {
+        "settings": {"threads": 2, "requests": 36, "drafters": {
+            "dspark_smollm2_135m": {"variant": "dspark", "gamma": 4},
+            "dspark_smollm2_135m@chosen": {"variant": "dspark", "gamma": 2, "p_min": 0.5,
+                                           "static_of": "dspark_smollm2_135m"}}},
+        "temperatures": {"0.0": {
+            "target": {"tokens_per_s": tri(120.0)},
+            "drafters": {"dspark_smollm2_135m": {"tau": tri(1.5), "tokens_per_s": tri(40.0), "speedup": tri(0.33)},
+                         "dspark_smollm2_135m@chosen": {"tau": tri(1.4), "tokens_per_s": tri(90.0),
+                                                        "speedup": tri(0.75), "over_static": tri(2.25)}}}},
+    }
+    text = llamacpp_section({"llamacpp": results, "dir": Path(".")})
+    rows = [line for line in text.splitlines() if line.startswith("| DSpark") or line.startswith("| target alone")]
+    assert len(rows) == 3
+    assert "chosen: n-max 2, p-min 0.5" in rows[1] and "2.25 [2.15, 2.35]" in rows[1]
+    assert "0.33 [0.23, 0.43]" in rows[0] and rows[0].count("–") >= 1
+    assert "over the static setting (paired)" in text and "--tune" in text

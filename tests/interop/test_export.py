@@ -243,8 +243,10 @@ def test_families_a_destination_lacks_are_refused(tmp_path):
 def test_sts_of_another_length_and_sts_for_other_destinations_are_refused(tmp_path):
     with pytest.raises(ValueError, match="temperatures"):
         export_drafter(_drafter(), tmp_path / "out", "sglang", sts=_sts(tmp_path, GAMMA + 1))
-    with pytest.raises(ExportRefused, match="--sts/--sps"):
+    with pytest.raises(ExportRefused, match="--sts is the STS file"):
         export_drafter(_drafter(), tmp_path / "out", "vllm", sts=_sts(tmp_path))
+    with pytest.raises(ExportRefused, match="--sps is the SPS table"):
+        export_drafter(_drafter(), tmp_path / "out", "llamacpp", sps=_sts(tmp_path))
 
 
 # ------------------------------------------------------------------ the command

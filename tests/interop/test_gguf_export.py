@@ -372,3 +372,71 @@ def test_parity_with_llamacpp_converter(tmp_path, target_dir, case, k, outtype):
         o = ours_t[name]
         assert (o.tensor_type, list(o.shape)) == (t.tensor_type, list(t.shape)), name
         np.testing.assert_array_equal(o.data, t.data, err_msg=name)
+
+
+# ------------------------------------------------------------------ the recommended setting and the folded temperature
+def test_folded_temperature_makes_the_exported_confidence_sigma_z_over_t(tmp_path, target_dir):
+    drafter = _drafter()
+    _, plain = _read(export_gguf(drafter, tmp_path / "a.gguf", target=target_dir, outtype="f32"))
+    _, folded = _read(export_gguf(drafter, tmp_path / "b.gguf", target=target_dir, outtype="f32",
+                                  confidence_temperature=2.5))
+    w0, b0 = np.asarray(plain["conf_proj.weight"].data).ravel(), np.asarray(plain["conf_proj.bias"].data).ravel()
+    w1, b1 = np.asarray(folded["conf_proj.weight"].data).ravel(), np.asarray(folded["conf_proj.bias"].data).ravel()
+    x = np.random.default_rng(0).normal(size=(64, w0.size))  # [hidden; markov_w1[prev]] inputs
+    sigmoid = lambda z: 1 / (1 + np.exp(-z))  # noqa: E731
+    np.testing.assert_allclose(sigmoid(x @ w1 + b1), sigmoid((x @ w0 + b0) / 2.5), rtol=1e-5, atol=1e-7)
+    np.testing.assert_array_equal(np.asarray(plain["fc.weight"].data), np.asarray(folded["fc.weight"].data))
+    with pytest.raises(GGUFRefused, match="confidence head"):
+        export_gguf(_drafter("dspark-no-confidence"), tmp_path / "c.gguf", target=target_dir, confidence_temperature=2.0)
+
+
+def _costs_and_rounds(tmp_path) -> tuple[Path, Path]:
+    from dspark.interop.llamacpp_tuning import Cost, EngineCosts
+
+    entry = lambda x: Cost(x, x * 0.95, x * 1.05, x * 0.025)  # noqa: E731
+    costs = EngineCosts(idle={n: entry(1.1 + 0.1 * n) for n in range(1, GAMMA + 1)},
+                        forced={n: entry(1.2 + 0.3 * n) for n in range(1, GAMMA + 1)}, target_tokens_per_s=100.0,
+                        machine="test", threads=2, requests=4, sweeps=2)
+    (tmp_path / "costs.json").write_text(json.dumps(costs.to_json()))
+    rng = np.random.default_rng(1)
+    rows = []
+    for request in range(6):
+        for r in range(10):
+            conf = rng.uniform(size=GAMMA)
+            accepted = int(np.argmin(np.append(conf > 0.45, False)))  # accepted where confident, roughly
+            rows.append({"benchmark": "b", "request": request, "round": r, "proposed": GAMMA, "accepted": accepted,
+                         "confidences": conf.tolist()})
+    (tmp_path / "eval").mkdir()
+    (tmp_path / "eval" / "rounds.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
+    return tmp_path / "costs.json", tmp_path / "eval"
+
+
+def test_serve_md_carries_the_chosen_flags_and_their_predicted_speed(tmp_path, target_dir):
+    from dspark.interop.llamacpp_tuning import EngineCosts, load_rounds, recommend
+
+    costs, rounds = _costs_and_rounds(tmp_path)
+    folder = export_drafter(_drafter(), tmp_path / "out", "llamacpp", target=str(target_dir), rounds=rounds, costs=costs)
+    want = recommend(load_rounds(rounds), EngineCosts.from_json(costs), confidence=True)
+    serve = (folder / "SERVE.md").read_text()
+    assert f"--spec-type draft-dspark {want.flags()} -t " in serve
+    assert want.chosen.setting.p_min > 0  # confident positions are the accepted ones: a threshold pays
+    assert f"{want.chosen.speed:.2f} [{want.chosen.lo:.2f}, {want.chosen.hi:.2f}]" in serve
+    saved = json.loads((folder / "recommendation.json").read_text())
+    assert saved["flags"] == want.flags() and len(saved["predictions"]) == len(want.predictions)
+    with pytest.raises(ExportRefused, match="--costs"):
+        export_drafter(_drafter(), tmp_path / "o2", "llamacpp", target=str(target_dir), rounds=rounds)
+    with pytest.raises(ExportRefused, match="--rounds"):
+        export_drafter(_drafter(), tmp_path / "o3", "vllm", rounds=rounds, costs=costs)
+
+
+def test_cli_export_folds_a_shared_sts_temperature_and_refuses_per_position_ones(tmp_path, target_dir, capsys):
+    costs, rounds = _costs_and_rounds(tmp_path)
+    src = save_drafter(_drafter(), tmp_path / "src", include_shared=True)
+    (tmp_path / "sts.json").write_text(json.dumps({"temperatures": [2.0] * GAMMA}))
+    assert main(["export", str(src), "--to", "llamacpp", "--out", str(tmp_path / "out"), "--target", str(target_dir),
+                 "--rounds", str(rounds), "--costs", str(costs), "--sts", str(tmp_path / "sts.json")]) == 0
+    saved = json.loads((tmp_path / "out" / "recommendation.json").read_text())
+    assert saved["temperature"] == 2.0 and "--spec-draft-p-min" in capsys.readouterr().out
+    (tmp_path / "sts2.json").write_text(json.dumps({"temperatures": [1.0, 2.0, 1.5, 1.0]}))
+    with pytest.raises(ExportRefused, match="differ by position"):
+        export_drafter(_drafter(), tmp_path / "o4", "llamacpp", target=str(target_dir), sts=tmp_path / "sts2.json")

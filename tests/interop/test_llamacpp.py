@@ -293,3 +293,13 @@ def test_llama_server_greedy_with_a_dspark_drafter_equals_the_target_alone(tmp_p
         assert d.rounds and d.rounds > 0 and d.draft_n >= d.rounds  # the server's own counts
         assert 0 <= d.draft_accepted <= d.draft_n and d.tau >= 1.0
     assert srv.process.poll() is not None  # the server is stopped on exit
+
+
+def test_parse_draft_stats_reads_the_last_cumulative_statistics_line():
+    # the format of common/speculative.cpp common_speculative_print_stats at trace verbosity
+    line = ("0.01.2 T spec print_stats: statistics     draft_dspark: #calls(b,g,a) =    1     {g:6d}      0, "
+            "#gen drafts =      0, #acc drafts =     0, #gen tokens =      0, #acc tokens =     0, "
+            "dur(b,g,a) = 0.004, {ms:.3f}, 0.000 ms")
+    text = "\n".join(["noise", line.format(g=9, ms=12.5), "slot release", line.format(g=140, ms=301.25)])
+    assert llamacpp.parse_draft_stats(text) == (140, 301.25)
+    assert llamacpp.parse_draft_stats("no statistics here") is None
