@@ -257,7 +257,7 @@ def tune(name: str, folder: Path, draft: Mapping[str, Any], target: Any, setting
         costs = measure_costs(target_gguf, draft["gguf"], spec_type=draft["spec_type"], gamma=int(draft["gamma"]),
                               prompts=flat, max_new_tokens=dev["max_new_tokens"], confidence=confidence,
                               sweeps=args.cost_sweeps, threads=args.threads, server=server,
-                              log_dir=out / "logs", machine=f"{args.threads} threads")
+                              log_dir=out / "logs")
         costs_path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(costs_path, json.dumps(costs.to_json(), indent=2) + "\n")
     choice = recommend(logged, costs, confidence=confidence)

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import sys
 import time
@@ -64,17 +63,6 @@ from dspark.interop.llamacpp_tuning import (  # noqa: E402
 )
 from dspark.io.atomic import atomic_write_text  # noqa: E402
 from dspark.seeds import request_seed  # noqa: E402
-
-
-def cpu_name() -> str:
-    """The CPU's model name (/proc/cpuinfo), else platform.processor()."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def serve_settings(server: Path, target_gguf: Path, draft: Mapping[str, Any], settings: Sequence[str],
@@ -334,7 +322,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         costs = measure_costs(target_gguf, gguf, spec_type=facts["spec_type"], gamma=gamma,
                               prompts=dev[: args.cost_requests], max_new_tokens=args.max_new_tokens,
                               confidence=confidence, sweeps=args.cost_sweeps, threads=args.threads, server=server,
-                              log_dir=out / "logs", machine=f"{cpu_name()}, {args.threads} threads")
+                              log_dir=out / "logs")
         atomic_write_text(out / "costs.json", json.dumps(costs.to_json(), indent=2) + "\n")
     choice = recommend(logged, costs, confidence=confidence)
     split: list[dict] = []
@@ -344,7 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                     args.max_new_tokens, args.threads, out / "logs", confidence)
 
     lines = [f"# llama.cpp settings of {draft_dir}", "",
-             f"{costs.machine}; {time.strftime('%Y-%m-%d')}. Fit rounds: {logged.count} dev requests "
+             f"{costs.machine}, {costs.threads} threads; {time.strftime('%Y-%m-%d')}. Fit rounds: {logged.count} dev requests "
              f"({rounds_dir}); cost table: {costs.requests} dev requests × {costs.sweeps} sweeps, "
              f"{costs.max_new_tokens} new tokens; target alone {costs.target_tokens_per_s:.0f} tokens/s.", "",
              "## Where a round's time goes (target steps)", "",

@@ -199,8 +199,7 @@ def load_rounds(source: str | os.PathLike) -> LoggedRounds:
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: give a `dspark eval` folder or its rounds.jsonl")
     by_request: dict[tuple[str, int], list[tuple[list[float] | None, int]]] = {}
-    gamma, short = 0, 0
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    short, rows = 0, [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     if not rows:
         raise ValueError(f"{path} holds no rounds")
     gamma = max(int(row["proposed"]) for row in rows)
@@ -359,6 +358,16 @@ def _cost_entries(per_request: Mapping[str, np.ndarray], target: np.ndarray) -> 
     return idle, forced
 
 
+def machine_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), else ``platform.processor()``."""
+    import platform
+
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []
+    name = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
+    return name or platform.processor() or "unknown CPU"
+
+
 def measure_costs(target_gguf: str | os.PathLike, draft_gguf: str | os.PathLike, *, spec_type: str, gamma: int,
                   prompts: Sequence[Sequence[int]], max_new_tokens: int, confidence: bool, sweeps: int = 2,
                   threads: int = 2, server: str | os.PathLike | None = None, log_dir: str | os.PathLike | None = None,
@@ -403,9 +412,9 @@ def measure_costs(target_gguf: str | os.PathLike, draft_gguf: str | os.PathLike,
     if (target[:, 1] <= 0).any() or any((v[:, 1] <= 0).any() for v in sums.values()):
         raise RuntimeError("a request produced no rounds (forced) or tokens: raise max_new_tokens")
     idle, forced = _cost_entries(sums, target)
-    return EngineCosts(idle, forced, float(target[:, 1].sum() / target[:, 0].sum() * 1000.0), machine=machine,
-                       threads=threads, requests=len(prompts), sweeps=sweeps, max_new_tokens=max_new_tokens,
-                       raw={k: v.tolist() for k, v in {"target": target, **sums}.items()})
+    return EngineCosts(idle, forced, float(target[:, 1].sum() / target[:, 0].sum() * 1000.0),
+                       machine=machine or machine_name(), threads=threads, requests=len(prompts), sweeps=sweeps,
+                       max_new_tokens=max_new_tokens, raw={k: v.tolist() for k, v in {"target": target, **sums}.items()})
 
 
 
