@@ -234,14 +234,6 @@ def shape_costs(draft_dir: Path, target: Any, target_name: str, shapes: Sequence
     return rows
 
 
-def break_even(costs: EngineCosts, n: int, mean_drafts: float) -> float:
-    """τ at which a round with n drafted and ``mean_drafts`` verified on average costs what the
-    target alone takes for τ tokens: cost(n, ℓ̄) (linear in ℓ between the table's points)."""
-    lo, hi = int(np.floor(mean_drafts)), int(np.ceil(mean_drafts))
-    c_lo, c_hi = costs.round_cost(n, lo), costs.round_cost(n, hi)
-    return float(c_lo + (c_hi - c_lo) * (mean_drafts - lo))
-
-
 def _args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
