@@ -32,7 +32,7 @@ as the macro average (mean over benchmarks):
   taken together (``dspark.bootstrap.jackknife_ci`` on the log scale);
 - τ of llama.cpp (tokens per verification round, the target's token included:
   1 + Σ draft_n_accepted / Σ rounds, the rounds from the server's /metrics;
-  ``dspark.interop.llamacpp`` derives the mapping from the server code) and dspark's τ on the same
+  docs/interop.md derives the mapping from the server code) and dspark's τ on the same
   requests (pooled over rounds, from the run's rounds.jsonl, or decoded here with
   ``--dspark-eval``), each with its interval;
 - greedy: how many requests' outputs with the drafter equal the target-only output token for token;
@@ -65,12 +65,14 @@ from dspark.seeds import request_seed
 from dspark.evaluation.markdown import fmt_ci, markdown_table
 from dspark.evaluation.metrics import macro_average_array, round_tau
 from dspark.interop.llamacpp import (
-    build_llama_server,
     find_llama_server,
     how_to_get_server,
     llama_server,
 )
 from dspark.io.atomic import atomic_write_text
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from llamacpp_build import build_llama_server  # noqa: E402  (bench/llamacpp_build.py, beside this script)
 
 NAMES = ("dspark_smollm2_135m", "dflash_smollm2_135m", "eagle3_smollm2_135m")
 DEFAULT_SEED = 980406  # EvalConfig.seed: the prompt subsets of `dspark eval`

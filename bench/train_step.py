@@ -188,9 +188,9 @@ def train_step(drafter: Drafter, batch: dict[str, Tensor], variant: str, weights
         out = naive_dspark_loss(draft, target, labels, valid, conf, weights)
     elif variant == "fused":  # what the trainer runs (train.loss.fused = True)
         head = drafter.markov_head
+        latent, w2 = head.fused_factors(prev_flat, h_flat)
         factors = LogitFactors(
-            h_flat, drafter.shared_weights()["lm_head.weight"], t_hidden,
-            latent=head.block_latent(prev_flat, h_flat), w2=head.markov_w2.weight,
+            h_flat, drafter.shared_weights()["lm_head.weight"], t_hidden, latent=latent, w2=w2,
             target_rows=(torch.arange(B)[:, None, None] * S + tpos).reshape(-1, GAMMA),
         )
         out = fused_dspark_loss(factors, labels, valid, conf, weights, chunk_rows=CHUNK_ROWS)
@@ -440,7 +440,7 @@ def _epoch_padding(src: Path, config) -> None:
     import json
 
     from dspark.data.dataset import load_rendered, padding_share
-    from dspark.training.trainer import Schedule
+    from dspark.training.schedule import Schedule
 
     rendered = load_rendered(src / "rendered.jsonl")
     train = json.loads((src / "split.json").read_text())["train"]
@@ -486,9 +486,9 @@ def vocab_step(drafter: Drafter, batch: dict[str, Tensor], weights: LossWeights)
     h_flat, prev_flat = hidden.reshape(-1, GAMMA, hidden.shape[-1]), prev.reshape(-1, GAMMA)
     conf = drafter.confidence_logits(h_flat, prev_flat)
     head, vocab = drafter.markov_head, drafter.vocab
+    latent, w2 = head.fused_factors(prev_flat, h_flat)
     factors = LogitFactors(
-        h_flat, drafter.shared_weights()["lm_head.weight"], t_hidden,
-        latent=head.block_latent(prev_flat, h_flat), w2=head.markov_w2.weight,
+        h_flat, drafter.shared_weights()["lm_head.weight"], t_hidden, latent=latent, w2=w2,
         vocab=vocab, target_lm_head_weight=None if vocab is None else drafter.target_lm_head_weight(),
     )
     out = fused_dspark_loss(factors, labels.reshape(-1, GAMMA), valid.reshape(-1, GAMMA), conf, weights,
@@ -604,9 +604,9 @@ def section_eagle3(args: argparse.Namespace, device: torch.device) -> None:
 
 def section_optimizer(args: argparse.Namespace, device: torch.device) -> None:
     """The AdamW step over a drafter's trainable parameters: the fused kernel
-    (dspark.training.trainer.make_adamw) against torch's foreach path, from the same state and
+    (dspark.training.schedule.make_adamw) against torch's foreach path, from the same state and
     gradients; and the largest parameter difference after one step of each (rounding only)."""
-    from dspark.training.trainer import make_adamw
+    from dspark.training.schedule import make_adamw
 
     print_header(f"{'size':<6}{'params':>12}{'foreach s':>11}{'fused s':>10}{'fused/foreach':>15}{'max |Δp|':>11}",
                  title=f"AdamW step over the drafter's trainable parameters, fused against foreach; {device.type}, "

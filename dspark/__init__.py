@@ -8,16 +8,22 @@ neither torch nor transformers)::
     drafter = dspark.load_drafter("runs/demo/dspark_smollm2_135m", target=target)
     result = dspark.speculative_generate(target, drafter, prompt_ids, max_new_tokens=64)
 
-Where each name lives, by the paper's parts:
+Where each name lives, by the paper's parts (docs/library.md: a training loop and a
+calibration of your own, from these names alone):
 
 - the models: ``TargetModel`` (frozen target, feature capture), ``Drafter`` (paper Eq. 2-7:
-  parallel backbone, sequential head, confidence head), ``DrafterConfig``, ``load_drafter`` /
-  ``save_drafter`` (any drafter folder, Eagle3 included);
-- training (Section 3.3): ``dspark_loss`` (Eq. 8-12), ``LossWeights``, ``Trainer``;
+  parallel backbone, sequential head, confidence head), ``DrafterConfig``, ``build_drafter``
+  (a fresh one from a ``Config``), ``load_drafter`` / ``save_drafter`` (any drafter folder);
+- data (Section 4.1): ``render_conversation`` / ``render_prompt`` (chat template, loss mask),
+  ``count_draft_vocab`` (a draft vocabulary of k ids, for ``Drafter.set_vocab``);
+- training (Section 3.3): ``sample_anchors``, ``block_labels``, ``target_positions`` (the blocks
+  of a batch), ``block_loss`` (a batch's loss in one call), ``dspark_loss`` (Eq. 8-12),
+  ``LossWeights``, ``Trainer`` (the whole recipe: DDP / FSDP, exact resume);
 - decoding (Section 2): ``verify_draft`` (lossless rejection sampling), ``speculative_generate``,
   ``target_generate``; ``SpeculativeBatch`` and ``speculative_batch_generate``: many requests per
   drafter and target forward, each decoding the tokens it decodes alone;
-- scheduling (Section 3.2): ``fit_sts`` (Sequential Temperature Scaling), ``schedule_prefix``
+- scheduling (Section 3.2): ``sts_inputs`` (decoded rounds -> ``fit_sts``'s arguments),
+  ``fit_sts`` (Sequential Temperature Scaling), ``apply_temperatures``, ``schedule_prefix``
   (Algorithm 1), ``SPSTable``;
 - running it: ``Config``, ``load_config``, ``load_target``, ``evaluate`` with its
   ``DecodeSettings`` and ``ServeSettings`` (the verification policy, SPS table, concurrency).
@@ -35,8 +41,16 @@ _LOCATIONS = {
     "TargetModel": "dspark.target",
     "Drafter": "dspark.modeling.drafter",
     "DrafterConfig": "dspark.modeling.config",
+    "build_drafter": "dspark.build",
     "load_drafter": "dspark.modeling.checkpoint",
     "save_drafter": "dspark.modeling.checkpoint",
+    "render_conversation": "dspark.data.render",
+    "render_prompt": "dspark.data.render",
+    "count_draft_vocab": "dspark.data.vocab_counts",
+    "sample_anchors": "dspark.data.anchors",
+    "block_labels": "dspark.data.anchors",
+    "target_positions": "dspark.data.anchors",
+    "block_loss": "dspark.training.block_loss",
     "dspark_loss": "dspark.training.loss",
     "LossWeights": "dspark.training.loss",
     "Trainer": "dspark.training.trainer",
@@ -45,7 +59,9 @@ _LOCATIONS = {
     "target_generate": "dspark.decoding.loop",
     "SpeculativeBatch": "dspark.decoding.batched",
     "speculative_batch_generate": "dspark.decoding.batched",
+    "sts_inputs": "dspark.rounds",
     "fit_sts": "dspark.scheduling.calibration",
+    "apply_temperatures": "dspark.scheduling.calibration",
     "schedule_prefix": "dspark.scheduling.algorithm1",
     "SPSTable": "dspark.scheduling.algorithm1",
     "Config": "dspark.config",

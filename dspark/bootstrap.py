@@ -1,85 +1,17 @@
 """Intervals over requests: the stratified jackknife, the percentile bootstrap, and Wilson for proportions.
 
-The unit of sampling is the request, never the round: rounds of one request share
-its prompt and its context, so they are not independent, and an interval over
-rounds would be too narrow. The requests of an evaluation are drawn per benchmark
-(the benchmarks are fixed, G strata of n_g requests), so every interval is stratified.
+The unit of sampling is the request, never the round (rounds of one request share its prompt and
+context); the requests of an evaluation are drawn per benchmark (G strata of n_g requests), so every
+interval is stratified. A statistic maps group sums [..., G, d...] to the reported number.
 
-Every number the reports compare is a function of sums over requests of
-per-request aggregates (τ pooled = Σ τ / Σ rounds, conditional acceptance =
-Σ passed / Σ reached, ECE = Σ_b |Σ residual_b| / Σ count, a speedup = a ratio
-of four sums): a statistic maps group sums [..., G, d...] to the number.
-
-- ``jackknife_ci``             smooth statistics (τ, speedups, paired ratios, macro averages)
-- ``proportion_ci``            a pooled proportion Σ passed / Σ reached (conditional acceptance,
-                               acceptance rates): Wilson on effective counts
-- ``stratified_ci``            the stratified percentile bootstrap (non-smooth statistics such as
-                               ECE); ``bootstrap_ci`` / ``bootstrap_ci_from_indices`` for one group
+- ``jackknife_ci``     smooth statistics (τ, speedups, paired ratios, macro averages)
+- ``proportion_ci``    a pooled proportion Σ passed / Σ reached: Wilson on effective counts
+- ``stratified_ci``    the stratified percentile bootstrap (ECE); ``bootstrap_ci`` for one group
 - ``resample_counts``, ``counts_from_indices``, ``percentile_interval``: the bootstrap's parts
-- ``design_df``                the design degrees of freedom ν = Σ_g (n_g − 1)
-- ``intervals_overlap``        whether two [lo, hi] intervals share a point
+- ``design_df``, ``student_t_quantile``: Student's t at ν = Σ_g (n_g − 1), used by every interval
 
-Small strata. An evaluation draws few requests per benchmark (2 to 8), so a
-variance is estimated from only ν = Σ_g (n_g − 1) degrees of freedom, and a
-statistic that is a ratio is skewed. Every interval therefore uses Student's t at ν
-(not the normal), and works on a scale h (``SCALES``) where the statistic is close
-to symmetric and from which no bound can leave its range: "log" for positive ratios
-(τ, speedups, τ_A / τ_B), "logit" for numbers in [0, 1]. A statistic with a known
-bound inside that range (τ ≥ 1: every round emits a token) has its interval clipped
-to its ``support``, which changes no coverage (the truth is inside the support).
-A group of one request adds no degree of freedom; with no group of two or more
-(ν = 0) every interval is NaN: no interval rests on fewer than two requests of a group.
-
-Smooth statistics (``jackknife_ci``): the stratified delete-one jackknife (Efron &
-Tibshirani 1993, ch. 11; Wolter 2007, ch. 4). Deleting request i of group g replaces
-the group's sum S_g by (S_g − a_i) · n_g / (n_g − 1) (the group keeps its weight), and
-
-    v = Σ_g (n_g − 1) / n_g · Σ_i (h(θ_(g,i)) − mean_i h(θ_(g,i)))²,
-    [lo, hi] = h⁻¹(h(θ̂) ∓ t_ν · sqrt(v)).
-
-Deterministic (no resampling noise), and a request's rows in two evaluations
-(paired comparisons) are deleted together.
-
-Proportions (``proportion_ci``). A pooled proportion θ̂ = Σ passed / Σ reached whose
-denominator is small (the rounds that reach draft position 3 or 4 are a few dozen
-spread over a few requests) is lumpy over requests, often 0 when a few are left out.
-Its interval is Wilson's score interval (Wilson 1927) on effective counts (Kish's
-design effect; Korn & Graubard 1998): the variance of θ̂ over requests is the
-stratified linearisation of the ratio,
-
-    v = Σ_g n_g / (n_g − 1) · Σ_i (e_i − ē_g)² / N²,   e_i = passed_i − θ̂ · reached_i,
-
-the design effect d = v / (θ̂ (1 − θ̂) / N) (1 when θ̂ is 0 or 1), floored at
-``DEFF_FLOOR`` (a design effect estimated from few requests can come out far below
-its true value by chance; the floor keeps the interval from being narrower than
-the binomial one of twice the rounds), the effective count n* = N / d, and Wilson's
-interval at n* with t_ν in place of z. It never leaves [0, 1] and is asymmetric near
-its ends. Below ``MIN_ROUNDS`` reaching rounds or ``MIN_REQUESTS`` requests that
-reached the position there is no interval (NaN): such a rate is reported with its
-count alone.
-
-The bootstrap (``stratified_ci``, ``bootstrap_ci``): a resample is a count vector
-w [n] per group (how often each request was drawn, Σ w = n_g, each group keeping its
-size) and the statistic is evaluated on w · aggregates, one matrix product for all
-resamples; the percentile interval (Efron & Tibshirani 1993, ch. 13) takes the
-(1 − level)/2 and (1 + level)/2 quantiles of the resampled statistic (numpy's linear
-interpolation), leaving out resamples where it is undefined. A resample of n of n
-requests keeps only (n − 1)/n of a group's variance, so the bounds are stretched
-about the estimate on the scale h,
-
-    lo = h⁻¹(h(θ̂) − w · (h(θ̂) − h(lo*))),  hi = h⁻¹(h(θ̂) + w · (h(hi*) − h(θ̂))),
-    w = f · t_ν / z,
-
-with lo*, hi* the plain percentile bounds, f = sqrt(n / (n − 1)) (Rao & Wu 1988; for
-groups of unequal sizes f² = Σ_g f_g² v_g / Σ_g v_g, v_g the variance of h(θ*) when
-only group g is resampled) and z the normal quantile. ``small_sample=False`` (or
-``SMALL_SAMPLE = False`` for every call that does not say) gives the plain bootstrap.
-
-Each was chosen by measured coverage (tests/test_bootstrap.py and
-``bench/interval_coverage.py`` simulate round logs of requests with a known truth at
-9 × 2, 9 × 4 and 9 × 8 requests, at the demo's sparse design where 0.20 / 0.08 / 0.03
-of the rounds reach positions 2 / 3 / 4 and at a dense one): τ, paired ratios and
-conditional acceptance cover between 0.93 and 0.985 at their 0.95 level.
+Each works on a scale (``SCALES``) from which no bound leaves the statistic's range. The
+derivations, the small-sample correction and the coverage they were chosen by: docs/intervals.md.
 """
 
 from __future__ import annotations
@@ -94,9 +26,9 @@ import numpy as np
 
 DEFAULT_RESAMPLES = 1000
 DEFAULT_LEVEL = 0.95
-# Whether intervals get the small-stratum correction (module docstring) when a call does not say.
+# Whether intervals get the small-stratum correction (docs/intervals.md) when a call does not say.
 SMALL_SAMPLE = True
-# The scales an interval works on (module docstring): name -> (h, h⁻¹).
+# The scales an interval works on (docs/intervals.md): name -> (h, h⁻¹).
 SCALES: dict[str, tuple[Callable[[np.ndarray], np.ndarray], Callable[[np.ndarray], np.ndarray]]] = {
     "identity": (lambda x: x, lambda y: y),
     "log": (np.log, np.exp),
@@ -215,7 +147,7 @@ def student_t_quantile(p: float, df: float) -> float:
 
 
 def small_sample_factors(sizes: Sequence[int]) -> np.ndarray:
-    """f_g = sqrt(n_g / (n_g − 1)) for groups of ``sizes`` n_g, [G] float64 (module docstring);
+    """f_g = sqrt(n_g / (n_g − 1)) for groups of ``sizes`` n_g, [G] float64 (docs/intervals.md);
     0 for a group of one request, whose resamples never vary."""
     n = np.asarray(sizes, dtype=np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -249,7 +181,7 @@ def _on_scale(h: Callable[[np.ndarray], np.ndarray], x: Any) -> np.ndarray:
 
 
 def _corrected(estimate: Any, lo: Any, hi: Any, width: Any, scale: str) -> tuple[Any, Any]:
-    """[lo, hi] stretched about ``estimate`` by ``width`` on the ``scale`` (module docstring);
+    """[lo, hi] stretched about ``estimate`` by ``width`` on the ``scale`` (docs/intervals.md);
     NaN where the width or the estimate on that scale is not finite."""
     h, inverse = _scale(scale)
     e, a, b = _on_scale(h, estimate), _on_scale(h, lo), _on_scale(h, hi)
@@ -277,7 +209,7 @@ def _group_variances(statistic: Statistic, observed: list[np.ndarray], resampled
 
 
 def _factor(sizes: Sequence[int], variances: Callable[[], np.ndarray] | None) -> Any:
-    """f = sqrt(Σ_g f_g² v_g / Σ_g v_g) (module docstring): the common f_g when every group of two or
+    """f = sqrt(Σ_g f_g² v_g / Σ_g v_g) (docs/intervals.md): the common f_g when every group of two or
     more requests has the same size (``variances`` is then not called), else variance-weighted."""
     f = small_sample_factors(sizes)
     sized = {int(n) for n in sizes if n >= 2}
@@ -350,8 +282,8 @@ def bootstrap_ci(
     (leading axes are resamples), e.g. ``lambda s: s[..., 0] / s[..., 1]``.
     The estimate is the statistic of the plain sums; lo / hi the percentile
     interval of ``resamples`` resamples of the n requests drawn with
-    ``np.random.default_rng(seed)``, corrected for a small n on ``scale`` (module
-    docstring) unless ``small_sample`` is False; NaN bounds for fewer than two requests."""
+    ``np.random.default_rng(seed)``, corrected for a small n on ``scale``
+    (docs/intervals.md) unless ``small_sample`` is False; NaN bounds for fewer than two requests."""
     a = _aggregates(aggregates)
     counts = resample_counts(a.shape[0], resamples, np.random.default_rng(seed))
     return _interval_from_counts(a, statistic, counts, level, small_sample, scale)
@@ -386,8 +318,8 @@ def stratified_ci(
     of an evaluation do. ``counts`` (G draw-count matrices [R, n_g]) replaces
     the seeded draw, so that several statistics share one resample set; the
     default draws group after group from ``np.random.default_rng(seed)``. The
-    percentile interval is corrected for small groups on ``scale`` (module
-    docstring: "identity", "log" for positive ratios, "logit" for numbers in
+    percentile interval is corrected for small groups on ``scale``
+    (docs/intervals.md: "identity", "log" for positive ratios, "logit" for numbers in
     [0, 1]) unless ``small_sample`` is False; NaN bounds when no group has two requests."""
     arrays = _groups(groups, "stratified_ci")
     h, _ = _scale(scale)
@@ -420,7 +352,7 @@ def jackknife_ci(
     support: tuple[float, float] = (-math.inf, math.inf),
 ) -> Interval:
     """(estimate, lo, hi) of a smooth statistic of per-group sums: the stratified delete-one
-    jackknife on ``scale`` with Student's t at the design degrees of freedom (module docstring),
+    jackknife on ``scale`` with Student's t at the design degrees of freedom (docs/intervals.md),
     clipped to the statistic's ``support`` (e.g. (1, inf) for τ).
 
     groups: G aggregate arrays [n_g, d...] (one per benchmark); statistic: maps stacked group
@@ -464,7 +396,7 @@ def proportion_ci(
     min_requests: int = MIN_REQUESTS,
 ) -> Interval:
     """(θ̂, lo, hi) of the pooled proportion θ̂ = Σ passed / Σ reached over G groups of requests:
-    Wilson's interval on effective counts (module docstring).
+    Wilson's interval on effective counts (docs/intervals.md).
 
     groups: G arrays [n_g, ..., 2], per request (passed, reached) counts (``passed`` may be
     fractional, e.g. ℓ / γ per round); the middle axes (draft positions) are computed

@@ -9,7 +9,8 @@ import os
 import torch
 
 from dspark.kernels import cpu_linear
-from dspark.config import Config, DrafterSpec, init_from_target_choice
+from dspark.config import Config, DrafterSpec
+from dspark.config_checks import init_from_target_choice
 from dspark.modeling import Drafter, DrafterConfig, Eagle3Drafter, make_drafter
 from dspark.modeling.init import check_init_from_target, choose_layer_ids, init_draft_layers_from_target
 from dspark.target import TargetModel
@@ -105,27 +106,16 @@ def drafter_config(spec: DrafterSpec, target: TargetModel, num_anchors: int = 51
     """The architecture an experiment's drafter section describes for `target`: the sizes are the
     target's; a "dflash" or "eagle3" drafter gets no sequential or confidence head; the attention
     kernel "auto" is resolved on the target's device."""
-    return DrafterConfig.from_target_config(
-        target.text_config,
-        target_layer_ids=spec.target_layer_ids,
-        mask_token_id=spec.mask_token_id,
-        num_draft_layers=spec.num_draft_layers,
-        block_size=spec.block_size,
+    shared = {f.name: getattr(spec, f.name) for f in dataclasses.fields(DrafterConfig) if hasattr(spec, f.name)}
+    is_dspark = spec.variant == "dspark"
+    shared.update(
         num_anchors=num_anchors,
-        variant=spec.variant,
-        block_layout=spec.block_layout,
-        markov_rank=spec.markov_rank if spec.variant == "dspark" else 0,
-        markov_head_type=spec.markov_head_type,
-        enable_confidence_head=spec.enable_confidence_head and spec.variant == "dspark",
-        confidence_head_with_markov=spec.confidence_head_with_markov and spec.variant == "dspark",
-        intermediate_size=spec.intermediate_size,
+        markov_rank=spec.markov_rank if is_dspark else 0,
+        enable_confidence_head=spec.enable_confidence_head and is_dspark,
+        confidence_head_with_markov=spec.confidence_head_with_markov and is_dspark,
         attn_implementation=resolve_attention(spec.attn_implementation, torch.device(target.device)),
-        layer_family=spec.layer_family,
-        eagle3_preset=spec.eagle3_preset,
-        ttt_length=spec.ttt_length,
-        step_loss_decay=spec.step_loss_decay,
-        draft_vocab_size=spec.draft_vocab_size,
     )
+    return DrafterConfig.from_target_config(target.text_config, layer_family=spec.layer_family, **shared)
 
 
 def init_layer_ids(config: Config, target: TargetModel) -> list[int]:

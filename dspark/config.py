@@ -21,17 +21,19 @@ naming the key.
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import difflib
 import json
 import runpy
-import types
 import warnings
 from dataclasses import dataclass, field
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Union, get_args, get_origin, get_type_hints
+from typing import Any
+
+from dspark.choices import EAGLE3_PRESETS
+from dspark.config_checks import validate
+from dspark.config_fields import build_dataclass, coerce, field_types, from_text, get_key, keys_of, replace_path
 
 
 
@@ -70,7 +72,11 @@ class DrafterSpec:
     num_draft_layers: int = 5
     block_layout: str = "anchor_first"  # "anchor_first" (DSpark) | "anchor_plus_masks" (original DFlash)
     markov_rank: int = 256  # Eq. 5, r
-    markov_head_type: str = "vanilla"  # "vanilla" (Eq. 5) | "gated" (DeepSpec, SGLang) | "rnn" (Eq. 6)
+    # a dspark.registry.HEADS name: "vanilla" (Eq. 5) | "gated" (DeepSpec, SGLang) | "rnn" (Eq. 6) | a registered one
+    markov_head_type: str = "vanilla"
+    # The RNN head's joint bias: True is DeepSpec's form (SGLang serves it), False the paper's Eq. 6 exactly
+    rnn_bias: bool = True
+    head_options: dict[str, Any] = field(default_factory=dict)  # keyword arguments of a registered head
     enable_confidence_head: bool = True  # Eq. 7
     confidence_head_with_markov: bool = True
     intermediate_size: int | None = None  # None: the target's
@@ -319,8 +325,6 @@ def dflash_of(config: Config) -> Config:
                                drafter=drafter, loss=loss)
 
 
-EAGLE3_PRESETS = ("eagle3", "eagle3_deepspec")
-
 
 def standard_eagle3_layer_ids(num_target_layers: int) -> list[int]:
     """The 3 layers standard EAGLE-3 fuses, [1, N/2 − 1, N − 4] in our output-of-layer convention
@@ -358,220 +362,7 @@ def eagle3_of(config: Config, preset: str = "eagle3_deepspec", num_target_layers
                                drafter=drafter, loss=loss)
 
 
-# ----------------------------------------------------------------- validation
-_CHOICES = {
-    "target.dtype": ("auto", "float32", "bfloat16", "float16"),
-    "target.cpu_linear": ("auto", "onednn", "torch"),
-    "drafter.variant": ("dspark", "dflash", "eagle3"),
-    "drafter.eagle3_preset": EAGLE3_PRESETS,
-    "drafter.block_layout": ("anchor_first", "anchor_plus_masks"),
-    "drafter.markov_head_type": ("vanilla", "gated", "rnn"),
-    "drafter.attn_implementation": ("auto", "sdpa", "eager", "flex"),
-    "drafter.layer_family": ("", "qwen3"),
-    "drafter.dtype": ("float32", "bfloat16"),
-    "data.feature_mode": ("cache", "online"),
-    "data.cache_precision": ("fp8", "bf16", "fp32"),
-    "data.vocab_counts": ("hard", "soft", "hard+soft"),
-    "eval.split": ("all", "dev", "test"),
-    "serve.engine": ("batched", "per-request"),
-    "generation.backend": ("transformers", "openai"),
-    "train.mixed_precision": ("auto", "bf16", "no"),
-    "train.distributed": ("ddp", "fsdp"),
-}
-_POSITIVE = (
-    "drafter.block_size", "drafter.num_draft_layers", "data.max_length", "data.num_anchors",
-    "train.global_batch_size", "train.micro_batch_size", "train.bucket_window", "generation.batch_size",
-    "generation.max_new_tokens", "eval.max_new_tokens", "loss.chunk_rows", "serve.concurrency",
-    "serve.max_new_tokens", "profile.context_len", "profile.repeats", "calibrate.bins", "propose.max_new_tokens",
-    "propose.num_blocks", "eval.bootstrap_resamples", "drafter.ttt_length",
-)
-_NON_NEGATIVE = (
-    "threads", "eval.num_samples", "eval.block_size", "serve.num_prompts", "serve.num_requests",
-    "profile.tokens_per_request", "profile.warmup", "eval.temperature",
-    "propose.temperature", "drafter.draft_vocab_size", "calibrate.min_events", "calibrate.folds",
-)
-
-
-def split_train_prompts(spec: str) -> tuple[str, int]:
-    """data.train_prompts as (source, number of self-written prompts): "builtin+self:N" ->
-    ("builtin", N), "self:N" -> ("", N), a source without "+self:N" -> (source, 0)."""
-    source, plus, last = spec.rpartition("+")
-    if last != "self" and not last.startswith("self:"):
-        return spec, 0
-    count = last[len("self:"):]
-    problem = ""
-    if not count.isdigit() or int(count) < 1:
-        problem = f"the number of self-written prompts must be an integer >= 1, got {count!r}"
-    elif plus and not source or "+self" in source:
-        problem = "'+self:N' must follow one source ('builtin', a .jsonl path or 'hub:<dataset>')"
-    if problem:
-        raise ValueError(
-            f"data.train_prompts={spec!r}: {problem}; write '<source>+self:N' (e.g. 'builtin+self:2000', the "
-            "built-in prompts plus N the target writes itself) or 'self:N' (only self-written ones)"
-        )
-    return source, int(count)
-
-
-def init_from_target_choice(value: str) -> str | list[int]:
-    """`drafter.init_from_target` read: "" (random init), "last", "spread", or the target decoder layer
-    ids of "10,20" (or "[10, 20]"), one per draft layer in draft-layer order."""
-    text = value.strip()
-    if text in ("", "last", "spread"):
-        return text
-    parts = [p.strip() for p in text.strip("[]").split(",")]
-    if not all(p.isdigit() for p in parts):
-        raise ValueError(f"drafter.init_from_target={value!r}; use '' (random init), 'last', 'spread' or "
-                         "target decoder layer ids such as '10,20' (one per draft layer)")
-    return [int(p) for p in parts]
-
-
-def validate(config: Config) -> None:
-    for key, choices in _CHOICES.items():
-        value = get_key(config, key)
-        if value not in choices:
-            raise ValueError(f"{key}={value!r} is not one of {choices}")
-    for key in _POSITIVE:
-        value = get_key(config, key)
-        if value <= 0:
-            raise ValueError(f"{key} must be > 0, got {value}")
-    for key in _NON_NEGATIVE:
-        value = get_key(config, key)
-        if value < 0:
-            raise ValueError(f"{key} must be >= 0, got {value}")
-    rows = config.eval.batch_size
-    if rows != "auto" and (isinstance(rows, str) or rows < 1):
-        raise ValueError(f"eval.batch_size={rows!r} must be an integer >= 1 (requests decoded together) or 'auto' "
-                         "(the largest R the SPS table says pays)")
-    overhead = config.serve.draft_overhead
-    if isinstance(overhead, str) and overhead != "measured" or not isinstance(overhead, str) and overhead < 0:
-        raise ValueError(f"serve.draft_overhead={overhead!r} must be a number >= 0 (a fraction of the step) "
-                         "or 'measured' (the drafting time measured in each step)")
-    if any(not p.strip() for p in config.serve.policy):
-        raise ValueError(f"serve.policy={config.serve.policy} holds an empty policy name; "
-                         "name each policy (e.g. algorithm1) or leave the list empty")
-    for key in ("serve.concurrencies", "profile.batch_tokens"):
-        if any(v < 1 for v in get_key(config, key)):
-            raise ValueError(f"{key} must hold integers >= 1, got {get_key(config, key)}")
-    if not config.target.device.startswith(("auto", "cpu", "cuda")):
-        raise ValueError(f"target.device={config.target.device!r}; use auto, cpu, cuda or cuda:N")
-    ids = config.drafter.target_layer_ids
-    if not ids or any(b <= a for a, b in zip(ids, ids[1:])) or ids[0] < -1:
-        raise ValueError(
-            f"drafter.target_layer_ids={ids} must be non-empty, strictly increasing, each >= -1 "
-            "(-1 = embedding output, i = output of decoder layer i)"
-        )
-    if not 0 < config.drafter.step_loss_decay <= 1:
-        raise ValueError(f"drafter.step_loss_decay must lie in (0, 1], got {config.drafter.step_loss_decay}")
-    layers = init_from_target_choice(config.drafter.init_from_target)
-    if isinstance(layers, list) and len(layers) != config.drafter.num_draft_layers:
-        raise ValueError(f"drafter.init_from_target={config.drafter.init_from_target!r} names {len(layers)} "
-                         f"target layers for drafter.num_draft_layers={config.drafter.num_draft_layers}: "
-                         "give one per draft layer")
-    if config.train.global_batch_size % config.train.micro_batch_size:
-        raise ValueError(
-            f"train.global_batch_size={config.train.global_batch_size} must be a multiple of "
-            f"train.micro_batch_size={config.train.micro_batch_size}"
-        )
-    if config.calibrate.folds == 1:
-        raise ValueError("calibrate.folds=1 has no held-out fold: use 0 (no check) or K >= 2")
-    split_train_prompts(config.data.train_prompts)
-    for key in ("data.holdout_fraction", "calibrate.fit_fraction"):
-        if not 0 <= get_key(config, key) < 1:
-            raise ValueError(f"{key} must be in [0, 1), got {get_key(config, key)}")
-
-
 # ------------------------------------------------------------------ overrides
-def get_key(config: Any, key: str) -> Any:
-    obj = config
-    for part in key.split(".") if key else []:
-        obj = getattr(obj, part)
-    return obj
-
-
-def _field_types(obj: Any) -> dict[str, Any]:
-    return get_type_hints(type(obj), globalns=globals())
-
-
-def _keys(obj: Any, prefix: str = "") -> list[str]:
-    out = []
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        if dataclasses.is_dataclass(value):
-            out += _keys(value, f"{prefix}{f.name}.")
-        else:
-            out.append(f"{prefix}{f.name}")
-    return out
-
-
-def _coerce(key: str, raw: Any, annotation: Any) -> Any:
-    """Check/convert `raw` (already a Python value) to the field's annotated type."""
-    origin = get_origin(annotation)
-    if origin in (Union, types.UnionType):
-        options = get_args(annotation)
-        if raw is None and type(None) in options:
-            return None
-        errors = []
-        for option in options:
-            if option is type(None):
-                continue
-            try:
-                return _coerce(key, raw, option)
-            except ValueError as e:
-                errors.append(str(e))
-        raise ValueError(errors[0] if errors else f"{key}: bad value {raw!r}")
-    if origin is list:
-        (item,) = get_args(annotation) or (Any,)
-        if isinstance(raw, tuple):
-            raw = list(raw)
-        if not isinstance(raw, list):
-            raise ValueError(f"{key} expects a list, got {raw!r}; write e.g. {key}=[1,2,3]")
-        return [_coerce(f"{key}[{i}]", v, item) for i, v in enumerate(raw)]
-    if annotation is Any:
-        return raw
-    if annotation is bool:
-        if isinstance(raw, bool):
-            return raw
-        if isinstance(raw, str) and raw.lower() in ("true", "false", "1", "0", "yes", "no"):
-            return raw.lower() in ("true", "1", "yes")
-        raise ValueError(f"{key} expects true/false, got {raw!r}")
-    if annotation is int:
-        if isinstance(raw, bool) or not isinstance(raw, int):
-            raise ValueError(f"{key} expects an integer, got {raw!r}")
-        return raw
-    if annotation is float:
-        if isinstance(raw, bool) or not isinstance(raw, (int, float)):
-            raise ValueError(f"{key} expects a number, got {raw!r}")
-        return float(raw)
-    if annotation is str:
-        if not isinstance(raw, str):
-            raise ValueError(f"{key} expects a string, got {raw!r}")
-        return raw
-    raise ValueError(f"{key}: unsupported field type {annotation}")
-
-
-def _from_text(raw: Any, annotation: Any) -> Any:
-    """An override text (or a list of them) as a Python value: a literal, except that a
-    string field takes an unquoted text as it is."""
-    if isinstance(raw, list):
-        (item,) = get_args(annotation) or (Any,)
-        return [_from_text(v, item) for v in raw]
-    if not isinstance(raw, str) or (annotation is str and raw[:1] not in ("'", '"')):
-        return raw
-    return _parse_literal(raw)
-
-
-def _parse_literal(text: str) -> Any:
-    try:
-        return ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        lowered = text.strip().lower()
-        if lowered in ("true", "false"):
-            return lowered == "true"
-        if lowered in ("none", "null"):
-            return None
-        return text  # a bare string
-
-
 def apply_overrides(config: Config, overrides: list[str]) -> Config:
     """Apply `key.path=value` strings; returns a new validated Config.
 
@@ -589,7 +380,7 @@ def apply_overrides(config: Config, overrides: list[str]) -> Config:
 def set_values(config: Config, values: Mapping[str, Any], *, parse: bool = False) -> Config:
     """A new validated Config with `{key.path: value}` set, each type-checked against its field
     (with `parse`, values are override texts: see `apply_overrides`)."""
-    valid = _keys(config)
+    valid = keys_of(config)
     for key, raw in values.items():
         key = _current_key(key)
         if key not in valid:
@@ -597,32 +388,24 @@ def set_values(config: Config, values: Mapping[str, Any], *, parse: bool = False
             hint = f"; did you mean {', '.join(close)}?" if close else f"; valid keys: {', '.join(valid)}"
             raise ValueError(f"unknown config key {key!r}{hint}")
         *path, leaf = key.split(".")
-        annotation = _field_types(get_key(config, ".".join(path)) if path else config)[leaf]
+        annotation = field_types(get_key(config, ".".join(path)) if path else config)[leaf]
         if parse:
-            raw = _from_text(raw, annotation)
+            raw = from_text(raw, annotation)
         if key in _ONE_OR_MORE and isinstance(raw, str):
             raw = _list_of_one(raw)
-        config = _replace_path(config, key.split("."), _coerce(key, raw, annotation))
+        config = replace_path(config, key.split("."), coerce(key, raw, annotation))
     validate(config)
     return config
 
 
-def _replace_path(obj: Any, parts: list[str], value: Any) -> Any:
-    """A copy of `obj` with the field at `parts` set to value (the original is not mutated)."""
-    if len(parts) == 1:
-        return dataclasses.replace(obj, **{parts[0]: value})
-    child = getattr(obj, parts[0])
-    return dataclasses.replace(obj, **{parts[0]: _replace_path(child, parts[1:], value)})
-
-
 def check_types(config: Config) -> None:
     """Every field of every section holds a value of its annotated type."""
-    for key in _keys(config):
+    for key in keys_of(config):
         *path, leaf = key.split(".")
         obj = config
         for part in path:
             obj = getattr(obj, part)
-        _coerce(key, getattr(obj, leaf), _field_types(obj)[leaf])
+        coerce(key, getattr(obj, leaf), field_types(obj)[leaf])
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
@@ -661,29 +444,7 @@ def config_from_dict(data: Any, where: str = "config") -> Config:
     """The inverse of `Config.to_dict()`: every key must be a field (errors name it).
 
     Deprecated keys (`DEPRECATED_KEYS`) are still read, with a FutureWarning naming the new one."""
-    return _build(Config, data, where, "")
-
-
-def _build(cls: type, data: Any, where: str, prefix: str) -> Any:
-    if not isinstance(data, dict):
-        raise ValueError(f"{where}: {prefix.rstrip('.') or 'the config'} must be a JSON object, got {data!r}")
-    if cls is ServeConfig:
-        data = _upgraded_serve(data, where)
-    types_ = get_type_hints(cls, globalns=globals())
-    unknown = sorted(set(data) - set(types_))
-    if unknown:
-        raise ValueError(f"{where}: unknown config key(s) {', '.join(prefix + k for k in unknown)}")
-    kwargs = {}
-    for name, value in data.items():
-        hint = types_[name]
-        if dataclasses.is_dataclass(hint):
-            kwargs[name] = _build(hint, value, where, f"{prefix}{name}.")
-        else:
-            try:
-                kwargs[name] = _coerce(f"{prefix}{name}", value, hint)
-            except ValueError as e:
-                raise ValueError(f"{where}: {e}") from None
-    return cls(**kwargs)
+    return build_dataclass(Config, data, where, "", upgrades={ServeConfig: _upgraded_serve})
 
 
 # ------------------------------------------------------------- deprecated keys

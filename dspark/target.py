@@ -34,22 +34,13 @@ from torch import Tensor, nn
 
 from dspark.kernels import cpu_linear as _cpu_linear
 from dspark import hub
+from dspark.registry import FAMILIES
 from dspark.kernels.lm_head import vocab_logits
 
 logger = logging.getLogger(__name__)
 
-# config.model_type -> family. Multimodal wrappers (gemma3, gemma4) hold the
-# decoder under model.language_model and its config under text_config.
-FAMILIES: dict[str, str] = {
-    "llama": "llama",
-    "qwen3": "qwen3",
-    "qwen2": "qwen2",
-    "mistral": "mistral",
-    "gemma3": "gemma3",
-    "gemma3_text": "gemma3",
-    "gemma4": "gemma4",
-    "gemma4_text": "gemma4",
-}
+# Families by config.model_type: dspark.registry.FAMILIES. Multimodal wrappers (gemma3, gemma4)
+# hold the decoder under model.language_model and its config under text_config.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -92,20 +83,18 @@ def _find_anatomy(model: nn.Module) -> _Anatomy:
         raise ValueError(
             f"cannot find the decoder layers / embedding / final norm / LM head in {type(model).__name__} "
             f"(missing: {missing or 'lm_head'}); TargetModel expects a transformers causal LM "
-            f"of a supported family: {sorted(set(FAMILIES.values()))}"
+            f"of a family in dspark.registry.FAMILIES: {list(FAMILIES.names())}"
         )
     return _Anatomy(text_model, text_model.layers, text_model.embed_tokens, text_model.norm, lm_head)
 
 
 def _family_of(config: Any) -> str:
+    """The family (dspark.registry.FAMILIES) of a target config; an unknown model_type names the table."""
     model_type = getattr(config, "model_type", None)
-    if model_type not in FAMILIES:
-        raise ValueError(
-            f"unsupported target architecture: config.model_type={model_type!r}. "
-            f"Supported model_type values: {sorted(FAMILIES)} "
-            f"(families {sorted(set(FAMILIES.values()))})."
-        )
-    return FAMILIES[model_type]
+    try:
+        return FAMILIES.of_model_type(str(model_type)).name
+    except ValueError as e:
+        raise ValueError(f"unsupported target architecture: {e}") from None
 
 
 def _own_cpu_memory(model: nn.Module, alignment: int = 64) -> int:

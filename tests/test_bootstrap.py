@@ -31,7 +31,8 @@ from dspark.bootstrap import (
     stratified_ci,
     student_t_quantile,
 )
-from dspark.scheduling.calibration import calibrate_rounds, confidence_metrics, ece, ece_from_sums, ece_sums, prefix_labels
+from dspark.scheduling.calibration import calibrate_rounds
+from dspark.scheduling.calibration_metrics import confidence_metrics, ece, ece_from_sums, ece_sums, prefix_labels
 from dspark.evaluation.intervals import add_intervals
 from dspark.io.jsonsafe import to_jsonable
 from dspark.evaluation.metrics import macro_average, macro_average_array, tau_pooled

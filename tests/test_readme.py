@@ -45,7 +45,7 @@ def test_every_relative_link_points_to_an_existing_file(doc: Path):
 
 
 def test_the_readme_results_table_has_the_columns_the_demo_page_generates():
-    from dspark.evaluation.demo_page import RESULTS_HEADER
+    from dspark.evaluation.demo_results import RESULTS_HEADER
 
     table = _section(README.read_text(encoding="utf-8"), "Results")
     header = next(line for line in table.splitlines() if line.startswith("|"))

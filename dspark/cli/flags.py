@@ -16,8 +16,9 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-POLICY_HELP = ("algorithm1, algorithm1+skip[:M] (also skips drafting when a block will not pay), async[:K0], "
-               "static1, static[:ℓ], threshold:<a> (cumulative a_j), first-below:<t> (per c_j)")
+from dspark.registry import policy_help
+
+POLICY_HELP = policy_help()  # the registered verification policies (dspark.registry.POLICIES), with their arguments
 
 
 @dataclass(frozen=True)

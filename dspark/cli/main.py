@@ -107,7 +107,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     from dspark.data.prepare import training_sources
     from dspark.build import build_drafter, init_layer_ids, load_target
-    from dspark.training.trainer import Trainer, setup_distributed
+    from dspark.training.distributed import setup_distributed
+    from dspark.training.trainer import Trainer
 
     config = _config(args)
     rank, world, _ = setup_distributed()
@@ -152,10 +153,10 @@ def _draft_vocab_file(config, target, rank: int, world: int):
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from dspark.evaluation.evaluate import check_config_folder, check_eval_inputs, evaluate_from_config
+    from dspark.evaluation.eval_config import check_config_folder, check_eval_inputs, evaluate_from_config
     from dspark.evaluation.report import report_markdown
     from dspark.build import load_models
-    from dspark.training.trainer import setup_distributed
+    from dspark.training.distributed import setup_distributed
 
     config = _config(args)
     resume = _resume_mode(args)

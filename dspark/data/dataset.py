@@ -1,8 +1,9 @@
 """Training samples for the trainer: from a target cache, or rendered token ids for online mode.
 
-Both sources return dicts with `input_ids` Long[S] and `loss_mask` Long[S];
-cached samples also carry `features` [S, m·d] and `final_hidden` [S, d]
-(online mode computes those with the target inside the training step).
+Every source follows :class:`SampleSource` (the format, documented there): dicts with
+`input_ids` Long[S] and `loss_mask` Long[S]; cached samples also carry `features` [S, m·d]
+and `final_hidden` [S, d] (online mode computes those with the target inside the training
+step). :func:`check_sample_source` names what a sample lacks before training starts.
 """
 
 from __future__ import annotations
@@ -20,9 +21,62 @@ from dspark.io.atomic import atomic_file
 
 
 class SampleSource(Protocol):
+    """What the trainer reads: ``len(source)`` samples; ``source[i]`` is a dict of tensors for one
+    sequence of S tokens:
+
+    - ``input_ids``: Long [S], the rendered token ids, prompt and answer (``dspark.render_conversation``);
+    - ``loss_mask``: Long or Bool [S], 1 on the supervised (assistant) tokens, 0 elsewhere;
+    - ``features`` [S, m·d] and ``final_hidden`` [S, d], optional and together: the target's hidden
+      states at its m captured layers and its final hidden state, as a feature cache stores them;
+      without them the trainer runs the target on ``input_ids`` inside the step.
+
+    Any other key is right-padded and carried along (a cache's ``has_final``). A source may also
+    have ``lengths()``: the S of every sample without reading them (length bucketing).
+    """
+
     def __len__(self) -> int: ...
 
     def __getitem__(self, i: int) -> dict[str, Tensor]: ...
+
+
+# The keys every sample must have, and what each holds (SampleSource).
+SAMPLE_KEYS = {
+    "input_ids": "Long [S], the rendered token ids of the sequence (prompt and answer)",
+    "loss_mask": "[S], 1 on the supervised (assistant) tokens and 0 elsewhere",
+}
+
+
+def check_sample_source(source: SampleSource, name: str = "the training data", *, feature_width: int | None = None,
+                        hidden_size: int | None = None) -> None:
+    """ValueError naming the key that sample 0 of ``source`` lacks (or the shape that is wrong) and
+    what it should hold (:class:`SampleSource`); ``feature_width`` (m·d) and ``hidden_size`` (d)
+    check cached features. Reads one sample; an empty source passes."""
+    if len(source) == 0:
+        return
+    item = source[0]
+    if not hasattr(item, "keys"):
+        raise ValueError(f"{name}: sample 0 is a {type(item).__name__}, not a dict of tensors with "
+                         f"{' and '.join(SAMPLE_KEYS)} (dspark.data.dataset.SampleSource)")
+    for key, what in SAMPLE_KEYS.items():
+        if key not in item:
+            raise ValueError(f"{name}: sample 0 has no {key!r} (its keys: {sorted(item.keys())}); every sample "
+                             f"needs {key!r}: {what} (dspark.data.dataset.SampleSource)")
+    ids, mask = torch.as_tensor(item["input_ids"]), torch.as_tensor(item["loss_mask"])
+    if ids.dim() != 1 or mask.shape != ids.shape:
+        raise ValueError(f"{name}: sample 0 has input_ids {tuple(ids.shape)} and loss_mask {tuple(mask.shape)}; "
+                         "both must be [S], one sequence per sample (the trainer batches them)")
+    if ("features" in item) != ("final_hidden" in item):
+        missing = "final_hidden" if "features" in item else "features"
+        raise ValueError(f"{name}: sample 0 has no {missing!r}; cached samples carry both 'features' [S, m·d] "
+                         "(the target's captured layers) and 'final_hidden' [S, d] (its final hidden state), "
+                         "online ones neither")
+    if "features" in item:
+        S = ids.shape[0]
+        for key, width in (("features", feature_width), ("final_hidden", hidden_size)):
+            shape = tuple(torch.as_tensor(item[key]).shape)
+            if width is not None and shape != (S, width):
+                raise ValueError(f"{name}: sample 0 has {key} {shape}, the drafter reads [S, {width}] = "
+                                 f"[{S}, {width}]: the cache was written for another target or other layers")
 
 
 def sample_lengths(source: SampleSource) -> Tensor:

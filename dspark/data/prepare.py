@@ -20,7 +20,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dspark.config import Config, split_train_prompts
+from dspark.config import Config
+from dspark.config_checks import split_train_prompts
 from dspark.data.dataset import CachedSource, RenderedSource, load_rendered, save_rendered
 from dspark.io.atomic import atomic_write_text
 

@@ -171,8 +171,12 @@ def render_conversation(
 ) -> RenderedSample:
     """Token ids and loss mask of a conversation (paper Section 4.1), cut to ``max_length`` tokens.
 
-    Truncation keeps the first ``max_length`` tokens. ``enable_thinking=False``
-    (the paper's non-thinking mode, Section 4.1) is passed to the chat template.
+    ``conversation`` is a list of {"role", "content"} messages rendered by the target's own chat
+    template (``tokenizer``: ``target.tokenizer``); the result's ``input_ids`` / ``loss_mask`` are
+    a training sample (``dspark.data.dataset.RenderedSource`` wraps a list of them), the mask 1 on
+    every assistant turn's tokens (module docstring). Truncation keeps the first ``max_length``
+    tokens. ``enable_thinking=False`` (the paper's non-thinking mode, Section 4.1) is passed to
+    the chat template.
     """
     if max_length < 1:
         raise ValueError(f"max_length must be >= 1, got {max_length}")
@@ -226,7 +230,10 @@ def render_dataset(
 def render_prompt(
     tokenizer: Any, conversation: Conversation, enable_thinking: bool = False
 ) -> list[int]:
-    """Token ids of a prompt with the generation prompt appended, for generation and evaluation."""
+    """Token ids of a prompt with the generation prompt appended, for generation and evaluation:
+    ``conversation`` a list of {"role", "content"} messages ending with a user message, rendered
+    by the target's chat template (``tokenizer``: ``target.tokenizer``); what
+    ``dspark.speculative_generate`` takes as ``prompt_ids``."""
     if not conversation:
         raise ValueError("conversation is empty; a prompt needs at least one user message")
     if conversation[-1]["role"] == "assistant":

@@ -113,6 +113,38 @@ def coverage_table(
     return rows
 
 
+def count_draft_vocab(samples: Any, target: Any, k: int, *, mode: str = "hard+soft", progress: bool = False) -> DraftVocab:
+    """The draft vocabulary of ``k`` ids counted over the supervised tokens of ``samples`` (a
+    ``dspark.data.dataset.SampleSource``: dicts with input_ids and loss_mask), for
+    ``drafter.set_vocab``. ``mode`` as ``data.vocab_counts``: "hard" (EAGLE-3's token counts),
+    "soft" or "hard+soft" (the target's own probabilities, from a cache's final hidden states when
+    the samples carry them, else one target forward per sample). `dspark vocab` does the same over
+    prepared data and writes it (:func:`write_draft_vocab`)."""
+    if mode not in COUNT_MODES:
+        raise ValueError(f"mode={mode!r} is not one of {COUNT_MODES}")
+    hard = hard_counts((samples[i] for i in range(len(samples))), int(target.vocab_size))
+    soft = None
+    if mode != "hard":
+        cached = len(samples) > 0 and "has_final" in samples[0]
+        soft = (soft_counts_from_cache if cached else soft_counts_online)(samples, target, progress=progress)
+    return choose_vocab(mode, k, hard, soft)
+
+
+def check_vocab_counted(drafter: Any) -> None:
+    """ValueError when the drafter has a draft vocabulary (``draft_vocab_size`` k > 0) that was never
+    counted: its d2t / t2d maps still hold the placeholder target ids 0..k−1 they are built with."""
+    k = int(getattr(drafter.config, "draft_vocab_size", 0) or 0)
+    d2t = getattr(drafter, "d2t", None)
+    if not k or d2t is None or bool(d2t.any()):
+        return
+    raise ValueError(
+        f"drafter.draft_vocab_size={k}, but the drafter's draft vocabulary was never counted: its d2t / t2d "
+        f"maps hold the placeholder target ids 0..{k - 1}. Count it from the training data before training: "
+        f"drafter.set_vocab(dspark.count_draft_vocab(train_data, target, {k})) (`dspark train` reads the "
+        "file `dspark vocab` writes)"
+    )
+
+
 # ----------------------------------------------------------------- the `dspark vocab` recipe
 def vocab_path(config: Any) -> Any:
     """Where the draft vocabulary of ``config`` lives: ``drafter.draft_vocab``, else

@@ -1,24 +1,21 @@
 """The speculative decoding loop (paper Section 2.1, Figure 1) and its target-only baseline.
 
-One request (batch 1), a KV-cached target and an incrementally kept drafter
-context. ``SpeculativeRequest`` holds that state and steps it one round at a
-time: draft, verify, accept, update the caches (``dspark.scheduling.simulator`` steps many
-of them in lockstep under a scheduler); ``speculative_generate`` loops it to
-the end. Both loops draw every token through ``dspark.sampling`` (the
-speculative one verifies through ``dspark.decoding.verify``), so a wall-clock
-comparison between them measures speculation and nothing else. Phase timings
-come from a ``PhaseClock``: the two generate functions always keep one, a
-``SpeculativeRequest`` only when its caller hands one in.
+One request (batch 1), a KV-cached target and an incrementally kept drafter context.
+``SpeculativeRequest`` holds that state and steps it one round at a time: draft, verify, accept,
+update the caches (``dspark.scheduling.simulator`` steps many of them in lockstep under a
+scheduler); ``speculative_generate`` loops it to the end. Both loops draw every token through
+``dspark.sampling`` (the speculative one verifies through ``dspark.decoding.verify``), so a
+wall-clock comparison between them measures speculation and nothing else. Arguments are checked
+before any forward (``dspark.decoding.checks``). Phase timings come from a ``PhaseClock``.
 
-Both loops run under ``torch.inference_mode`` (not just ``no_grad``): no
-version counters or view tracking on the ~1,500 small ops of a forward. The
-caches and drafter contexts they make are inference tensors, only ever
-updated by these loops.
+Both loops run under ``torch.inference_mode`` (not just ``no_grad``): no version counters or
+view tracking on the ~1,500 small ops of a forward. The caches and drafter contexts they make
+are inference tensors, only ever updated by these loops.
 """
 
 from __future__ import annotations
 
-import math
+import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -29,14 +26,23 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from dspark.sampling import sample_token
+from dspark.decoding.checks import (
+    check_drafter,
+    check_generate_args,
+    check_prompt_ids,
+    checked_length,
+    checked_sts_temperatures,
+    checked_verify_length,
+)
 from dspark.decoding.verify import verify_draft
+from dspark.sampling import sample_token
+from dspark.scheduling.calibration import apply_temperatures
 
 if TYPE_CHECKING:
     from dspark.modeling import Drafter, Proposal
     from dspark.target import TargetModel
 
-# (confidences c_1..c_γ or None, round index) -> verification length ℓ in 0..γ
+# (confidences c_1..c_γ, None without a confidence head; round index) -> verification length ℓ in 0..γ
 ChooseLength = Callable[[list[float] | None, int], int]
 
 
@@ -101,26 +107,38 @@ def speculative_generate(
     eos_token_ids: Iterable[int] = (),
     choose_length: ChooseLength | None = None,
     generator: torch.Generator | None = None,
+    sts_temperatures: Sequence[float] | str | os.PathLike | None = None,
 ) -> DecodeResult:
     """Speculative decoding of one request (paper Section 2.1, Figure 1), lossless at every temperature.
 
     A loop over one ``SpeculativeRequest``: draft, pick ℓ, verify, until done.
     See ``SpeculativeRequest`` for the cache/context invariant of every round.
-    The result carries the phase timings of the whole call.
+    The result carries the phase timings of the whole call. Before any forward
+    the prompt is checked (a 1-D sequence of ids in [0, V)) and so is the
+    drafter against the target (``dspark.modeling.checkpoint.check_against_target``:
+    hidden size, vocabulary, layer count, the captured feature layers).
 
     Args:
         target: the frozen target (its forward, new_cache and crop_cache are used).
         drafter: the drafter (new_context, extend_context and propose are used; a
             test double with the same protocol works too).
-        prompt_ids: the rendered prompt, at least one token.
+        prompt_ids: the rendered prompt: one 1-D sequence of token ids in [0, V) (a list,
+            tuple, 1-D integer tensor or array), at least one token.
         max_new_tokens: the most tokens to generate (the last round is truncated).
         temperature: T > 0 samples from softmax(logits / T) with rejection
             sampling; T = 0 is greedy (verified with greedy_verify).
         eos_token_ids: ids that end the sequence (the EOS is kept in `tokens`).
-        choose_length: optional hook (confidences c_1..c_γ or None, round index) -> ℓ in 0..γ,
-            the number of drafts to verify; default γ every round.
+        choose_length: optional hook (confidences, round index) -> ℓ in 0..γ, the number of
+            drafts to verify; default γ every round. The confidences are c_1..c_γ of the
+            round's drafts (per position, not cumulative), STS-calibrated when
+            ``sts_temperatures`` is given, and None for a drafter without a confidence head.
         generator: source of every random draw (draft sampling and verification).
+        sts_temperatures: Sequential Temperature Scaling (paper Section 3.2.1): T_1..T_γ, or
+            the path of the STS JSON ``dspark calibrate`` writes. The hook then sees
+            c'_k = σ(logit(c_k) / T_k) (``dspark.scheduling.calibration.apply_temperatures``);
+            the round records keep the raw c_k, which STS is fitted on.
     """
+    temps = checked_sts_temperatures(sts_temperatures, drafter)
     request = SpeculativeRequest(
         target, drafter, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature,
         eos_token_ids=eos_token_ids, generator=generator, clock=PhaseClock(target.device),
@@ -128,11 +146,22 @@ def speculative_generate(
     while not request.done:
         request.draft()
         gamma = request.gamma
-        ell = gamma if choose_length is None else _checked_length(
-            choose_length(request.confidences, len(request.rounds)), gamma
-        )
+        ell = gamma
+        if choose_length is not None:
+            confidences = _calibrated(request.confidences, temps)
+            ell = checked_length(choose_length(confidences, len(request.rounds)), gamma)
         request.verify(ell)
     return request.result()
+
+
+def _calibrated(confidences: list[float] | None, temps: np.ndarray | None) -> list[float] | None:
+    """c'_k = σ(logit(c_k) / T_k) of one round (paper Section 3.2.1); as given without temperatures or confidences."""
+    if temps is None or confidences is None:
+        return confidences
+    if temps.size != len(confidences):
+        raise ValueError(f"sts_temperatures has {temps.size} values but the drafter's block size γ is "
+                         f"{len(confidences)}: give one temperature per draft position")
+    return apply_temperatures(np.asarray([confidences], dtype=np.float64), temps)[0].tolist()
 
 
 class SpeculativeRequest:
@@ -166,7 +195,8 @@ class SpeculativeRequest:
 
     ``clock``: a ``PhaseClock`` that times the phases (prefill, draft, verify,
     accept, bookkeeping) into ``result().timings``; None times nothing. Other
-    arguments as in ``speculative_generate``.
+    arguments as in ``speculative_generate``; construction checks them, and the
+    drafter against the target, before the prefill.
     """
 
     @torch.inference_mode()
@@ -182,7 +212,9 @@ class SpeculativeRequest:
         generator: torch.Generator | None = None,
         clock: PhaseClock | None = None,
     ) -> None:
-        _check_generate_args(prompt_ids, max_new_tokens, temperature)
+        check_generate_args(max_new_tokens, temperature)
+        prompt_ids = check_prompt_ids(prompt_ids, getattr(target, "vocab_size", None))
+        check_drafter(drafter, target)
         self.target, self.drafter = target, drafter
         self.max_new_tokens, self.temperature, self.generator = max_new_tokens, temperature, generator
         self.eos = {int(t) for t in eos_token_ids}
@@ -238,7 +270,7 @@ class SpeculativeRequest:
         when the request goes on crops the cache to x_0..x_m, extends the drafter
         context with their features and makes the next token the anchor.
         Returns the round's record."""
-        proposal, ell = self._pending(), _checked_verify_length(ell, self.gamma)
+        proposal, ell = self._pending(), checked_verify_length(ell, self.gamma)
         confidences = self.confidences
         self.proposal = None
         draft = proposal.tokens[:, :ell]  # [1, ℓ]
@@ -293,10 +325,11 @@ def target_generate(
     """Target-only autoregressive decoding with the same cache and sampling helpers.
 
     The baseline for wall-clock speedups and the reference distribution that
-    speculative_generate must reproduce. Arguments as in speculative_generate;
-    the result carries the phase timings of the whole call.
+    speculative_generate must reproduce. Arguments as in speculative_generate
+    (checked before the prefill); the result carries the phase timings of the whole call.
     """
-    _check_generate_args(prompt_ids, max_new_tokens, temperature)
+    check_generate_args(max_new_tokens, temperature)
+    prompt_ids = check_prompt_ids(prompt_ids, getattr(target, "vocab_size", None), many="use target_batch_generate for many prompts")
     clock = PhaseClock(target.device)
     eos = {int(t) for t in eos_token_ids}
     tokens: list[int] = []
@@ -335,37 +368,6 @@ def _extend_context(drafter: Any, ctx: Any, features: Tensor, tokens: Sequence[i
 def _first_eos(tokens: list[int], eos: set[int]) -> int | None:
     """Index of the first EOS id in ``tokens``, None without one."""
     return next((i for i, token in enumerate(tokens) if token in eos), None)
-
-
-def _check_generate_args(prompt_ids: Sequence[int], max_new_tokens: int, temperature: float) -> None:
-    if len(prompt_ids) == 0:
-        raise ValueError("prompt_ids is empty; the target needs at least one prompt token (e.g. a BOS id)")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-    if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
-        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
-
-
-def _checked_length(ell: Any, gamma: int) -> int:
-    """What a choose_length hook returned, as an int in 0..γ."""
-    if isinstance(ell, bool) or not isinstance(ell, (int, Tensor)) or (isinstance(ell, Tensor) and ell.numel() != 1):
-        raise ValueError(f"choose_length must return an int in 0..γ = 0..{gamma}, got {ell!r}")
-    value = int(ell)
-    if not 0 <= value <= gamma:
-        raise ValueError(
-            f"choose_length returned {value}; the verification length must be in 0..γ = 0..{gamma} "
-            "(γ is the drafter's block size)"
-        )
-    return value
-
-
-def _checked_verify_length(ell: Any, gamma: int) -> int:
-    """The ``ell`` handed to ``SpeculativeRequest.verify``, as an int in 0..γ."""
-    if isinstance(ell, bool) or not isinstance(ell, (int, np.integer)) or not 0 <= int(ell) <= gamma:
-        raise ValueError(
-            f"verification length ell={ell!r} must be an int in 0..γ = 0..{gamma} (γ is the drafter's block size)"
-        )
-    return int(ell)
 
 
 class PhaseClock:

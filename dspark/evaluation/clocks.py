@@ -1,74 +1,17 @@
 """The wall clock and the SPS clock of the same requests, compared as a paired difference with its interval.
 
-A scheduled evaluation at R = 1 (``dspark eval --policy P --concurrency 1 --sps sps.json``) decodes
-every request once, through the serving loop (``dspark.scheduling.simulator.run_requests``), and
-times it twice over:
+A scheduled evaluation at R = 1 (``dspark eval --policy P --concurrency 1 --sps sps.json``) decodes every
+request once, through the serving loop (``dspark.scheduling.simulator.run_requests``), and times it twice
+over: the wall clock (the seconds its own phases took, against the target-only decode of the same
+prompt: ``wall_ratio``) and the SPS clock (paper Section 3.2.2: each verification forward priced by the
+profiled table, every other phase charged as measured: ``sps_ratio``). Their difference measures how well
+the table prices this run's forwards relative to the target-only step. It is paired: both clocks time
+the same requests and the same decode, so the request-to-request variation (a long prompt, a hard one)
+moves both together and cancels in the difference; what is left is the disagreement of the clocks.
 
-- the wall clock: the seconds the request's own phases took (prefill, draft, verify, accept,
-  bookkeeping, schedule), against the target-only decode of the same prompt. Its decode-only
-  speedup (``decode_speed`` of ``dspark.evaluation.intervals``), pooled over the requests:
-
-      wall = [Σ (tokens − 1) / Σ (wall_s − prefill)]
-             / [Σ (baseline_tokens − 1) / Σ (baseline_wall_s − baseline prefill)]
-
-- the SPS clock (paper Section 3.2.2; ``draft_overhead="measured"``, the simulator's module
-  docstring): a round's verification forward over 1 + ℓ tokens costs 1 / SPS(1 + ℓ) from the
-  profiled table (a plain target step of ``algorithm1+skip``, ℓ = 0: 1 / SPS(1)), and every
-  other measured phase but verify and prefill (draft, accept, bookkeeping, schedule, ...) is
-  charged as measured, put on the table's time scale by time_scale = Σ_rounds 1 / SPS(1 + ℓ) /
-  Σ measured verify seconds. The ratio to target-only decoding is Θ / SPS(1), Θ = decode tokens
-  (tokens − 1 per request: x_0 comes from the prefill) over simulated seconds. With
-
-      A(t) = Σ_rounds 1 / t(1 + ℓ),  O = Σ measured non-verify, non-prefill seconds,
-      V = Σ measured verify seconds,
-
-  over a set of requests priced by a table t (steps/s at B batch tokens; between its samples it
-  interpolates, beyond ``max_batch_tokens`` it has no price, as ``SPSTable`` and the simulator's
-  ``_speed`` do), the simulated seconds are A(t) + O · A(t) / V, and
-
-      sps(t) = Σ (tokens − 1) / (t(1) · A(t) · (1 + O / V)).
-
-  On one serving run and its own table this is ``SimResult.summary()["vs_target_only"]``; over
-  several runs (one per benchmark) it pools their time scales into one, Σ A / Σ V.
-
-The wall clock charges the verification forward what it measured; the SPS clock charges what the
-table says a forward of that size costs, so their difference, sps − wall, measures how well the
-profiled table prices this run's forwards relative to the target-only step (the drafting and
-bookkeeping are charged as measured by both). The difference is paired: both clocks time the same
-requests and the same decode (the same tokens, the same rounds), so the request-to-request
-variation that widens each speedup's own interval (a long prompt, a hard one) moves both together
-and cancels in the difference; what is left is the disagreement of the clocks.
-
-Its interval (``clock_difference``). The difference is a smooth function of per-request sums
-(``request_clock_aggregates``: decode tokens and seconds, baseline decode tokens and seconds, the
-verification forwards of each size, O and V), so its variance over requests is the stratified
-delete-one jackknife's (``dspark.bootstrap.jackknife_ci``; benchmarks are the strata, as every
-interval over requests), v_requests. The table's own timing noise enters too: the observed sums are
-priced by each of ``dspark.scheduling.sps_profile.bootstrap_tables`` (the profile's sweeps
-resampled jointly across B), and v_table is the variance of the difference over those tables. The
-two sources are independent (the profile was timed apart from the evaluation), so
-
-    difference ± t_ν · sqrt(v_requests + v_table),   ν = Σ_b (n_b − 1),
-
-with Student's t at the design degrees of freedom. The verdict: "agree" when the interval holds 0,
-"SPS clock above" / "SPS clock below" when it lies above / below 0, "–" without an interval.
-
-At R > 1 on the per-request engine a request's phases are not a step's (the serving loop runs the
-live requests one at a time and the SPS clock charges the step's batch B = Σ (1 + ℓ_r)), so only
-R = 1 runs are compared that way. On the batched engine (``dspark.scheduling.batched_serving``)
-every step is one drafter and one target forward for all live rows, timed on the wall clock, and
-``serving_clock_difference`` compares the clocks at any R on the run's own steps: each request
-takes its share of every step it was live in (the step's seconds over its rows), so per request
-
-    tokens,  W = Σ wall / rows,  O = Σ (measured non-verify seconds) / rows,  V = Σ verify / rows,
-    and, per forward size B_fwd = rows · (1 + max ℓ), the count Σ 1 / rows,
-
-and the two clocks' throughputs over the same steps are Θ_wall = Σ tokens / Σ W and Θ_sps =
-Σ tokens / (A(t) · (1 + O / V)), A(t) = Σ counts / t(B). Their relative difference Θ_sps / Θ_wall − 1
-is paired (same steps, same tokens) and gets the interval above: the stratified jackknife over the
-requests plus the table's timing noise. Each clock's own ratio to target-only decoding at R
-(the SPS clock's R · SPS(R), the wall clock's measured batched target-only throughput) is reported
-beside it.
+- ``clock_difference``          sps − wall at R = 1, its interval over requests and the table's timing noise
+- ``serving_clock_difference``  Θ_sps / Θ_wall − 1 on the steps of a batched serving run, at any R
+- ``request_clock_aggregates``  the per-request sums both clocks are functions of
 """
 
 from __future__ import annotations
@@ -183,7 +126,12 @@ def _request_sums(record: Mapping[str, Any]) -> list[float]:
 
 # ------------------------------------------------------------------ the two clocks
 def wall_ratio(sums: np.ndarray) -> np.ndarray:
-    """The wall clock's decode-only speedup of request sums [..., d] (columns ``CLOCK_COLUMNS``)."""
+    """The wall clock's decode-only speedup of request sums [..., d] (columns ``CLOCK_COLUMNS``): the
+    request's own phases (prefill, draft, verify, accept, bookkeeping, schedule) against the target-only
+    decode of the same prompt, pooled over the requests (``decode_speed`` of ``dspark.evaluation.intervals``):
+
+        wall = [Σ (tokens − 1) / Σ (wall_s − prefill)]
+               / [Σ (baseline_tokens − 1) / Σ (baseline_wall_s − baseline prefill)]"""
     s = np.asarray(sums, dtype=np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
         return (s[..., 0] / s[..., 1]) / (s[..., 2] / s[..., 3])
@@ -191,6 +139,19 @@ def wall_ratio(sums: np.ndarray) -> np.ndarray:
 
 def sps_ratio(sums: np.ndarray, speeds: np.ndarray, speed_1: Any) -> np.ndarray:
     """The SPS clock's ratio to target-only decoding, Σ (tokens − 1) / (t(1) · A · (1 + O / V)).
+
+    The SPS clock (``draft_overhead="measured"``, the simulator's module docstring) charges a round's
+    verification forward over 1 + ℓ tokens 1 / SPS(1 + ℓ) from the profiled table (a plain target step
+    of ``algorithm1+skip``, ℓ = 0: 1 / SPS(1)), and every other measured phase but verify and prefill
+    (draft, accept, bookkeeping, schedule, ...) as measured, put on the table's time scale by
+    time_scale = Σ_rounds 1 / SPS(1 + ℓ) / Σ measured verify seconds. Its ratio to target-only decoding
+    is Θ / SPS(1), Θ = decode tokens (tokens − 1 per request: x_0 comes from the prefill) over simulated
+    seconds. With A(t) = Σ_rounds 1 / t(1 + ℓ), O = Σ measured non-verify, non-prefill seconds and
+    V = Σ measured verify seconds over a set of requests priced by a table t (steps/s at B batch tokens;
+    between its samples it interpolates, beyond ``max_batch_tokens`` it has no price, as ``SPSTable``
+    and the simulator do), the simulated seconds are A(t) + O · A(t) / V, hence the ratio above. On one
+    serving run and its own table this is ``SimResult.summary()["vs_target_only"]``; over several runs
+    (one per benchmark) it pools their time scales into one, Σ A / Σ V.
 
     sums: request sums [..., d] (``request_clock_aggregates``' columns); speeds: t(B) of each size
     of ``sizes``, [k] or [K, k] for K tables (then sums broadcast against [K]); speed_1: t(1),
@@ -214,7 +175,7 @@ def _prices(table: SPSTable, sizes: Sequence[int]) -> tuple[np.ndarray, float]:
 # ------------------------------------------------------------------ the difference and its interval
 @dataclass(frozen=True)
 class ClockDifference:
-    """The SPS clock against the wall clock on the same requests (module docstring).
+    """The SPS clock against the wall clock on the same requests (``clock_difference``).
 
     sps: the SPS clock's ratio to target-only decoding on the profile's measured medians
     (``SPSProfile.measured_table``); wall: the wall clock's decode-only speedup; difference =
@@ -286,7 +247,19 @@ def clock_difference(
     resamples: int = DEFAULT_RESAMPLES,
     seed: int = 0,
 ) -> ClockDifference:
-    """sps − wall over the requests of a scheduled evaluation at R = 1, with its interval (module docstring).
+    """sps − wall over the requests of a scheduled evaluation at R = 1, with its interval.
+
+    The difference is a smooth function of per-request sums (``request_clock_aggregates``: decode tokens
+    and seconds, baseline decode tokens and seconds, the verification forwards of each size, O and V),
+    so its variance over requests is the stratified delete-one jackknife's (``dspark.bootstrap.jackknife_ci``;
+    benchmarks are the strata, as for every interval over requests), v_requests. The table's own timing
+    noise enters too: the observed sums are priced by each of ``dspark.scheduling.sps_profile.bootstrap_tables``
+    (the profile's sweeps resampled jointly across B), and v_table is the variance of the difference
+    over those tables. The two sources are independent (the profile was timed apart from the evaluation),
+    so the interval is difference ± t_ν · sqrt(v_requests + v_table), ν = Σ_b (n_b − 1), with Student's t
+    at the design degrees of freedom; ``clock_verdict`` reads it. At R > 1 on the per-request engine a
+    request's phases are not a step's (the SPS clock charges the step's batch B = Σ (1 + ℓ_r)), so only
+    R = 1 runs are compared this way (``serving_clock_difference`` compares the batched engine's steps).
 
     folder_or_rows: the evaluation's output folder (``load_scheduled_evaluation``) or its (request
     rows, round rows); profile: the ``SPSProfile`` of the table (or the path of its .profile.json,
@@ -370,10 +343,22 @@ def _serving_sps_over_wall(sums: np.ndarray, speeds: np.ndarray) -> np.ndarray:
 
 def serving_clock_difference(result: Any, profile: SPSProfile | PathLike, *, level: float = DEFAULT_LEVEL,
                              resamples: int = DEFAULT_RESAMPLES, seed: int = 0) -> ClockDifference:
-    """The SPS clock against the wall clock on the steps of one batched serving run (module docstring):
+    """The SPS clock against the wall clock on the steps of one batched serving run:
     ``difference`` = Θ_sps / Θ_wall − 1, with its interval over the requests and the table's timing
     noise; ``sps`` and ``wall`` are the two clocks' ratios to target-only decoding at R (R · SPS(R) on
-    the profile's measured medians; the run's measured ``target_only_wall``, NaN when not timed)."""
+    the profile's measured medians; the run's measured ``target_only_wall``, NaN when not timed).
+
+    On the batched engine (``dspark.scheduling.batched_serving``) every step is one drafter and one
+    target forward for all live rows, timed on the wall clock. Each request takes its share of every
+    step it was live in (the step's seconds over its rows), so per request
+
+        tokens,  W = Σ wall / rows,  O = Σ (measured non-verify seconds) / rows,  V = Σ verify / rows,
+        and, per forward size B_fwd = rows · (1 + max ℓ), the count Σ 1 / rows,
+
+    and the two clocks' throughputs over the same steps are Θ_wall = Σ tokens / Σ W and
+    Θ_sps = Σ tokens / (A(t) · (1 + O / V)), A(t) = Σ counts / t(B). Their relative difference is paired
+    (same steps, same tokens) and gets ``clock_difference``'s interval: the stratified jackknife over
+    the requests plus the table's timing noise."""
     check_settings(resamples, level)
     if getattr(result, "engine", "per-request") != "batched" or not result.step_log:
         raise ValueError("serving_clock_difference needs a run of the batched engine with its step log "

@@ -34,8 +34,9 @@ import numpy as np
 
 from dspark.bootstrap import DEFAULT_LEVEL, check_settings, jackknife_ci, proportion_ci, resample_counts, stratified_ci
 from dspark.data.benchmarks import domain_of
-from dspark.scheduling.calibration import apply_temperatures, ece_from_sums, ece_sums
-from dspark.evaluation.metrics import ECE_BINS, MACRO_KEYS, conditional_acceptance_counts, macro_average_array, round_tau
+from dspark.scheduling.calibration import apply_temperatures
+from dspark.scheduling.calibration_metrics import ece_from_sums, ece_sums
+from dspark.evaluation.metrics import ECE_BINS, MACRO_KEYS, macro_average_array, round_tau
 
 __all__ = ["BenchmarkAggregates", "add_intervals", "request_aggregates"]
 

@@ -1,25 +1,12 @@
 """An evaluation's output folder as a journal: what lets a killed ``evaluate`` resume.
 
-Open / resume / append / read back:
-
-- ``settings.json`` is written before decoding: the resolved settings the report states
-  (``report["config"]``, the label, γ, the benchmarks skipped, the STS temperatures). A rerun
-  compares its own with it and refuses a folder written by other settings, naming the fields.
-- As each request finishes its round lines go to ``rounds.jsonl`` and then its line to
-  ``requests.jsonl`` (``dspark.io.jsonl.append_jsonl``: flushed and fsynced). The request
-  line commits the request: rounds without one are dropped on reading, and so is a torn
-  last line; the request is then decoded again, with its own seed, to the same rows.
-- Scheduled evaluation (a policy; ``dspark.scheduling.simulator.run_requests``) decodes a
-  benchmark's requests in lockstep and the policy sets every request's ℓ from the
-  confidences of all of them, so a request's rounds depend on its neighbours: the
-  benchmark's serving summary, appended to ``serving.jsonl`` after its last request, commits
-  the benchmark, and a benchmark without it is decoded again from its first request.
-- Under ``torchrun`` rank r appends to ``requests.rank<r>.jsonl`` (and rounds, serving);
-  each such triple is a journal of its own, read back and committed on its own.
-
-At the end rank 0 rewrites ``requests.jsonl``, ``rounds.jsonl`` and ``serving.jsonl`` in
-evaluation order with every journal merged (``finish``), so a resumed run leaves the same
-files as an uninterrupted one; ``dspark.evaluation.evaluate.report_from_folder`` rebuilds the report from them.
+``settings.json`` is written before decoding and each request's rows are appended (fsynced) as it
+finishes; a rerun compares its settings with the folder's (refusing other settings, naming the
+fields) and decodes only what is not yet committed (``EvalJournal`` says when a request, or a
+scheduled benchmark, is). At the end rank 0 rewrites ``requests.jsonl``, ``rounds.jsonl`` and
+``serving.jsonl`` in evaluation order with every journal merged (``finish``), so a resumed run leaves
+the same files as an uninterrupted one; ``dspark.evaluation.evaluate.report_from_folder`` rebuilds the
+report from them.
 """
 
 from __future__ import annotations
@@ -112,7 +99,22 @@ def clear_outputs(folder: Path, extra: Sequence[str] = ()) -> None:
 
 
 class EvalJournal:
-    """The journal of one process: appends its rows; reads back every journal of the folder."""
+    """The journal of one process: appends its rows; reads back every journal of the folder.
+
+    - ``settings.json`` is written before decoding: the resolved settings the report states
+      (``report["config"]``, the label, γ, the benchmarks skipped, the STS temperatures). A rerun
+      compares its own with it and refuses a folder written by other settings, naming the fields.
+    - As each request finishes its round lines go to ``rounds.jsonl`` and then its line to
+      ``requests.jsonl`` (``dspark.io.jsonl.append_jsonl``: flushed and fsynced). The request
+      line commits the request: rounds without one are dropped on reading, and so is a torn
+      last line; the request is then decoded again, with its own seed, to the same rows.
+    - Scheduled evaluation (a policy; ``dspark.scheduling.simulator.run_requests``) decodes a
+      benchmark's requests in lockstep and the policy sets every request's ℓ from the
+      confidences of all of them, so a request's rounds depend on its neighbours: the
+      benchmark's serving summary, appended to ``serving.jsonl`` after its last request, commits
+      the benchmark, and a benchmark without it is decoded again from its first request.
+    - Under ``torchrun`` rank r appends to ``requests.rank<r>.jsonl`` (and rounds, serving);
+      each such triple is a journal of its own, read back and committed on its own."""
 
     def __init__(self, folder: Path, rank: int, world: int, scheduled: bool):
         self.folder, self.rank, self.scheduled = folder, rank, scheduled

@@ -1,38 +1,18 @@
 """Draft-quality metrics over round logs (paper Section 4: τ, Table 1; acceptance, Fig. 2; confidence, Section 4.3.3).
 
-Pure functions: they read round records and return numbers, nothing is
-written or printed. A round record is a mapping with the keys of one line of
-``rounds.jsonl`` (written by :mod:`dspark.evaluation.evaluate`)::
+Pure functions of round records, one line of ``rounds.jsonl`` each (``round_tau`` says what its keys
+mean); τ counts the bonus token (paper Section 4.1):
 
-    {"benchmark": "gsm8k", "request": 3, "round": 0,
-     "proposed": 7, "accepted": 4, "confidences": [0.9, ...] or None,
-     "eos_accepted": false}
+- ``round_tau``, ``tau_pooled``   τ of one round (m + 1, or m after an accepted EOS); its mean over all rounds
+- ``tau_per_request``            τ averaged within each request, then over requests
+- ``conditional_acceptance``     P(k accepted | 1..k−1 accepted, k verified), paper Fig. 2
+- ``prefix_survival``            P(m ≥ k);  ``verify_rate``: mean ℓ/γ;  ``acceptance_rate``: Σm / Σℓ
+- ``confidence_quality``         ECE (20 bins) / ROC-AUC / Brier of a_k = Π_{i≤k} c_i against 1[first k accepted]
+- ``summarize_rounds``           all of the above for one benchmark or domain
+- ``macro_average(_array)``      the Math / Code / Chat / Avg columns of Table 1 (the array form over a
+                                 trailing benchmark axis; leading axes: resamples or deletions)
 
-``proposed`` is ℓ, the number of draft tokens sent to verification (γ with
-the scheduler off); ``accepted`` is m ≤ ℓ, the accepted draft tokens (the
-bonus token excluded); ``confidences`` are c_1..c_γ (conditional, not
-cumulative), or None for a drafter without a confidence head.
-``eos_accepted`` (absent = false) marks a round that accepted an EOS draft:
-it ended the sequence with no token after it, so its τ is m, and
-its ``proposed`` stops at the EOS (m = ℓ: nothing after it was verified or
-rejected), as DeepSpec's evaluator counts it.
-
-Where each quantity lives (τ counts the bonus token, paper Section 4.1):
-
-- ``round_tau``                τ of one round: m + 1, or m after an accepted EOS
-- ``tau_pooled``               τ averaged over all rounds (what serving engines report)
-- ``tau_per_request``          τ averaged within each request, then over requests
-- ``conditional_acceptance``   P(k accepted | 1..k−1 accepted, k verified), paper Fig. 2
-- ``prefix_survival``          P(m ≥ k)
-- ``verify_rate``              mean ℓ/γ;  ``acceptance_rate``: Σm / Σℓ
-- ``confidence_quality``       ECE (20 bins) / ROC-AUC / Brier of a_k = Π_{i≤k} c_i
-                               against 1[first k accepted], via dspark.scheduling.calibration
-- ``summarize_rounds``         all of the above for one benchmark or domain
-- ``macro_average``            the Math / Code / Chat / Avg columns of Table 1
-- ``macro_average_array``      the same over a trailing benchmark axis (leading axes: resamples or deletions)
-
-Their 95 % intervals over requests are in ``dspark.evaluation.intervals``; the
-benchmarks, their domains and Table 1 headers in ``dspark.data.benchmarks``.
+Their 95 % intervals over requests: ``dspark.evaluation.intervals``; benchmarks and domains: ``dspark.data.benchmarks``.
 """
 
 from __future__ import annotations
@@ -46,7 +26,8 @@ import numpy as np
 from dspark.data.benchmarks import BENCHMARKS, DOMAINS, domain_of
 # Views of the benchmark table, re-exported for the modules that read them from here.
 from dspark.data.benchmarks import DISPLAY_NAMES as DISPLAY_NAMES, TABLE1_ORDER as TABLE1_ORDER
-from dspark.scheduling.calibration import apply_temperatures, confidence_metrics
+from dspark.scheduling.calibration import apply_temperatures
+from dspark.scheduling.calibration_metrics import confidence_metrics
 
 ECE_BINS = 20
 
@@ -78,7 +59,21 @@ def _counts(accepted: Any, proposed: Any, gamma: int) -> tuple[np.ndarray, np.nd
 
 
 def round_tau(row: Mapping[str, Any]) -> int:
-    """τ of one round record: m + 1, or m when it accepted an EOS (no token follows it)."""
+    """τ of one round record: m + 1, or m when it accepted an EOS (no token follows it).
+
+    A round record is a mapping with the keys of one line of ``rounds.jsonl`` (written by
+    ``dspark.evaluation.evaluate``)::
+
+        {"benchmark": "gsm8k", "request": 3, "round": 0,
+         "proposed": 7, "accepted": 4, "confidences": [0.9, ...] or None,
+         "eos_accepted": false}
+
+    ``proposed`` is ℓ, the number of draft tokens sent to verification (γ with the scheduler off);
+    ``accepted`` is m ≤ ℓ, the accepted draft tokens (the bonus token excluded); ``confidences`` are
+    c_1..c_γ (conditional, not cumulative), or None for a drafter without a confidence head.
+    ``eos_accepted`` (absent = false) marks a round that accepted an EOS draft: it ended the sequence
+    with no token after it, so its τ is m, and its ``proposed`` stops at the EOS (m = ℓ: nothing after
+    it was verified or rejected), as DeepSpec's evaluator counts it."""
     return int(row["accepted"]) + (0 if row.get("eos_accepted") else 1)
 
 

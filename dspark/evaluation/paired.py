@@ -13,17 +13,6 @@ difference (the jackknife of a statistic of paired samples deletes the pairs).
 - ``paired_ratio_from_records`` the same from their request and round rows (tests, hand checks)
 - ``PairedRatio``               the result: speedup and τ ratios (``Interval``), request counts
 - ``verdict``                   "above 1" / "below 1" / "includes 1" of an interval
-
-The ratio of A to B:
-
-    speedup ratio = S_A / S_B,  S = (Σ tokens / Σ seconds) / (Σ baseline tokens / Σ baseline seconds)
-    τ ratio       = τ_A / τ_B,  τ = Σ_rounds τ / rounds   (τ pooled over rounds, ``dspark.evaluation.metrics``)
-
-each sum over the common requests, i.e. the pooled numbers of ``report["all"]`` restricted to the
-requests both reports decoded (each speedup against its own target-only baseline). Requests are
-matched on (benchmark, request); the interval is ``dspark.bootstrap.jackknife_ci`` on the log scale,
-stratified by benchmark as ``dspark.evaluation.intervals`` is (Student's t at the design degrees of
-freedom, Σ_b (n_b − 1) over the common requests).
 """
 
 from __future__ import annotations
@@ -47,7 +36,16 @@ __all__ = ["PairedRatio", "load_evaluation", "paired_ratio", "paired_ratio_from_
 
 @dataclass(frozen=True)
 class PairedRatio:
-    """Ratios of report A to report B over their common requests (module docstring).
+    """Ratios of report A to report B over their common requests (the module docstring says why):
+
+        speedup ratio = S_A / S_B,  S = (Σ tokens / Σ seconds) / (Σ baseline tokens / Σ baseline seconds)
+        τ ratio       = τ_A / τ_B,  τ = Σ_rounds τ / rounds   (τ pooled over rounds, ``dspark.evaluation.metrics``)
+
+    each sum over the common requests, i.e. the pooled numbers of ``report["all"]`` restricted to the
+    requests both reports decoded (each speedup against its own target-only baseline). Requests are
+    matched on (benchmark, request); the interval is ``dspark.bootstrap.jackknife_ci`` on the log scale,
+    stratified by benchmark as ``dspark.evaluation.intervals`` is (Student's t at the design degrees of
+    freedom, Σ_b (n_b − 1) over the common requests).
 
     speedup: None when a report has no target-only baseline; tau: None without rounds."""
 

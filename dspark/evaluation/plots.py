@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
 
-from dspark.scheduling.calibration import apply_temperatures, cumulative_confidence, ece, prefix_labels, reliability_bins
+from dspark.scheduling.calibration import apply_temperatures
+from dspark.scheduling.calibration_metrics import cumulative_confidence, ece, prefix_labels, reliability_bins
 from dspark.evaluation.curves import curve, read_log
 from dspark.data.benchmarks import DISPLAY_NAMES, DOMAINS, domain_of
 from dspark.evaluation.metrics import MACRO_COLUMNS

@@ -1,29 +1,16 @@
 """What the recipes report: the numbers, their markdown, and the files they are written to.
 
-- evaluation (``dspark.evaluation.evaluate``): ``build_report`` turns per-request and per-round
-  records into the report dict; ``report_markdown`` (report.md); ``write_outputs`` writes
-  (``compare_reports``, Table 1 of several drafters, and ``load_report`` live in
-  ``dspark.evaluation.compare`` and are re-exported here)
-
-  - ``rounds.jsonl``    one line per draft/verify round: benchmark, request, round,
-                        proposed (ℓ), accepted (m), confidences (c_1..c_γ or null),
-                        eos_accepted (an accepted EOS ended it: τ = m, ℓ cut at it).
-                        The log that STS (``dspark.scheduling.calibration.fit_sts``) and the
-                        scheduler are fitted on offline.
-  - ``requests.jsonl``  one line per request: tokens, rounds, τ, wall time of the
-                        speculative and the baseline decode.
-  - ``report.json``     everything below, plus the run's settings and timings.
-  - ``report.md``       Table 1 (τ), per-benchmark details, conditional acceptance
-                        per position (Fig. 2), confidence quality per position.
-  - ``acceptance.png``  conditional acceptance per position, one line per domain.
-  - ``reliability.png`` reliability diagrams of a_k per position (drafters with a
-                        confidence head only).
-
-- serving simulation (``dspark.scheduling.simulator``): ``results_markdown``, ``write_results``; the
-  scheduled evaluation's speed and round costs: ``scheduled_summary``, ``scheduled_markdown``.
+- evaluation (``dspark.evaluation.evaluate``): ``build_report`` turns per-request and per-round records
+  into the report dict, ``report_markdown`` into report.md (Table 1, per-benchmark details, conditional
+  acceptance per position as in Fig. 2, confidence quality per position), and ``write_outputs`` writes
+  rounds.jsonl (one line per draft/verify round: benchmark, request, round, proposed ℓ, accepted m,
+  confidences c_1..c_γ or null, eos_accepted; the log STS and the scheduler are fitted on offline),
+  requests.jsonl, report.json, report.md, acceptance.png and reliability.png (drafters with a confidence
+  head). Table 1 of several drafters: ``compare_reports`` and ``load_report`` (``dspark.evaluation.compare``).
+  A scheduled evaluation's speed and round costs: ``dspark.evaluation.scheduled_report``.
+- serving simulation (``dspark.scheduling.simulator``): ``results_markdown``, ``write_results``.
 - STS calibration (``dspark.scheduling.calibration.calibrate_rounds``): ``calibration_markdown``,
-  ``write_sts_report``.
-- SPS profiling (``dspark.scheduling.sps_profile``): ``write_profile``.
+  ``write_sts_report``; SPS profiling (``dspark.scheduling.sps_profile``): ``write_profile``.
 
 Figures come from ``dspark.evaluation.plots``; numbers and tables are formatted by ``dspark.evaluation.markdown``.
 """
@@ -51,6 +38,7 @@ from dspark.evaluation.markdown import fmt_ci, fmt_number, markdown_table
 from dspark.data.benchmarks import DISPLAY_NAMES, DOMAINS, domain_of
 from dspark.evaluation.metrics import MACRO_COLUMNS, macro_average, summarize_rounds
 from dspark.evaluation.plots import plot_acceptance, plot_figure8, plot_frontier, plot_reliability, plot_sps, reliability_grid
+from dspark.evaluation.scheduled_report import scheduled_markdown, sum_phases
 
 if TYPE_CHECKING:
     from dspark.scheduling.simulator import SimResult
@@ -63,9 +51,6 @@ __all__ = [
     "load_report",
     "report_markdown",
     "results_markdown",
-    "scheduled_markdown",
-    "scheduling_table",
-    "scheduled_summary",
     "write_outputs",
     "write_profile",
     "write_results",
@@ -173,11 +158,11 @@ def _timings(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Seconds spent decoding, in all and per phase, speculatively and (if run) by the baseline."""
     timings: dict[str, Any] = {
         "spec_s": float(sum(r["wall_s"] for r in records)),
-        "spec_phases_s": _sum_phases(r.get("timings", {}) for r in records),
+        "spec_phases_s": sum_phases(r.get("timings", {}) for r in records),
     }
     if any("baseline_wall_s" in r for r in records):
         timings["baseline_s"] = float(sum(r.get("baseline_wall_s", 0.0) for r in records))
-        timings["baseline_phases_s"] = _sum_phases(r.get("baseline_timings", {}) for r in records)
+        timings["baseline_phases_s"] = sum_phases(r.get("baseline_timings", {}) for r in records)
     return timings
 
 
@@ -220,14 +205,6 @@ def _decode_speed(records: Sequence[Mapping[str, Any]]) -> dict[str, float]:
     if min(spec_tokens, spec_s, base_tokens, base_s) <= 0:
         return {}
     return {"decode_speedup": (spec_tokens / spec_s) / (base_tokens / base_s)}
-
-
-def _sum_phases(timings: Any) -> dict[str, float]:
-    total: dict[str, float] = {}
-    for t in timings:
-        for phase, seconds in t.items():
-            total[phase] = total.get(phase, 0.0) + float(seconds)
-    return total
 
 
 # ---------------------------------------------------------------------------
@@ -397,74 +374,6 @@ def wall_clock_markdown(results: Sequence[SimResult]) -> str:
             "Θ_sps / Θ_wall − 1: the same steps on the two clocks, its interval over the requests (stratified "
             "jackknife) and the table's timing noise; \"agree\" when it holds 0.")
     return markdown_table(header, rows) + "\n\n" + note + "\n"
-
-
-def scheduled_summary(
-    records: Sequence[Mapping[str, Any]], rounds: Sequence[Mapping[str, Any]], pooled: Mapping[str, Any],
-    *, policy: str, concurrency: int, sps_step_s: float | None = None,
-) -> dict[str, Any]:
-    """``report["scheduled"]`` of ``dspark eval --policy``: speed against target-only decoding
-    and what a round costs, in target steps.
-
-    pooled: ``report["all"]`` (tokens_per_s, speedup, decode_speedup, τ). The target step t is
-    measured from the target-only decodes (decode seconds / forwards) when they ran, else
-    1 / SPS(1) (``sps_step_s``); ``target_step_basis`` says which. Per round (rounds that drafted
-    for the draft): draft_cost_steps = draft seconds / t, round_cost_steps = (draft + verify +
-    accept + bookkeeping seconds) / t, so decode_speedup ≈ τ / round_cost_steps, and speculation
-    with no draft cost would reach τ / (round_cost_steps − draft_cost_steps)."""
-    phases = _sum_phases(r.get("timings", {}) for r in records)
-    n_rounds = len(rounds)
-    drafted = sum(1 for r in rounds if r.get("drafted", True))
-    step_s, basis = _target_step(records, sps_step_s)
-    draft_s = phases.get("draft", 0.0)
-    round_s = sum(s for k, s in phases.items() if k not in ("prefill", "total"))
-    per = lambda seconds, n: seconds / n / step_s if n and step_s > 0 else math.nan  # noqa: E731
-    return {
-        "policy": policy, "concurrency": concurrency,
-        "tokens_per_s": pooled.get("tokens_per_s"), "baseline_tokens_per_s": pooled.get("baseline_tokens_per_s"),
-        "speedup": pooled.get("speedup"), "decode_speedup": pooled.get("decode_speedup"), "tau": pooled.get("tau"),
-        "mean_verified": sum(int(r["proposed"]) for r in rounds) / n_rounds if n_rounds else math.nan,
-        "rounds": n_rounds, "drafted_rounds": drafted, "skipped_rounds": n_rounds - drafted,
-        "skip_rate": (n_rounds - drafted) / n_rounds if n_rounds else math.nan,
-        "draft_s_per_round": draft_s / drafted if drafted else math.nan,
-        "target_step_s": step_s, "target_step_basis": basis,
-        "draft_cost_steps": per(draft_s, drafted), "round_cost_steps": per(round_s, n_rounds),
-    }
-
-
-def _target_step(records: Sequence[Mapping[str, Any]], sps_step_s: float | None) -> tuple[float, str]:
-    """Seconds of one target step at B = 1: the target-only decodes' forward and sampling seconds
-    per forward (tokens − 1 per decode), else 1 / SPS(1)."""
-    forwards = sum(max(0, int(r.get("baseline_tokens", 0)) - 1) for r in records)
-    seconds = sum(float(r.get("baseline_timings", {}).get(k, 0.0)) for r in records for k in ("decode", "sample"))
-    if forwards and seconds > 0 and all("baseline_timings" in r for r in records):
-        return seconds / forwards, "target-only decode"
-    if sps_step_s is not None and sps_step_s > 0:
-        return float(sps_step_s), "SPS(1)"
-    return math.nan, "none"
-
-
-_SCHEDULED_HEADER = ["policy", "R", "tok/s", "target-only tok/s", "speedup", "decode speedup", "τ",
-                     "mean verified ℓ", "skipped", "draft ms/round", "draft cost (steps)", "round cost (steps)"]
-
-
-def scheduling_table(summaries: Sequence[Mapping[str, Any]]) -> str:
-    """One markdown row per scheduled evaluation (``report["scheduled"]`` of each): speed against
-    target-only decoding, τ, mean verified length, share of skipped drafts, draft and round costs."""
-    rows = [[str(s["policy"]), str(s["concurrency"]), fmt_number(s["tokens_per_s"], 1),
-             fmt_number(s["baseline_tokens_per_s"], 1), fmt_number(s["speedup"]), fmt_number(s["decode_speedup"]),
-             fmt_number(s["tau"]), fmt_number(s["mean_verified"]), fmt_number(s["skip_rate"]),
-             fmt_number(1e3 * s["draft_s_per_round"], 1), fmt_number(s["draft_cost_steps"]),
-             fmt_number(s["round_cost_steps"])] for s in summaries]
-    return markdown_table(_SCHEDULED_HEADER, rows)
-
-
-def scheduled_markdown(scheduled: Mapping[str, Any]) -> list[str]:
-    """The lines of report.md's "Scheduled verification" section (``scheduled_summary``)."""
-    return ["", "## Scheduled verification", "",
-            f"Costs in target steps at B = 1 (t = {fmt_number(1e3 * scheduled['target_step_s'], 2)} ms, from "
-            f"{scheduled['target_step_basis']}); decode speedup ≈ τ / round cost, and a round with no draft would "
-            "cost round − draft steps.", "", scheduling_table([scheduled])]
 
 
 def calibration_markdown(report: Mapping[str, Any]) -> str:

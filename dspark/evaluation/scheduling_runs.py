@@ -93,25 +93,78 @@ def simulate(config: Config, *, progress: Callable[[Any], None] | None = None,
     cells not yet committed (every cell starts from the same seeds, so the result is that of
     an uninterrupted run). ``resume`` as in ``dspark.evaluation.evaluate.evaluate``: None
     continues a folder of the same config, True requires one, False starts over."""
-    from dspark.scheduling.calibration import load_sts_json
-    from dspark.evaluation.evaluate import default_eos_ids
     from dspark.evaluation.report import write_results
-    from dspark.build import load_models
-    from dspark.scheduling.algorithm1 import SPSTable
-    from dspark.config import SIMULATE_POLICIES
-    from dspark.scheduling.simulator import DecodeSettings, ServeSettings, make_policy, simulate_grid
-    from dspark.scheduling.sps_profile import profile_path, table_interval
-    from dspark.evaluation.clocks import serving_clock_difference
 
-    s, e = config.serve, config.eval
+    sps, policies = _simulation_policies(config)
+    out = config.path(config.serve.out, "simulate")
+    done = _open_cells(out, config, resume)
+    run = _open_simulation(config, sps, announce)
+    results = []
+    for spec in policies:
+        for concurrency in config.serve.concurrencies:
+            if (spec, int(concurrency)) in done:
+                result = done[(spec, int(concurrency))]
+            else:
+                result = _simulate_cell(config, run, spec, concurrency, announce)
+                _append_cell(out, spec, result)
+            results.append(result)
+            if progress is not None:
+                progress(result)
+    out = write_results(out, results, _simulation_summary(config, run, policies))
+    return results, out
+
+
+@dataclasses.dataclass
+class _Simulation:
+    """What every (policy, R) cell of one ``simulate`` run shares."""
+
+    target: Any
+    drafter: Any
+    origin: str  # where the drafter came from (``dspark.build.load_models``)
+    temps: Any  # the STS temperatures [γ], or None (raw confidences)
+    sets: dict[str, list[Any]]  # benchmark -> its prompts
+    prompts: list[Any]  # rendered, benchmarks interleaved
+    keys: list[tuple[str, int]]  # (benchmark, index) of each prompt: its request seed
+    eos: list[int]
+    sps: Any  # the table the policies decide on
+    profile: Any  # the profile behind it, or None
+    price: Any  # the table the SPS clock prices on
+    # R -> target-only tokens/s on the wall clock, timed once per R
+    walls: dict[int, float] = dataclasses.field(default_factory=dict)
+    # R -> the batched loop's own forwards, R rows of 1..γ+1 tokens, profiled here
+    layouts: dict[int, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def gamma(self) -> int:
+        return self.drafter.config.block_size
+
+
+def _simulation_policies(config: Config) -> tuple[Any, list[str]]:
+    """The SPS table of `serve.sps` and the policies to serve, each made once so that a bad spec
+    fails before any model is loaded."""
+    from dspark.config import SIMULATE_POLICIES
+    from dspark.scheduling.algorithm1 import SPSTable
+    from dspark.scheduling.simulator import make_policy
+
+    s = config.serve
     if not s.sps:
         raise ValueError("serve.sps is empty: give the SPS table of `dspark profile-sps` (--sps FILE)")
     sps = SPSTable.from_json(s.sps)
     policies = list(s.policy) or list(SIMULATE_POLICIES)
     for spec in policies:  # fail on a bad spec before loading any model
         make_policy(spec, sps)
-    out = config.path(s.out, "simulate")
-    done = _open_cells(out, config, resume)
+    return sps, policies
+
+
+def _open_simulation(config: Config, sps: Any, announce: Announce) -> _Simulation:
+    """The models, the STS temperatures, the prompts and EOS ids of a run, and the table its SPS clock
+    prices on; announces what was loaded."""
+    from dspark.build import load_models
+    from dspark.evaluation.evaluate import default_eos_ids
+    from dspark.scheduling.calibration import load_sts_json
+    from dspark.scheduling.sps_profile import profile_path
+
+    s = config.serve
     target, drafter, origin = load_models(config)
     gamma = drafter.config.block_size
     temps = load_sts_json(s.sts, gamma) if s.sts else None
@@ -126,54 +179,57 @@ def simulate(config: Config, *, progress: Callable[[Any], None] | None = None,
     price = profile.measured_table if profile is not None else sps
     announce("SPS clock: " + (f"the measured medians and their intervals from {profile_path(s.sps)}" if profile
                               else "the table, no interval"))
-    results = []
-    walls: dict[int, float] = {}  # R -> target-only tokens/s on the wall clock, timed once per R
-    layouts: dict[int, Any] = {}  # R -> the batched loop's own forwards, R rows of 1..γ+1 tokens, profiled here
+    return _Simulation(target, drafter, origin, temps, sets, prompts, keys, eos, sps, profile, price)
 
-    def layout(rows: int) -> Any:
-        if rows not in layouts:
-            layouts[rows] = _layout_profile(target, prompts, rows, gamma, s.max_new_tokens, e.seed, announce)
-        return layouts[rows]
 
-    for spec in policies:
-        for concurrency in s.concurrencies:
-            if (spec, int(concurrency)) in done:
-                result = done[(spec, int(concurrency))]
-            else:
-                # The batched engine's clock prices each forward from a profile of that forward's own shape.
-                cell_profile = layout(int(concurrency)) if s.engine == "batched" else profile
-                cell_price = cell_profile.measured_table if cell_profile is not None else price
-                [result] = simulate_grid(
-                    target, drafter, prompts, policies=[spec], concurrencies=[concurrency],
-                    decoding=DecodeSettings(max_new_tokens=s.max_new_tokens, temperature=e.temperature, seed=e.seed,
-                                            eos_token_ids=eos),
-                    serving=ServeSettings(sps=sps, price_sps=cell_price, sts_temperatures=temps,
-                                          draft_overhead=s.draft_overhead, engine=s.engine),
-                    cycle=s.cycle, num_requests=s.num_requests or None, keys=keys, walls=walls)
-                if cell_profile is not None:
-                    result.table_ci = list(table_interval(result, cell_profile, seed=e.seed))
-                    if result.engine == "batched":
-                        result.clocks = dataclasses.asdict(serving_clock_difference(result, cell_profile,
-                                                                                    seed=e.seed))
-                _append_cell(out, spec, result)
-            results.append(result)
-            if progress is not None:
-                progress(result)
-    summary = {
-        "target": config.target.name_or_path, "drafter": origin, "gamma": gamma, "sps": sps.to_dict(),
-        "price_sps": price.to_dict(),
-        "sts_temperatures": None if temps is None else [float(t) for t in temps], "policies": policies,
-        "concurrencies": list(s.concurrencies), "benchmarks": {n: len(v) for n, v in sets.items()},
-        "num_prompts": len(prompts), "max_new_tokens": s.max_new_tokens, "temperature": e.temperature,
+def _simulate_cell(config: Config, run: _Simulation, spec: str, concurrency: int, announce: Announce) -> Any:
+    """One (policy, R) cell served, with the SPS clock's interval (and, on the batched engine, the
+    difference of its two clocks) where a profile is there."""
+    from dspark.evaluation.clocks import serving_clock_difference
+    from dspark.scheduling.simulator import DecodeSettings, ServeSettings, simulate_grid
+    from dspark.scheduling.sps_profile import table_interval
+
+    s, e = config.serve, config.eval
+    # The batched engine's clock prices each forward from a profile of that forward's own shape.
+    cell_profile = _layout(config, run, int(concurrency), announce) if s.engine == "batched" else run.profile
+    cell_price = cell_profile.measured_table if cell_profile is not None else run.price
+    [result] = simulate_grid(
+        run.target, run.drafter, run.prompts, policies=[spec], concurrencies=[concurrency],
+        decoding=DecodeSettings(max_new_tokens=s.max_new_tokens, temperature=e.temperature, seed=e.seed,
+                                eos_token_ids=run.eos),
+        serving=ServeSettings(sps=run.sps, price_sps=cell_price, sts_temperatures=run.temps,
+                              draft_overhead=s.draft_overhead, engine=s.engine),
+        cycle=s.cycle, num_requests=s.num_requests or None, keys=run.keys, walls=run.walls)
+    if cell_profile is not None:
+        result.table_ci = list(table_interval(result, cell_profile, seed=e.seed))
+        if result.engine == "batched":
+            result.clocks = dataclasses.asdict(serving_clock_difference(result, cell_profile, seed=e.seed))
+    return result
+
+
+def _layout(config: Config, run: _Simulation, rows: int, announce: Announce) -> Any:
+    """The batched loop's profile at R = ``rows`` (``_layout_profile``), profiled once per run."""
+    if rows not in run.layouts:
+        run.layouts[rows] = _layout_profile(run.target, run.prompts, rows, run.gamma, config.serve.max_new_tokens,
+                                            config.eval.seed, announce)
+    return run.layouts[rows]
+
+
+def _simulation_summary(config: Config, run: _Simulation, policies: list[str]) -> dict[str, Any]:
+    """results.json's config: what was served, and how."""
+    s, e = config.serve, config.eval
+    return {
+        "target": config.target.name_or_path, "drafter": run.origin, "gamma": run.gamma, "sps": run.sps.to_dict(),
+        "price_sps": run.price.to_dict(),
+        "sts_temperatures": None if run.temps is None else [float(t) for t in run.temps], "policies": policies,
+        "concurrencies": list(s.concurrencies), "benchmarks": {n: len(v) for n, v in run.sets.items()},
+        "num_prompts": len(run.prompts), "max_new_tokens": s.max_new_tokens, "temperature": e.temperature,
         "seed": e.seed, "cycle": s.cycle, "num_requests": s.num_requests or None,
-        "draft_overhead": s.draft_overhead, "eos_token_ids": eos, "engine": s.engine,
+        "draft_overhead": s.draft_overhead, "eos_token_ids": run.eos, "engine": s.engine,
         # the batched engine's clock: R -> the table of its own forwards (R rows × 1..γ+1 tokens)
         "layout_sps": {str(r): {**p.measured_table.to_dict(), "context_len": p.context_len, "rows": p.rows}
-                       for r, p in sorted(layouts.items())},
+                       for r, p in sorted(run.layouts.items())},
     }
-    out = write_results(out, results, summary)
-    return results, out
-
 
 def _layout_profile(target: Any, prompts: Sequence[Sequence[int]], rows: int, gamma: int, max_new_tokens: int,
                     seed: int, announce: Announce) -> Any:

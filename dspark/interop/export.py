@@ -1,52 +1,16 @@
 """Export a drafter to the folder layout a serving or training stack loads (`dspark export`).
 
-Every destination's layout lives here, in one function each, with the facts it relies on
-(each loader's own code; z-lab's from its `dflash/model.py`). The layer-id convention needs no
-conversion anywhere: DeepSpec and z-lab use ours (id i = output of decoder layer i), and SGLang
-and vLLM add 1 to `target_layer_ids` themselves for DFlash/DSpark, so every file carries our ids.
+Every destination's layout lives here, in one function each: `deepspec`, `sglang`, `vllm` and
+`zlab` folders (config.json and safetensors), and `llamacpp`: one GGUF file, `draft.gguf`
+(dspark.interop.gguf), with SERVE.md's `llama-server` command, whose `--spec-draft-n-max` /
+`--spec-draft-p-min` are chosen from a drafter's greedy rounds and the engine's cost table when
+given (dspark.interop.llamacpp_tuning). An Eagle3 drafter goes to vLLM and SGLang as the standard
+`LlamaForCausalLMEagle3`. Every file carries our layer ids (id i = output of decoder layer i),
+except vLLM's top-level EAGLE-3 field (ours + 1). What a destination cannot serve raises
+ExportRefused (GGUFRefused for llama.cpp) naming the field and the fix.
 
-- **deepspec**: `Qwen3DSparkModel` / `Gemma4DSparkModel` for DSpark and DFlash alike (DFlash:
-  `markov_rank` 0, no head fields); the target config plus flat fields; DeepSpec weight names; the
-  embedding and LM head included (its evaluator loads with plain `from_pretrained`, which would
-  leave missing tensors random). Anchor-first layout only.
-- **sglang**: DSpark (`--speculative-algorithm DSPARK`): `Qwen3DSparkModel`, vanilla, gated and
-  RNN heads, `markov_rank` > 0 required, embedding / LM head ignored (not written). Optional STS
-  and SPS files. DFlash (`DFLASH`): the z-lab layout.
-- **vllm**: `"method": "dspark"`: `Qwen3DSparkModel` / `Gemma4DSparkModel`, DeepSpec names, the
-  vanilla Markov head only; embedding / LM head optional (left out: shared from the target).
-  `"method": "dflash"`: the z-lab layout, `num_speculative_tokens` = block_size − 1.
-- **zlab**: `DFlashDraftModel` (built from Qwen3 layers with q/k norms; a layer whose
-  `layer_types` entry is "sliding_attention" turns causal there, so every entry is
-  "full_attention"), top-level `block_size` = γ + 1 and `num_target_layers`,
-  `dflash_config {target_layer_ids, mask_token_id}`, weights `layers.*`, `fc`, `hidden_norm`,
-  `norm` only. Only an anchor + γ masks DFlash drafter is a z-lab DFlash.
-
-A drafter with a draft vocabulary (dspark.modeling.vocab) goes to vLLM only: its `dspark` and
-`dflash` methods read `draft_vocab_size` from config.json and need both `lm_head.weight` (the k
-rows) and `d2t` (draft→target offsets; `t2d` is written too and ignored there). DeepSpec's DSpark
-has no d2t, SGLang's DSPARK and DFLASH and z-lab's DFlash take the target's full LM head: refused.
-
-An Eagle3 drafter goes to vLLM and SGLang as the standard EAGLE-3 layout both load
-(`LlamaForCausalLMEagle3`, :func:`eagle3_serving_config`): a Llama config with `num_hidden_layers` 1,
-weights `fc` [H, 3H] (fixed at 3·H: exactly 3 fused layers), `midlayer.*` (our `layers.0.*`), `norm`,
-`lm_head` [k, H] (the draft vocabulary's rows, or all V), `d2t` / `t2d` with a draft vocabulary,
-`draft_vocab_size`, no embedding (both share the target's). The fused layers in both engines'
-conventions, so one folder serves both: top-level `eagle_aux_hidden_state_layer_ids` = our ids + 1
-(vLLM reads it as written, input-of-layer) and `eagle_config.eagle_aux_hidden_state_layer_ids` = our
-ids (SGLang adds 1). Its layer is Llama's: no q/k norms (so the eagle3_deepspec preset is refused),
-SiLU, no biases, unscaled embeddings, no logit soft-capping. DeepSpec and z-lab have no EAGLE-3
-serving layout: refused.
-
-- **llamacpp**: one GGUF file, `draft.gguf` (dspark.interop.gguf: architecture `dflash` for DSpark and
-  DFlash, `eagle3` for Eagle3, the target's tokenizer inside), and SERVE.md with the `llama-server`
-  command (`-md draft.gguf --spec-type draft-dspark|draft-dflash|draft-eagle3 --spec-draft-n-max γ`).
-  With a drafter's greedy rounds and the engine's cost table, the command carries the chosen
-  `--spec-draft-n-max` / `--spec-draft-p-min` and SERVE.md their predicted speed
-  (dspark.interop.llamacpp_tuning). What llama.cpp cannot run is refused there (GGUFRefused, an
-  ExportRefused).
-
-The RNN head without a bias (the paper's Eq. 6) is written with a zero `joint_proj.bias`, since
-DeepSpec and SGLang build the biased head: the outputs are the same.
+docs/interop.md ("Writing drafters", "What each folder holds", "The GGUF file") has what each
+loader reads and why.
 """
 
 from __future__ import annotations
@@ -79,6 +43,7 @@ from dspark.interop.layouts import (  # noqa: F401  (ExportRefused: the error ex
 )
 from dspark.io.atomic import replace_dir
 from dspark.modeling.config import DrafterConfig
+from dspark.registry import HEADS
 from dspark.modeling.drafter import Drafter
 from dspark.modeling.eagle3 import Eagle3Drafter
 
@@ -296,6 +261,11 @@ def export_drafter(
     if bool(rounds) != bool(costs):
         refuse(to, "a recommended llama.cpp setting needs both --rounds (a greedy `dspark eval` folder of this "
                    "drafter) and --costs (bench/llamacpp.py --costs)")
+    config = drafter.config
+    if config.has_sequential_head and not HEADS.is_builtin(config.markov_head_type):
+        refuse(to, f"markov_head_type={config.markov_head_type!r} is a head registered in your own code; serving "
+                   f"engines run only their own heads ({', '.join(n for n in HEADS.names() if HEADS.is_builtin(n))}): "
+                   "serve it with dspark's own loop (dspark.speculative_generate, dspark eval)")
     folder = Path(out).resolve()
     if to == "llamacpp":
         return _export_llamacpp(drafter, folder, target=target, outtype=outtype, tokenizer_pre=tokenizer_pre,

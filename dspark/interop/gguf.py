@@ -4,62 +4,13 @@
 (`convert_hf_to_gguf.py <vllm folder> --target-model-dir <target>`) writes for the same drafter:
 the same architecture, metadata keys (names, values, value types), tensor names, shapes, dtypes and
 data. It needs only the `gguf` package; the target's tokenizer and config come from its HF folder.
+DSpark and DFlash are architecture `dflash`, EAGLE-3 is `eagle3` (:func:`spec_type`: the
+`--spec-type` that serves each); :func:`tokenizer_fields` carries the target's tokenizer. What
+llama.cpp cannot run is refused (GGUFRefused, a ValueError naming the field and the fix).
 
-Format facts (llama.cpp's loader, `src/models/dflash.cpp`, `src/models/eagle3.cpp`, and its
-speculative loop, `common/speculative.cpp`):
-
-- **DSpark and DFlash** are architecture `dflash`. Keys: the usual transformer hyper-parameters
-  (`dflash.block_count`, `.embedding_length`, `.feed_forward_length`, `.attention.head_count[_kv]`,
-  `.attention.key_length/value_length`, `.rope.freq_base`, `.attention.layer_norm_rms_epsilon`,
-  `.context_length`), `dflash.block_size` (UINT32), `dflash.target_layers` (INT32 array),
-  `tokenizer.ggml.mask_token_id`; a DSpark (a DeepSpec-layout drafter, Markov head or not) also has
-  `dflash.sample_from_anchor` = true and `dflash.has_confidence_head` (BOOL).
-- **Layer ids**: llama.cpp captures the *input* of target layer j, so `target_layers` = our ids + 1
-  (our id i is the output of decoder layer i; id -1, the embedding output, becomes 0). The input of
-  layer L (after the last one) is never captured, so a drafter reading our id L-1 is refused.
-- **Block size and anchor**: a DSpark block is [anchor, mask x (γ-1)], slot k predicting anchor+k+1
-  (`sample_from_anchor` = true, our "anchor_first" layout): `block_size` = γ and up to γ drafts
-  (`--spec-type draft-dspark`). An anchor-first DFlash (no Markov head) is written the same way,
-  without Markov tensors, and served as draft-dspark too. A z-lab DFlash ("anchor_plus_masks") is a
-  plain DFlash: no `sample_from_anchor` key, `block_size` = γ + 1, block [anchor, mask x γ], the
-  drafts read from slots 1..γ (`--spec-type draft-dflash`, at most block_size - 1 = γ drafts).
-- **Tensors** (GGUF shapes are the torch shapes reversed; torch [out, in] → ggml {in, out}):
-  `fc.weight` [H, m·H], `enc.output_norm.weight` (our `hidden_norm`), `output_norm.weight`
-  (our final `norm`), per layer `blk.i.attn_norm`, `attn_q/k/v/output`, `attn_q_norm`,
-  `attn_k_norm` (required: the layers are Qwen3's), `ffn_norm`, `ffn_gate/up/down`; the vanilla
-  Markov head `markov_w1.weight` [V, r] (rows gathered by the previous token) and
-  `markov_w2.weight` [k, r]; the confidence head `conf_proj.weight` [1, H + r] and
-  `conf_proj.bias` [1] (its input is [hidden; markov_w1[prev]]). No embedding and, with the full
-  vocabulary, no LM head: both are the target's. No q/k permutation (NeoX RoPE, like Qwen3).
-- **Draft vocabulary** (k < V ids): `output.weight` [k, H] (the LM head's k rows) and `d2t`, I64,
-  shape [k], holding *absolute* target ids (d2t[i] = i + our offset), unique and < V; `t2d` is not
-  written.
-- **EAGLE-3** is architecture `eagle3`: `eagle3.target_layers` (INT32, our ids + 1, exactly 3),
-  `eagle3.target_hidden_size`, `eagle3.norm_before_residual` = false, `eagle3.norm_before_fc` =
-  false, `eagle3.vocab_size` = V, `eagle3.rope.dimension_count`; tensors `fc.weight`,
-  `blk.0.attn_norm_2.weight` (the hidden-state norm), the Llama layer with q/k rows permuted from
-  HF's rotate-half order to GGML's interleaved RoPE order (per head, rows (0, d/2, 1, d/2+1, ...)),
-  `output_norm.weight`, `output.weight` [k or V, H], and `d2t` (absolute ids) with a draft
-  vocabulary.
-- **dtypes**: 1-D tensors, `*_norm.weight` and every non-`.weight` tensor (biases) are F32;
-  every other tensor is the chosen outtype (F16 by default: llama.cpp's CPU path multiplies F16
-  weights directly; F32 and BF16 also load). `d2t` is I64.
-- **Tokenizer**: the target's, from its HF folder (byte-level BPE, `tokenizer.ggml.model` "gpt2"):
-  V tokens (ids missing from the vocabulary are `[PAD<i>]`, UNUSED), token types (NORMAL, CONTROL for
-  special added tokens, USER_DEFINED for other added tokens), merges, special token ids and the chat
-  template (gguf.SpecialVocab), `tokenizer.ggml.pre` the pre-tokenizer's llama.cpp name (known
-  tokenizers only, or given). Draft and target must carry the same vocabulary: llama.cpp checks it.
-  For Llama-family targets, and for every EAGLE-3 draft (its converter is the Llama one), a
-  49152-token vocabulary (SmolLM2's) gets `tokenizer.ggml.add_bos_token` = false and
-  tokenizer_config.json's `add_prefix_space` becomes `tokenizer.ggml.add_space_prefix`, as llama.cpp's
-  converter writes them.
-
-What llama.cpp cannot run is refused (GGUFRefused, a ValueError naming the field and the fix): the
-gated and RNN Markov heads, a confidence head without the Markov input, layers without q/k norms
-(Llama-family drafter layers: train with drafter.layer_family=qwen3), Gemma-family drafters, an
-anchor_plus_masks DSpark, attention biases, RoPE scaling, sliding-window draft layers, a
-non-SiLU activation, the last target layer as a feature layer, and an Eagle3 drafter that is not the
-standard EAGLE-3 (3 fused layers, Llama layer).
+docs/interop.md ("The GGUF file") lists the keys, tensors, dtypes, tokenizer fields and refusals,
+and the llama.cpp code they follow (`src/models/dflash.cpp`, `src/models/eagle3.cpp`,
+`common/speculative.cpp`).
 """
 
 from __future__ import annotations
@@ -179,7 +130,7 @@ def tokenizer_fields(folder: Path, vocab_size: int, *, model_type: str, tokenize
                      llama_rules: bool | None = None) -> list:
     """The target's tokenizer as (key, value, kind) triples, kind in {"str", "u32", "bool",
     "str_array", "i32_array"}: a byte-level BPE tokenizer read with transformers, V = vocab_size
-    entries (see the module docstring). `llama_rules` (default: a Llama/Mistral target): the two
+    entries (docs/interop.md, "The GGUF file"). `llama_rules` (default: a Llama/Mistral target): the two
     tokenizer settings llama.cpp's Llama converter adds (`add_space_prefix` from
     tokenizer_config.json's add_prefix_space; no BOS for a 49152-token vocabulary); an EAGLE-3
     draft always gets them, its converter being the Llama one."""
@@ -270,7 +221,7 @@ def _check_base(base: dict[str, Any], what: str) -> None:
 
 
 def check_dflash(config) -> None:
-    """Refuse what llama.cpp's `dflash` architecture cannot run (see the module docstring)."""
+    """Refuse what llama.cpp's `dflash` architecture cannot run (docs/interop.md, "The GGUF file")."""
     if config.family != "qwen3":
         fix = ("train it with drafter.layer_family=qwen3" if config.family == "llama"
                else "llama.cpp's Gemma-4 DSpark is not written by dspark")

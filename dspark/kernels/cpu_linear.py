@@ -37,7 +37,7 @@ __all__ = ["FEW_ROWS", "PackedLinear", "applies", "available", "can_pack", "is_r
            "register", "resolve", "suspended", "unpack_linears", "unregister"]
 
 # Up to this many rows the packed kernel is used; above it (prefill, training batches)
-# F.linear, which is as fast or faster there (bench/README.md).
+# F.linear (bench/README.md; bench/studies.md on where the limit should sit).
 FEW_ROWS = 32
 # The batch size oneDNN packs for: a verification forward's γ + 1 = 8 rows. The same
 # packed weight serves 1..FEW_ROWS rows.

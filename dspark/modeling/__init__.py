@@ -2,7 +2,8 @@
 
 from dspark.modeling.checkpoint import load_drafter, make_drafter, save_drafter
 from dspark.modeling.config import DrafterConfig
-from dspark.modeling.drafter import DraftContext, Drafter, Proposal, training_mask
+from dspark.modeling.blocks import training_mask
+from dspark.modeling.drafter import DraftContext, Drafter, Proposal
 from dspark.modeling.eagle3 import Eagle3Context, Eagle3Drafter
 from dspark.modeling.heads import ConfidenceHead, GatedMarkovHead, MarkovHead, RNNHead
 

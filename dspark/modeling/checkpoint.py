@@ -27,6 +27,7 @@ from safetensors.torch import save_file
 
 from dspark.io.atomic import replace_dir
 from dspark.modeling.config import DrafterConfig
+from dspark.registry import HEADS
 from dspark.modeling.drafter import SHARED_PARAMS, Drafter
 from dspark.modeling.eagle3 import Eagle3Drafter
 from dspark.modeling.formats import (
@@ -63,6 +64,7 @@ def save_drafter(
     whole, e.g. full tensors gathered from an FSDP-sharded drafter (same names).
     """
     folder = Path(folder)
+    config = config_of_parts(drafter)
     folder.parent.mkdir(parents=True, exist_ok=True)
     source = drafter.state_dict() if state_dict is None else state_dict
     state = {name: t.detach().contiguous().cpu() for name, t in source.items()}
@@ -72,13 +74,34 @@ def save_drafter(
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
     try:
         with open(tmp / CONFIG_NAME, "w") as f:
-            json.dump(drafter.config.to_hf_dict(), f, indent=2, sort_keys=True)
+            json.dump(config.to_hf_dict(), f, indent=2, sort_keys=True)
         save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt", **(metadata or {})})
         replace_dir(tmp, folder)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return folder
+
+
+def config_of_parts(drafter: Drafter) -> DrafterConfig:
+    """The config that rebuilds `drafter` as it is: a sequential head assigned after construction is
+    recorded by the name it is registered under in dspark.registry.HEADS (an unregistered one is
+    refused: config.json could not name it, and the folder would load as another head)."""
+    config = drafter.config
+    head = getattr(drafter, "markov_head", None)
+    if head is None:
+        return config
+    if HEADS.get(config.markov_head_type) is type(head):
+        return config
+    names = [name for name in HEADS.names() if HEADS.get(name) is type(head)]
+    if not names:
+        cls = type(head)
+        raise ValueError(
+            f"drafter.markov_head is a {cls.__module__}.{cls.__qualname__}, which is not registered in "
+            f"dspark.registry.HEADS, so config.json cannot name it (it says {config.markov_head_type!r}); "
+            f"register it first: dspark.registry.HEADS.register('<name>', {cls.__qualname__}) (docs/extending.md)"
+        )
+    return config.replace(markov_head_type=names[0])
 
 
 def read_config(folder: str | os.PathLike) -> DrafterConfig:
@@ -146,7 +169,9 @@ def _check_shapes(drafter: Drafter, state: dict[str, torch.Tensor], folder: Path
 
 
 def check_against_target(config: DrafterConfig, target: Any, folder: Path | str = "the drafter") -> None:
-    """The drafter was built for this target: hidden size, vocabulary and layer count agree."""
+    """The drafter was built for this target: hidden size, vocabulary, layer count and the feature
+    layers the target captures agree. Raises ValueError naming the field that differs and the fix,
+    before any forward runs (a mismatch would otherwise surface as a shape error inside decoding)."""
     embed = target.embed_tokens.weight
     checks = (
         ("hidden_size", config.hidden_size, int(embed.shape[1])),
@@ -156,9 +181,17 @@ def check_against_target(config: DrafterConfig, target: Any, folder: Path | str 
     for field, ours, theirs in checks:
         if ours != theirs:
             raise ValueError(
-                f"{folder}: config.json has {field}={ours}, the target has {theirs}: the drafter was built for "
-                "another target"
+                f"{folder}: its {field} is {ours}, the target's is {theirs}: the drafter was built for another "
+                "target; load the target it was trained with (its config.json names it)"
             )
+    captured = getattr(target, "target_layer_ids", None)
+    if captured is not None and [int(i) for i in captured] != list(config.target_layer_ids):
+        raise ValueError(
+            f"{folder}: the drafter reads the target's layers {list(config.target_layer_ids)} "
+            f"(target_layer_ids), the target captures {[int(i) for i in captured]}; load the target with "
+            f"the drafter's layers: dspark.load_target(config, target_layer_ids={list(config.target_layer_ids)}) "
+            f"or TargetModel(..., target_layer_ids={list(config.target_layer_ids)})"
+        )
 
 
 def load_drafter(

@@ -17,23 +17,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-# model_type (as found in a transformers config) -> drafter family adapter.
-FAMILY_OF_MODEL_TYPE = {
-    "llama": "llama",
-    "mistral": "llama",
-    "qwen3": "qwen3",
-    "gemma4": "gemma4",
-    "gemma4_text": "gemma4",
-}
-VARIANTS = ("dspark", "dflash", "eagle3")
-# Eagle3 presets: "eagle3" is the standard EAGLE-3 that vLLM / SGLang
-# serve (Llama-style layer, no q/k norms, 3 fused layers, reduced draft vocabulary); "eagle3_deepspec"
-# is DeepSpec's Qwen3Eagle3Model (q/k norms, the 5 DSpark layers, full vocabulary), the paper's baseline.
-EAGLE3_PRESETS = ("eagle3", "eagle3_deepspec")
-BLOCK_LAYOUTS = ("anchor_first", "anchor_plus_masks")
-SEQUENTIAL_HEADS = ("vanilla", "gated", "rnn")
+from dspark.choices import ATTENTION_KERNELS, BLOCK_LAYOUTS, EAGLE3_PRESETS, VARIANTS
+from dspark.config import DrafterSpec
+from dspark.registry import FAMILIES, HEADS, Family
+
+_SPEC = DrafterSpec()  # the defaults both DrafterSpec and DrafterConfig carry live in DrafterSpec
 # Fields only dspark writes (DeepSpec has none of them; each has a default reproducing DeepSpec).
-OWN_FIELDS = ("dspark_variant", "block_layout", "target_num_hidden_layers", "rnn_bias", "eagle3_preset")
+OWN_FIELDS = ("dspark_variant", "block_layout", "target_num_hidden_layers", "rnn_bias", "eagle3_preset",
+              "markov_head_options", "markov_head_source")
 # Fields DeepSpec writes for its Eagle3 (Qwen3Eagle3Model) on top of the target config.
 EAGLE3_FIELDS = ("ttt_length", "step_loss_decay", "draft_num_hidden_layers", "target_model_name_or_path")
 
@@ -72,14 +63,9 @@ def qwen3_layers_for(base: dict[str, Any], layer_family: str) -> dict[str, Any]:
 
 
 def family_of(model_type: str) -> str:
-    """Map a transformers `model_type` to one of the drafter family adapters."""
-    try:
-        return FAMILY_OF_MODEL_TYPE[model_type]
-    except KeyError:
-        raise ValueError(
-            f"model_type={model_type!r} has no drafter adapter; supported model types: "
-            f"{sorted(FAMILY_OF_MODEL_TYPE)}"
-        ) from None
+    """The drafter family of a transformers `model_type` (dspark.registry.FAMILIES; it must have
+    draft layers)."""
+    return FAMILIES.of_model_type(model_type, drafter=True).name
 
 
 @dataclass
@@ -98,26 +84,28 @@ class DrafterConfig:
     target_layer_ids: list[int]
     num_target_layers: int
     mask_token_id: int
-    num_draft_layers: int = 5
-    block_size: int = 7
+    num_draft_layers: int = _SPEC.num_draft_layers
+    block_size: int = _SPEC.block_size
     num_anchors: int = 512
-    variant: str = "dspark"  # "dspark" | "dflash" | "eagle3"
-    block_layout: str = "anchor_first"  # DSpark layout | original DFlash "anchor_plus_masks"
-    markov_rank: int = 256
-    markov_head_type: str = "vanilla"  # "vanilla" (Markov, Eq. 5) | "gated" (DeepSpec) | "rnn" (Eq. 6)
+    variant: str = _SPEC.variant  # dspark.choices.VARIANTS
+    block_layout: str = _SPEC.block_layout  # DSpark layout | original DFlash "anchor_plus_masks"
+    markov_rank: int = _SPEC.markov_rank
+    markov_head_type: str = _SPEC.markov_head_type  # a dspark.registry.HEADS name
     # The RNN head's joint_proj has a bias by default: DeepSpec trains and SGLang serves that form,
     # so a drafter trained here serves there; False is the paper's Eq. 6 exactly.
-    rnn_bias: bool = True
-    enable_confidence_head: bool = True
-    confidence_head_with_markov: bool = True
+    rnn_bias: bool = _SPEC.rnn_bias
+    # keyword arguments of a registered head's constructor (config.json: markov_head_options)
+    head_options: dict[str, Any] = field(default_factory=dict)
+    enable_confidence_head: bool = _SPEC.enable_confidence_head
+    confidence_head_with_markov: bool = _SPEC.confidence_head_with_markov
     intermediate_size: int | None = None  # None: the target's
-    attn_implementation: str = "sdpa"  # "sdpa" | "eager" | "flex"
+    attn_implementation: str = "sdpa"  # dspark.choices.ATTENTION_KERNELS
     # Eagle3 only (variant "eagle3"): the preset, the training-time-test horizon and its step decay.
-    eagle3_preset: str = "eagle3"
-    ttt_length: int = 7
-    step_loss_decay: float = 0.8
+    eagle3_preset: str = _SPEC.eagle3_preset
+    ttt_length: int = _SPEC.ttt_length
+    step_loss_decay: float = _SPEC.step_loss_decay
     # k > 0: the drafter predicts over k target ids (dspark.modeling.vocab); 0: the full vocabulary.
-    draft_vocab_size: int = 0
+    draft_vocab_size: int = _SPEC.draft_vocab_size
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -132,6 +120,11 @@ class DrafterConfig:
     @property
     def family(self) -> str:
         return family_of(self.model_type)
+
+    @property
+    def family_facts(self) -> Family:
+        """Everything dspark knows about the target's family (dspark.registry.FAMILIES)."""
+        return FAMILIES.of_model_type(self.model_type, drafter=True)
 
     @property
     def hidden_size(self) -> int:
@@ -167,7 +160,7 @@ class DrafterConfig:
     @property
     def embed_scale(self) -> float:
         """Gemma scales input embeddings by sqrt(d); the drafter reuses the same lookup."""
-        return math.sqrt(self.hidden_size) if self.family == "gemma4" else 1.0
+        return math.sqrt(self.hidden_size) if self.family_facts.scaled_embeddings else 1.0
 
     @property
     def final_logit_softcapping(self) -> float | None:
@@ -181,10 +174,14 @@ class DrafterConfig:
             raise ValueError(f"variant={self.variant!r} is not one of {VARIANTS}")
         if self.block_layout not in BLOCK_LAYOUTS:
             raise ValueError(f"block_layout={self.block_layout!r} is not one of {BLOCK_LAYOUTS}")
-        if self.markov_head_type not in SEQUENTIAL_HEADS:
+        if self.markov_head_type not in HEADS:
             raise ValueError(
-                f"markov_head_type={self.markov_head_type!r} is not one of {SEQUENTIAL_HEADS}"
+                f"markov_head_type={self.markov_head_type!r} is not a registered sequential head "
+                f"{list(HEADS.names())}: import the module that registers it (dspark.registry.HEADS; "
+                "dspark never imports code a config.json names)"
             )
+        if not isinstance(self.head_options, dict) or not all(isinstance(k, str) for k in self.head_options):
+            raise ValueError(f"head_options must be a dict of keyword arguments, got {self.head_options!r}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_draft_layers < 1:
@@ -202,9 +199,9 @@ class DrafterConfig:
                 raise ValueError(f"ttt_length must be >= 1, got {self.ttt_length}")
             if not 0 < self.step_loss_decay <= 1:
                 raise ValueError(f"step_loss_decay must lie in (0, 1], got {self.step_loss_decay}")
-        if self.attn_implementation not in ("sdpa", "eager", "flex"):
+        if self.attn_implementation not in ATTENTION_KERNELS:
             raise ValueError(
-                f"attn_implementation={self.attn_implementation!r}; use 'sdpa', 'eager' or 'flex'"
+                f"attn_implementation={self.attn_implementation!r}; use one of {ATTENTION_KERNELS}"
             )
         ids = self.target_layer_ids
         if not ids:
@@ -252,21 +249,14 @@ class DrafterConfig:
             out.pop(key, None)
         heads, kv_heads, head_dim = resolve_attention_dims(self.base_config)
         out["num_hidden_layers"] = self.num_draft_layers
-        if self.family == "gemma4":
-            # Every draft layer is a full-attention layer; state its sizes explicitly
-            # instead of the target's per-layer table (which is indexed by target layer).
-            out.pop("per_layer_config", None)
-            out["layer_types"] = ["full_attention"] * self.num_draft_layers
-            out["global_head_dim"] = head_dim
-            out["num_global_key_value_heads"] = kv_heads
-            out["num_kv_shared_layers"] = 0
-            out["hidden_size_per_layer_input"] = 0
-            out["enable_moe_block"] = False
+        draft_config = self.family_facts.hook("draft_config")
+        if draft_config is not None:
+            draft_config(out, head_dim, kv_heads, self.num_draft_layers)
         elif isinstance(out.get("layer_types"), list):
             out["layer_types"] = ["full_attention"] * self.num_draft_layers
         if self.intermediate_size is not None:
             out["intermediate_size"] = self.intermediate_size
-        arch_prefix = {"qwen3": "Qwen3", "gemma4": "Gemma4", "llama": "Llama"}[self.family]
+        arch_prefix = self.family_facts.architecture_prefix
         if self.variant == "eagle3":
             return self._eagle3_hf_dict(out, arch_prefix)
         out["architectures"] = [f"{arch_prefix}{'DSpark' if self.variant == 'dspark' else 'DFlash'}Model"]
@@ -286,6 +276,11 @@ class DrafterConfig:
             target_num_hidden_layers=self.num_target_layers,
             rnn_bias=self.rnn_bias,
         )
+        if self.head_options:
+            out["markov_head_options"] = dict(self.head_options)
+        if is_dspark and self.markov_rank and not HEADS.is_builtin(self.markov_head_type):
+            cls = HEADS.get(self.markov_head_type)  # where the head is defined, for the loader's message
+            out["markov_head_source"] = f"{cls.__module__}:{cls.__qualname__}"
         if self.draft_vocab_size:  # vLLM's field; absent = the full vocabulary, as before
             out["draft_vocab_size"] = self.draft_vocab_size
         out.update(self.extra)
@@ -347,6 +342,15 @@ class DrafterConfig:
         missing = [k for k in ("model_type", "hidden_size", "vocab_size", "target_layer_ids", "mask_token_id") if k not in d]
         if missing:
             raise ValueError(f"drafter config.json lacks the fields {missing}")
+        head = str(d.get("markov_head_type", "vanilla"))
+        if int(d.get("markov_rank", 0)) > 0 and head not in HEADS:
+            source = d.get("markov_head_source")
+            where = f" (defined in {source})" if source else ""
+            raise ValueError(
+                f"config.json names markov_head_type={head!r}{where}, which is not registered in this process: "
+                f"import the module that registers it (dspark.registry.HEADS) before loading; dspark never "
+                f"imports code that a config.json names. Registered: {list(HEADS.names())}"
+            )
         base = {k: v for k, v in d.items() if k not in _DSPARK_FIELDS}
         archs = d.get("architectures") or []
         variant = d.get("dspark_variant")
@@ -379,6 +383,7 @@ class DrafterConfig:
             enable_confidence_head=bool(d.get("enable_confidence_head", False)),
             confidence_head_with_markov=bool(d.get("confidence_head_with_markov", False)),
             rnn_bias=bool(d.get("rnn_bias", True)),
+            head_options=dict(d.get("markov_head_options") or {}),
             draft_vocab_size=draft_vocab_size,
         )
 
@@ -391,8 +396,10 @@ class DrafterConfig:
         model_type = d.pop("model_type")
         for key in ("architectures", "draft_vocab_size", *_DSPARK_FIELDS, *OWN_FIELDS, *EAGLE3_FIELDS):
             d.pop(key, None)
-        if self.family == "gemma4":
-            model_type = "gemma4_text"
+        facts = self.family_facts
+        if facts.rope_model_type:
+            model_type = facts.rope_model_type
+        if facts.rotary_layer_type:
             _, _, head_dim = resolve_attention_dims(self.base_config)
             d.update(num_hidden_layers=1, layer_types=["full_attention"], head_dim=head_dim, global_head_dim=head_dim)
         return AutoConfig.for_model(model_type, **d)
@@ -402,23 +409,43 @@ class DrafterConfig:
 
 
 def resolve_attention_dims(base: dict[str, Any]) -> tuple[int, int, int]:
-    """(num_heads, num_kv_heads, head_dim) of a draft attention layer.
-
-    Draft layers attend globally, so for Gemma4 they take the target's
-    full-attention ("global") sizes, which transformers stores either as
-    `global_head_dim`/`num_global_key_value_heads` or in a per-layer table.
-    """
+    """(num_heads, num_kv_heads, head_dim) of a draft attention layer: the generic config fields,
+    or the family's own rule (Family.attention_dims) where they do not say it."""
     heads = int(base["num_attention_heads"])
     head_dim = base.get("head_dim") or int(base["hidden_size"]) // heads
     kv_heads = int(base.get("num_key_value_heads") or heads)
-    if family_of(str(base.get("model_type", ""))) == "gemma4":
-        full = {}
-        table = base.get("per_layer_config") or {}
-        for idx, kind in enumerate(base.get("layer_types") or []):
-            if kind == "full_attention" and str(idx) in table:
-                full = table[str(idx)]
-                break
-        head_dim = base.get("global_head_dim") or full.get("head_dim") or head_dim
-        if base.get("attention_k_eq_v"):
-            kv_heads = int(base.get("num_global_key_value_heads") or full.get("num_key_value_heads") or kv_heads)
+    rule = FAMILIES.of_model_type(str(base.get("model_type", ""))).hook("attention_dims")
+    if rule is not None:
+        return rule(base)
     return heads, kv_heads, int(head_dim)
+
+
+def gemma4_attention_dims(base: dict[str, Any]) -> tuple[int, int, int]:
+    """Gemma4: draft layers attend globally, so they take the target's full-attention ("global")
+    sizes, which transformers stores either as `global_head_dim`/`num_global_key_value_heads` or in
+    a per-layer table."""
+    heads = int(base["num_attention_heads"])
+    head_dim = base.get("head_dim") or int(base["hidden_size"]) // heads
+    kv_heads = int(base.get("num_key_value_heads") or heads)
+    full = {}
+    table = base.get("per_layer_config") or {}
+    for idx, kind in enumerate(base.get("layer_types") or []):
+        if kind == "full_attention" and str(idx) in table:
+            full = table[str(idx)]
+            break
+    head_dim = base.get("global_head_dim") or full.get("head_dim") or head_dim
+    if base.get("attention_k_eq_v"):
+        kv_heads = int(base.get("num_global_key_value_heads") or full.get("num_key_value_heads") or kv_heads)
+    return heads, kv_heads, int(head_dim)
+
+
+def gemma4_draft_config(out: dict[str, Any], head_dim: int, kv_heads: int, num_draft_layers: int) -> None:
+    """Gemma4 config.json fields of the draft layers: every one a full-attention layer, its sizes
+    stated explicitly instead of the target's per-layer table (indexed by target layer)."""
+    out.pop("per_layer_config", None)
+    out["layer_types"] = ["full_attention"] * num_draft_layers
+    out["global_head_dim"] = head_dim
+    out["num_global_key_value_heads"] = kv_heads
+    out["num_kv_shared_layers"] = 0
+    out["hidden_size_per_layer_input"] = 0
+    out["enable_moe_block"] = False

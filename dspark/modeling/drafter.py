@@ -33,7 +33,8 @@ from torch import Tensor, nn
 
 from dspark.sampling import Generators, sample_categorical
 from dspark.modeling.config import DrafterConfig
-from dspark.modeling.heads import ConfidenceHead, MarkovHead, build_sequential_head
+from dspark.modeling.heads import ConfidenceHead, SequentialHead, build_sequential_head
+from dspark.modeling.blocks import check_forward_inputs, training_mask
 from dspark.modeling.layers import DraftLayer, Rotary, RMSNorm
 from dspark.modeling.vocab import DraftVocab, register_vocab_buffers
 from dspark.kernels import cpu_linear
@@ -93,6 +94,17 @@ def init_linears(modules, config) -> float:
 
 
 class Drafter(nn.Module):
+    """The DSpark / DFlash drafter of a ``DrafterConfig`` (paper Eq. 2-7): the parallel backbone
+    over the target's features, the sequential head (bias of Eq. 5-6) and the confidence head
+    (Eq. 7), reading the target's frozen embedding and LM head (``attach_target``).
+
+    Training: ``forward(features, input_ids, anchors, keep)`` -> h_1..h_γ [B, A, γ, d] of every
+    anchor's block, turned into logits by ``draft_logits`` and confidences by ``confidence_logits``
+    (``dspark.block_loss`` wires them into the loss). Decoding: ``new_context`` /
+    ``extend_context`` / ``propose``, the protocol of ``dspark.speculative_generate``. A draft
+    vocabulary (``draft_vocab_size`` k > 0) is set with ``set_vocab``.
+    """
+
     def __init__(self, config: DrafterConfig) -> None:
         super().__init__()
         self.config = config
@@ -108,14 +120,13 @@ class Drafter(nn.Module):
         self.layers = nn.ModuleList(DraftLayer(config) for _ in range(config.num_draft_layers))
         self.norm = RMSNorm(d, eps)
         self.rotary = Rotary(config)
-        self.markov_head: MarkovHead | None = None
+        self.markov_head: SequentialHead | None = None
         if config.has_sequential_head:
-            self.markov_head = build_sequential_head(
-                config.markov_head_type, V, config.markov_rank, d, config.rnn_bias, out_size=config.output_vocab_size
-            )
+            self.markov_head = build_sequential_head(config)
         self.confidence_head: ConfidenceHead | None = None
         if config.has_confidence_head:
-            in_dim = d + (config.markov_rank if config.confidence_head_with_markov else 0)
+            with_prev = config.confidence_head_with_markov and self.markov_head is not None
+            in_dim = d + (self.markov_head.embedding_dim if with_prev else 0)
             self.confidence_head = ConfidenceHead(in_dim)
         register_vocab_buffers(self, config.draft_vocab_size, V)
         self.reset_parameters()
@@ -262,6 +273,7 @@ class Drafter(nn.Module):
         anchor positions; keep Bool [B, A] (False = padding block, ignored by the loss).
         Returns h_1..h_γ of every block: [B, A, γ, d] (after the final norm).
         """
+        check_forward_inputs(self.config, features, input_ids, anchors, keep)
         B, S = input_ids.shape
         A = anchors.shape[1]
         L = self.config.block_len
@@ -449,30 +461,3 @@ class Drafter(nn.Module):
         ctx = self.new_context(features.shape[0], features.device, capacity=max(1, features.shape[1]))
         self.extend_context(ctx, features)
         return self.propose(ctx, anchor_tokens, temperature=temperature, generator=generator)
-
-
-def training_mask(anchors: Tensor, keep: Tensor, seq_len: int, block_len: int, impl: str = "sdpa") -> Any:
-    """The block mask of Eq. 3 for A blocks per row: query slot of block a sees context j < anchors[a]
-    and all slots of block a. Padding blocks (keep False) see only their own block (their
-    outputs are never supervised; this avoids fully masked rows).
-
-    Returns a bool [B, 1, A·L, S + A·L] (True = attend) or, for impl="flex", a BlockMask.
-    """
-    B, A = anchors.shape
-    Q = A * block_len
-    device = anchors.device
-    eff_anchor = torch.where(keep, anchors, torch.zeros_like(anchors))
-    if impl == "flex":
-        from torch.nn.attention.flex_attention import create_block_mask
-
-        def mask_mod(b, h, q_idx, kv_idx):
-            blk = q_idx // block_len
-            in_ctx = (kv_idx < seq_len) & (kv_idx < eff_anchor[b, blk])
-            same_blk = (kv_idx >= seq_len) & ((kv_idx - seq_len) // block_len == blk)
-            return in_ctx | same_blk
-
-        return create_block_mask(mask_mod, B=B, H=None, Q_LEN=Q, KV_LEN=seq_len + Q, device=device)
-    q_blk = torch.arange(Q, device=device) // block_len  # [Q]
-    ctx_vis = torch.arange(seq_len, device=device).view(1, 1, -1) < eff_anchor[:, q_blk].unsqueeze(-1)  # [B, Q, S]
-    blk_vis = (q_blk.unsqueeze(1) == q_blk.unsqueeze(0)).expand(B, Q, Q)  # [B, Q, Q]
-    return torch.cat([ctx_vis, blk_vis], dim=-1).unsqueeze(1)

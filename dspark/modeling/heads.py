@@ -1,23 +1,62 @@
 """Sequential heads (Eq. 5, 6, and DeepSpec's gated variant) and the confidence head (Eq. 7).
 
-A sequential head adds a prefix-dependent bias B_k to the backbone's base
-logits U_k. Both heads expose the same two entry points:
-
-- `block_bias(prev_tokens, hidden)`: teacher-forced biases for whole blocks
-  (training, and the float64 reference checks);
-- `step(state, prev_token, hidden_k)`: one step of left-to-right sampling that
-  takes and returns the recurrent state. The Markov head's state is `None`;
-  the RNN head's state is s_{k-1}; the gated head is stateless like the Markov head. Passing a zero state at every step would
-  silently turn the RNN into a Markov head, so callers must carry it.
+``SequentialHead`` is the contract every head follows (docs/extending.md adds one);
+``dspark.registry.HEADS`` names the heads a config can choose by
+``drafter.markov_head_type``; ``build_sequential_head`` builds one from a DrafterConfig.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 
-class MarkovHead(nn.Module):
+class SequentialHead(nn.Module):
+    """The contract of a sequential head: a prefix-dependent bias B_k on the backbone's logits U_k.
+
+    A head is built by ``from_config(config)`` (a DrafterConfig: target vocabulary V, rank r =
+    ``markov_rank``, hidden size d, output size k = ``output_vocab_size``, and its own
+    hyperparameters in ``head_options``). Its consumers use only these members:
+
+    - ``embedding_dim`` (int) and ``prev_embedding(tokens [...]) -> [..., embedding_dim]``: the
+      x_{k-1} features the confidence head reads with h_k (Eq. 7, confidence_head_with_markov);
+    - ``block_bias(prev_tokens [..., γ], hidden [..., γ, d]) -> [..., γ, k]``: teacher-forced
+      biases of whole blocks (training, the float64 reference checks);
+    - ``init_state(B, device, dtype)`` and ``step(state, prev_token [B], hidden [B, d]) ->
+      (state, bias [B, k])``: left-to-right sampling, carrying the state (None for a stateless
+      head; passing a fresh state at every step would silently change the head);
+    - ``fused_factors(prev_tokens, hidden) -> (latent [..., γ, q], w2 [k, q]) | None``: a head whose
+      bias is latent @ w2ᵀ feeds the fused loss (dspark.training.fused_loss), which never forms
+      the [N, γ, k] logits; None says it cannot, and training falls back to the chunked loss.
+    """
+
+    embedding_dim: int
+
+    @classmethod
+    def from_config(cls, config: Any) -> "SequentialHead":
+        """The head of a DrafterConfig; ``config.head_options`` are passed as keyword arguments."""
+        return cls(config.vocab_size, config.markov_rank, config.hidden_size,
+                   out_size=config.output_vocab_size, **dict(config.head_options))
+
+    def prev_embedding(self, tokens: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def block_bias(self, prev_tokens: Tensor, hidden: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def init_state(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> Any:
+        return None
+
+    def step(self, state: Any, prev_token: Tensor, hidden: Tensor) -> tuple[Any, Tensor]:
+        raise NotImplementedError
+
+    def fused_factors(self, prev_tokens: Tensor, hidden: Tensor) -> tuple[Tensor, Tensor] | None:
+        return None
+
+
+class MarkovHead(SequentialHead):
     """Eq. 5: B(x_{k-1}, ·) = W1[x_{k-1}] W2, a rank-r factorisation of a V×V transition table.
 
     With a draft vocabulary of k ids (dspark.modeling.vocab) the table is V×k: W1 stays [V, r]
@@ -25,9 +64,10 @@ class MarkovHead(nn.Module):
     builds its DSpark head (`markov_w1` over the target vocabulary, `markov_w2` over the draft one).
     """
 
-    def __init__(self, vocab_size: int, rank: int, out_size: int | None = None) -> None:
+    def __init__(self, vocab_size: int, rank: int, hidden_size: int | None = None, out_size: int | None = None) -> None:
         super().__init__()
         self.rank = rank
+        self.embedding_dim = rank
         self.markov_w1 = nn.Embedding(vocab_size, rank)  # [V, r]
         self.markov_w2 = nn.Linear(rank, out_size or vocab_size, bias=False)  # r -> k (V by default)
         nn.init.normal_(self.markov_w1.weight, std=0.02)
@@ -68,6 +108,10 @@ class MarkovHead(nn.Module):
         """prev_tokens [..., γ] (x_0, x*_1, ..., x*_{γ-1}) -> bias [..., γ, V] = W2 · block_latent."""
         return self.markov_w2(self.block_latent(prev_tokens, hidden))
 
+    def fused_factors(self, prev_tokens: Tensor, hidden: Tensor) -> tuple[Tensor, Tensor]:
+        """(block_latent [..., γ, r], W2 [k, r]): the bias is their product."""
+        return self.block_latent(prev_tokens, hidden), self.markov_w2.weight
+
 
 class GatedMarkovHead(MarkovHead):
     """DeepSpec's `markov_head_type="gated"` (not in the paper; SGLang serves it):
@@ -78,7 +122,7 @@ class GatedMarkovHead(MarkovHead):
     """
 
     def __init__(self, vocab_size: int, rank: int, hidden_size: int, out_size: int | None = None) -> None:
-        super().__init__(vocab_size, rank, out_size)
+        super().__init__(vocab_size, rank, hidden_size, out_size)
         self.gate_proj = nn.Linear(hidden_size + rank, rank)
 
     def block_latent(self, prev_tokens: Tensor, hidden: Tensor) -> Tensor:
@@ -102,8 +146,13 @@ class RNNHead(MarkovHead):
     """
 
     def __init__(self, vocab_size: int, rank: int, hidden_size: int, bias: bool = True, out_size: int | None = None) -> None:
-        super().__init__(vocab_size, rank, out_size)
+        super().__init__(vocab_size, rank, hidden_size, out_size)
         self.joint_proj = nn.Linear(2 * rank + hidden_size, 3 * rank, bias=bias)
+
+    @classmethod
+    def from_config(cls, config: Any) -> "RNNHead":
+        return cls(config.vocab_size, config.markov_rank, config.hidden_size, bias=config.rnn_bias,
+                   out_size=config.output_vocab_size, **dict(config.head_options))
 
     def init_state(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> Tensor:
         return torch.zeros(batch_size, self.rank, device=device, dtype=dtype)
@@ -149,15 +198,14 @@ class ConfidenceHead(nn.Module):
         return self.proj(features.to(self.proj.weight.dtype)).squeeze(-1).float()
 
 
-def build_sequential_head(
-    kind: str, vocab_size: int, rank: int, hidden_size: int, rnn_bias: bool = True, out_size: int | None = None
-) -> MarkovHead:
-    """A sequential head whose inputs are target ids (V) and whose bias has ``out_size`` entries
-    (the draft vocabulary's k; V by default)."""
-    if kind == "vanilla":
-        return MarkovHead(vocab_size, rank, out_size)
-    if kind == "gated":
-        return GatedMarkovHead(vocab_size, rank, hidden_size, out_size)
-    if kind == "rnn":
-        return RNNHead(vocab_size, rank, hidden_size, bias=rnn_bias, out_size=out_size)
-    raise ValueError(f"markov_head_type={kind!r}; use 'vanilla' (Markov, Eq. 5), 'gated' (DeepSpec) or 'rnn' (Eq. 6)")
+def build_sequential_head(config: Any) -> SequentialHead:
+    """The sequential head ``config.markov_head_type`` names in ``dspark.registry.HEADS``, built by
+    its ``from_config`` (the RNN head also reads ``config.rnn_bias``)."""
+    from dspark.registry import HEADS
+
+    cls = HEADS.get(config.markov_head_type)
+    head = cls.from_config(config)
+    if not isinstance(head, SequentialHead):
+        raise TypeError(f"markov_head_type={config.markov_head_type!r} built a {type(head).__name__}, which is not a "
+                        "dspark.modeling.heads.SequentialHead (docs/extending.md: the head contract)")
+    return head

@@ -1,7 +1,8 @@
 """KV-injected draft decoder layers (Eq. 3) with small per-family adapters.
 
 One backbone serves every family. What differs between Llama, Qwen3 and
-Gemma4 draft layers is captured by `FamilyAdapter`:
+Gemma4 draft layers is captured by `FamilyAdapter`, read from the family's
+entry in `dspark.registry.FAMILIES` (with its rotary class):
 
 | family | q/k RMSNorm | v RMSNorm | sandwich norms | score scale     | MLP act |
 |--------|-------------|-----------|----------------|-----------------|---------|
@@ -28,6 +29,7 @@ from torch import Tensor, nn
 from transformers.activations import ACT2FN
 
 from dspark.modeling.config import DrafterConfig, resolve_attention_dims
+from dspark.registry import load_object
 
 
 @dataclass(frozen=True)
@@ -40,13 +42,14 @@ class FamilyAdapter:
 
     @staticmethod
     def of(family: str) -> "FamilyAdapter":
-        if family == "qwen3":
-            return FamilyAdapter(qk_norm=True, v_norm=False, sandwich_norm=False, unit_score_scale=False, layer_scalar=False)
-        if family == "gemma4":
-            return FamilyAdapter(qk_norm=True, v_norm=True, sandwich_norm=True, unit_score_scale=True, layer_scalar=True)
-        if family == "llama":
-            return FamilyAdapter(qk_norm=False, v_norm=False, sandwich_norm=False, unit_score_scale=False, layer_scalar=False)
-        raise ValueError(f"no draft-layer adapter for family {family!r}")
+        """The adapter of a family in dspark.registry.FAMILIES (by family name)."""
+        from dspark.registry import FAMILIES
+
+        if family not in FAMILIES or not FAMILIES.get(family).drafter:
+            raise ValueError(f"no draft-layer adapter for family {family!r} in dspark.registry.FAMILIES")
+        f = FAMILIES.get(family)
+        return FamilyAdapter(qk_norm=f.qk_norm, v_norm=f.v_norm, sandwich_norm=f.sandwich_norm,
+                             unit_score_scale=f.unit_score_scale, layer_scalar=f.layer_scalar)
 
 
 class RMSNorm(nn.Module):
@@ -95,13 +98,9 @@ class Rotary(nn.Module):
     def __init__(self, config: DrafterConfig) -> None:
         super().__init__()
         rope_cfg = config.rope_config()
-        self.family = config.family
-        if config.family == "gemma4":
-            from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding as cls
-        elif config.family == "qwen3":
-            from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding as cls
-        else:
-            from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding as cls
+        facts = config.family_facts
+        cls = load_object(facts.rotary, f"FAMILIES[{facts.name!r}].rotary")
+        self.layer_type = facts.rotary_layer_type
         # Kept out of the module tree on purpose: `drafter.to(bfloat16)` must not round the
         # fp32 inverse frequencies, and they are not part of a checkpoint.
         self._inner = {"module": cls(rope_cfg)}
@@ -111,8 +110,8 @@ class Rotary(nn.Module):
         inner = self._inner["module"]
         if next(inner.buffers()).device != positions.device:
             inner.to(positions.device)
-        if self.family == "gemma4":
-            return inner(like, positions, "full_attention")
+        if self.layer_type:
+            return inner(like, positions, self.layer_type)
         return inner(like, positions)
 
 
@@ -130,7 +129,8 @@ class DraftAttention(nn.Module):
             )
         bias = bool(base.get("attention_bias", False))
         eps = float(base.get("rms_norm_eps", 1e-6))
-        self.k_eq_v = config.family == "gemma4" and bool(base.get("attention_k_eq_v", False))
+        k_eq_v_field = config.family_facts.k_eq_v_field
+        self.k_eq_v = bool(k_eq_v_field) and bool(base.get(k_eq_v_field, False))
         self.q_proj = nn.Linear(d, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = None if self.k_eq_v else nn.Linear(d, self.num_kv_heads * self.head_dim, bias=bias)

@@ -1,33 +1,14 @@
 """The serving loop on the batched decoder: R requests per drafter and target forward, on two clocks.
 
-``dspark.scheduling.simulator.run_requests`` steps R live requests in lockstep under a policy; with
+``dspark.scheduling.serving_loop.run_requests`` steps R live requests in lockstep under a policy; with
 ``ServeSettings.engine = "batched"`` it runs here, on ``dspark.decoding.batched.SpeculativeBatch``:
 every step the policy's ``plan`` picks the rows that draft, one drafter forward drafts them all, the
-policy picks ℓ_r for every row from the (STS-calibrated) confidences of the whole batch (Algorithm 1's
-own setting, paper Section 3.2.2), and one target forward verifies every row, padded to 1 + max ℓ_r.
+policy picks ℓ_r for every row from the confidences of the whole batch (Algorithm 1's own setting,
+paper Section 3.2.2), and one target forward verifies every row, padded to 1 + max ℓ_r.
 
-Two clocks time the same steps:
-
-- the wall clock: the measured seconds of the step (draft, schedule, verify, accept, bookkeeping;
-  admissions' prefills are not counted, as on the SPS clock). Throughput on it is set against
-  target-only decoding of the same requests at the same R on the same machine
-  (``target_only_wall``, ``dspark.decoding.batched.TargetBatch``, R rows live at every step);
-- the SPS clock: the step's target forward costs 1 / SPS(B_fwd) with B_fwd = rows · (1 + max ℓ_r),
-  the tokens the padded forward runs (the policy decides on B = Σ_r (1 + ℓ_r), a ragged engine's
-  count, which ``batch_tokens`` keeps); ``draft_overhead`` charges the rest as in the simulator.
-  Its target-only reference is R · SPS(R). ``ServeSettings.price_sps`` is the table it prices with;
-  ``dspark simulate`` profiles one per R in the engine's own layout (``profile_sps_runs(rows=R)``:
-  R rows of 1..γ+1 tokens, each continuing its own cache), since R rows of q tokens cost more than
-  one sequence of R · q on some devices (a CPU's few-row kernels stop at a row count), and a table
-  of single sequences would price the batched forwards below what they cost.
-
-With ``"measured"`` both clocks charge the same measured draft, accept and bookkeeping seconds, so
-the two ratios to target-only decoding differ only by how the table prices the step's forwards
-against the measured ones, and by the measured target-only baseline against R · SPS(R):
-``dspark.evaluation.clocks.batched_clock_difference`` gives that difference with its interval.
-
-A request's ``timings`` hold its prefill and its share of every step it was live in (the step's
-seconds over its rows), so the shares of all requests add up to the steps' wall clock.
+The wall clock times each step (prefills excluded), set against target-only decoding of the same
+requests at the same R (``target_only_wall``); the SPS clock prices the padded forward,
+rows · (1 + max ℓ_r) tokens. docs/scheduling.md, "The batched engine", says what each clock charges.
 """
 
 from __future__ import annotations
@@ -41,6 +22,9 @@ import numpy as np
 import torch
 
 from dspark.decoding.batched import BatchRow, SpeculativeBatch, TargetBatch
+from dspark.scheduling.results import SimResult
+from dspark.scheduling.serving_loop import _account_step, _checked_lengths, _confidence_matrix, _resolve
+from dspark.scheduling.sps_clock import MEASURED, draft_clock, on_table_scale, sps_table, speed_at, step_seconds
 
 __all__ = ["run_batched", "target_only_wall"]
 
@@ -54,20 +38,18 @@ def run_batched(target: Any, drafter: Any, jobs: Iterable[Any], *, decoding: Any
                 stop_after_finished: int | None = None, on_step: Callable[[Any], None] | None = None) -> Any:
     """``run_requests`` on the batched decoder (module docstring); arguments and result as there.
     The result's ``engine`` is "batched"; ``step_wall_s`` holds the wall clock of the steps."""
-    from dspark.scheduling import simulator as sim
-
-    policy, sps, temps = sim._resolve(serving)
+    policy, sps, temps = _resolve(serving)
     if serving.price_sps is not None:
-        sps = sim.sps_table(serving.price_sps)
+        sps = sps_table(serving.price_sps)
     if policy.on_start is not None:
         policy.on_start()
-    clock, overhead_mode = sim._draft_clock(serving.draft_overhead)
+    clock, overhead_mode = draft_clock(serving.draft_overhead)
     rows = serving.concurrency
     eos = list(decoding.eos_token_ids or ())
     device = torch.device(getattr(target, "device", "cpu"))
-    result = sim.SimResult(policy=policy.name, concurrency=rows, draft_clock=clock, engine="batched",
-                           target_step_s=math.nan if sps is None else 1.0 / sim._speed(sps, 1),
-                           target_only_throughput=math.nan if sps is None else rows * sim._speed(sps, rows))
+    result = SimResult(policy=policy.name, concurrency=rows, draft_clock=clock, engine="batched",
+                           target_step_s=math.nan if sps is None else 1.0 / speed_at(sps, 1),
+                           target_only_throughput=math.nan if sps is None else rows * speed_at(sps, rows))
     batch = SpeculativeBatch(target, drafter, max_new_tokens=decoding.max_new_tokens,
                              temperature=decoding.temperature, eos_token_ids=eos)
     index_of: dict[int, int] = {}  # id(BatchRow) -> request index
@@ -112,16 +94,14 @@ def run_batched(target: Any, drafter: Any, jobs: Iterable[Any], *, decoding: Any
             result.requests[index_of[id(request)]].update(tokens=len(request.tokens), rounds=len(request.rounds),
                                                            timings=dict(request.result().timings))
     result.wall_s = time.perf_counter() - started
-    if sps is not None and clock == sim.MEASURED:
-        sim._on_table_scale(result)
+    if sps is not None and clock == MEASURED:
+        on_table_scale(result)
     return result
 
 
 def _step(batch: SpeculativeBatch, policy: Any, temps: np.ndarray | None, sps: Any, overhead_mode: Any,
           result: Any, index_of: dict[int, int]) -> list[BatchRow]:
     """One step of every row: plan, draft, schedule, verify; accounted into ``result``."""
-    from dspark.scheduling import simulator as sim
-
     live = list(batch.rows)
     ids = [index_of[id(r)] for r in live]
     step_start = time.perf_counter()
@@ -140,8 +120,8 @@ def _step(batch: SpeculativeBatch, policy: Any, temps: np.ndarray | None, sps: A
         gamma = batch.gamma
         conf = np.zeros((len(live), gamma))
         drafted = np.flatnonzero(drafting)
-        conf[drafted] = sim._confidence_matrix([raw[r] for r in drafted], gamma, temps, policy)
-        lengths = sim._checked_lengths(policy(ids, conf), len(live), gamma, policy.name)
+        conf[drafted] = _confidence_matrix([raw[r] for r in drafted], gamma, temps, policy)
+        lengths = _checked_lengths(policy(ids, conf), len(live), gamma, policy.name)
         if lengths[~drafting].any():
             raise ValueError(f"policy {policy.name!r} gave ℓ > 0 to a request that did not draft at this step")
         a = np.cumprod(conf, axis=1)
@@ -177,12 +157,12 @@ def _step(batch: SpeculativeBatch, policy: Any, temps: np.ndarray | None, sps: A
         result.requests[ids[row]].update(tokens=len(request.tokens), rounds=len(request.rounds))
     verify_s = spent.get("verify", 0.0)
     overhead_s = sum(v for k, v in spent.items() if k not in ("verify", "prefill"))
-    verify_step_s = math.nan if sps is None else 1.0 / sim._speed(sps, forward_tokens)
-    step_time = sim._step_time(verify_step_s, overhead_mode, [draft_s] if drafting.any() else [], overhead_s)
-    sim._account_step(result, live=len(live), drafted=int(drafting.sum()), proposed=int(lengths.sum()),
-                      batch=batch_tokens, draft_s=draft_s if drafting.any() else 0.0, overhead_s=overhead_s,
-                      step_time=step_time, tokens=step_tokens, verify_s=verify_s, verify_table_s=verify_step_s,
-                      verify_step_s=verify_step_s)
+    verify_step_s = math.nan if sps is None else 1.0 / speed_at(sps, forward_tokens)
+    step_time = step_seconds(verify_step_s, overhead_mode, [draft_s] if drafting.any() else [], overhead_s)
+    _account_step(result, live=len(live), drafted=int(drafting.sum()), proposed=int(lengths.sum()),
+                  batch=batch_tokens, draft_s=draft_s if drafting.any() else 0.0, overhead_s=overhead_s,
+                  step_time=step_time, tokens=step_tokens, verify_s=verify_s, verify_table_s=verify_step_s,
+                  verify_step_s=verify_step_s)
     result.step_log[-1].update(priced_tokens=forward_tokens, wall_s=wall)
     result.step_wall_s += wall
     return done

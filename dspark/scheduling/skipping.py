@@ -1,39 +1,12 @@
 """Draft skipping: a policy beyond the paper that decides, per request and step, whether to draft at all.
 
-Why: Algorithm 1 verifies little when the confidences are low, but a request
-that drafts and verifies ℓ = 0 tokens still paid for its draft. When drafts are
-poor (τ ≈ 1) the fastest thing a request can do is a plain target step: one
-token, no draft. ``DraftSkipper`` makes that call from a cost model built from
-the same SPS table Algorithm 1 uses and the measured drafting time.
-
-The cost model (``block_pays``), for one request among R live ones, with
-T(B) = 1 / SPS(B) the time of a target step at B batch tokens and t_d the
-drafting time of one round:
-
-- ā_1..ā_γ: the expected prefix survival of the next block, the mean of the
-  request's last ``window`` calibrated a_{r,j} = Π_{i≤j} c_{r,i};
-- ℓ: what Algorithm 1 would pick for this request from ā, with the other
-  R − 1 requests contributing their one base token each (``schedule_prefix``
-  on one row with SPS shifted by R − 1);
-- gain = (Σ_{j≤ℓ} ā_j) · T(R) / R: the expected extra tokens times what one
-  token costs in a plain step at this concurrency (T(1) at R = 1);
-- cost = t_d + T(R + ℓ) − T(R): the draft plus the extra verification time.
-
-A block pays iff gain > cost. This is the marginal condition at the all-plain
-step: adding the block to a step that emits R tokens in T(R) raises the
-step's tokens per second iff Σā / (t_d + T(R+ℓ) − T(R)) > R / T(R). At R = 1
-it says (1 + Σā) / (t_d + T(1 + ℓ)) > 1 / T(1): speculation beats the target.
-
-The state machine (``DraftSkipper.plan``), per request: the first step drafts
-(no history); afterwards it drafts while a block pays; when it does not, the
-request skips for a back-off of b steps (b = 1, doubling up to
-``max_backoff``) and then drafts once more unconditionally (a re-probe), so a
-request whose drafts improve returns to speculation; a paying block resets b.
-
-Lossless: the decision for step t reads the confidences of rounds before t
-and draft times measured before t; it never sees the draft of step t (none
-exists yet), and a skipped step is a plain target step (``target_step``,
-verify ℓ = 0: the next token is drawn from the target's own distribution).
+A request that drafts and verifies ℓ = 0 tokens still paid for its draft; when drafts are poor the
+fastest step is a plain target step (``target_step``: one token, no draft). ``DraftSkipper`` makes that
+call with ``block_pays``, a cost model on the SPS table Algorithm 1 uses and the measured drafting time:
+a block pays iff its expected extra tokens, priced at a plain step's cost per token, exceed the draft
+plus the extra verification time. A request that skips backs off (1, 2, 4, ... up to ``max_backoff``
+steps) and then drafts once more. Lossless: the decision for step t reads only rounds and draft times
+before t. The cost model and the state machine: docs/scheduling.md, "Draft skipping".
 """
 
 from __future__ import annotations
@@ -66,7 +39,8 @@ def _conditionals(a: np.ndarray) -> np.ndarray:
 
 
 def block_pays(a: np.ndarray, sps: SPSTable, live: int, draft_s: float) -> tuple[bool, int, float, float]:
-    """Whether one request's next block pays for its draft (module docstring): (pays, ℓ, gain_s, cost_s).
+    """Whether one request's next block pays for its draft: (pays, ℓ, gain_s, cost_s); the cost model of
+    docs/scheduling.md, "Draft skipping".
 
     a: ā_1..ā_γ, float [γ] (non-increasing, in [0, 1]); sps: the target's SPS table;
     live: R, the requests of the step (>= 1); draft_s: t_d, seconds of one draft."""
@@ -92,7 +66,7 @@ def _speed(sps: SPSTable, batch: int) -> float:
 
 
 class DraftSkipper:
-    """Per-request draft/skip decisions (module docstring), then Algorithm 1 over the drafted rows.
+    """Per-request draft/skip decisions (docs/scheduling.md, "Draft skipping"), then Algorithm 1 over the drafted rows.
 
     sps: the SPS table. draft_time_s: a fixed t_d in seconds, or None to use the
     median of the last ``DRAFT_TIME_WINDOW`` measured drafts (``observe_draft_time``;

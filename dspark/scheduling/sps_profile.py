@@ -1,55 +1,14 @@
 """SPS profiling: the target's verification speed SPS(B) at B batch tokens (paper Section 3.2.2).
 
-What is measured: one verification forward of the target (``TargetModel.forward``,
-feature capture and the LM head over every new position included, exactly
-what ``SpeculativeRequest.verify`` runs) over B new tokens that continue a KV
-cache already holding ``context_len`` tokens, on the target's current device.
-Two layouts of the B tokens:
-
-- ``tokens_per_request=None`` (default): one sequence of B tokens continuing
-  one cache (the cheapest to set up; attention reads one context);
-- ``tokens_per_request=q``: B / q rows of q tokens (q = 1 + ℓ), each row
-  continuing its own cache of ``context_len`` tokens, the way a serving batch
-  of B / q requests looks (attention reads B / q contexts). B must then be a
-  multiple of q; other sizes are skipped.
-
-The repeats are interleaved: after ``warmup`` untimed sweeps over every B, each
-of ``repeats`` timed sweeps runs one forward at every B, in increasing order on
-even sweeps and decreasing order on odd ones (the cache is cropped back to
-``context_len`` after each forward, outside the timing; on CUDA the device is
-synchronised around each timed forward). A machine whose speed drifts during
-the profile (frequency scaling, a neighbour's load, a shared host) then slows
-every B alike, where timing all repeats of one B before the next would let the
-drift pass for a cost of B (on a shared 2-core CPU that made a flat curve look
-steep; ``bench/README.md``, "The demo, default mode").
-
-SPS(B) = 1 / median seconds. Each median carries its 95 % distribution-free
-interval (order statistics of the repeats, ``median_interval``; from 6 repeats
-up, below that the whole range), and the table is noise-aware
-(``SPSProfile.table``): a rise of SPS with B no larger than the width of those
-intervals is flattened, so noise never makes a larger verification batch look
-cheaper, and Algorithm 1 (which stops at its first non-improving step) never
-buys longer verification with timing jitter. Token ids are random (speed does
-not depend on them).
-
-The noise-aware table is what a policy decides with; the simulated clock prices on the measured
-medians (``SPSProfile.measured_table``, ``ServeSettings.price_sps``): flattening a rise that is
-real (a kernel faster at B = 4 than at B = 2) would charge more than the machine pays, and the
-clock carries the timing noise in its own interval. The table's own timing noise reaches every
-number priced by it. ``bootstrap_tables`` draws tables from the profile's timings resampled by
-sweep (the sweeps drawn with replacement, once per table, and every B takes its timings of the
-drawn sweeps, their median; the measured table, or the noise-aware one): a slow sweep slowed every
-B together, so resampling keeps that pairing, and a price that compares B values (the ratio to
-target-only decoding, R · SPS(R)) carries only the noise that does not cancel between them.
-``table_interval`` prices one simulator run (``SimResult.priced_by``) by each and returns the
-95 % percentile interval of its ratio to target-only decoding: the SPS clock's uncertainty, to set
-beside the wall clock's own interval.
-
-``profile_sps`` returns the ``SPSTable`` (SGLang's ``{sample_batch_tokens,
-sample_steps_per_sec, max_batch_tokens}``); ``profile_sps_runs`` also keeps
-every timing; ``dspark.evaluation.report.write_profile`` writes the table JSON, a
-``.profile.json`` with the timings and settings next to it, and a PNG of
-steps/s and tokens/s against B (``dspark.evaluation.plots.plot_sps``).
+One verification forward of the target (what ``SpeculativeRequest.verify`` runs) over B new tokens
+continuing a KV cache of ``context_len`` tokens, as one sequence or as B / q rows of q tokens
+(``tokens_per_request``), timed in interleaved sweeps over every B so that a drifting machine slows
+every B alike. SPS(B) = 1 / median seconds, each with its 95 % interval (``median_interval``); the
+noise-aware table (``SPSProfile.table``) flattens rises within those intervals and is what a policy
+decides with, the measured medians (``SPSProfile.measured_table``) are what the clock prices with.
+``bootstrap_tables`` and ``table_interval`` carry the table's timing noise into a simulator run's ratio
+to target-only decoding. ``profile_sps`` returns the ``SPSTable``; ``profile_sps_runs`` also keeps
+every timing. The method and why: docs/scheduling.md, "SPS profiling".
 """
 
 from __future__ import annotations
@@ -61,7 +20,6 @@ import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import MISSING, dataclass, fields
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -268,7 +226,7 @@ def profile_sps_runs(
     progress: Callable[[int, int], None] | None = None,
     rows: int | None = None,
 ) -> SPSProfile:
-    """Time the verification forward at every B of ``batch_tokens`` (see the module docstring).
+    """Time the verification forward at every B of ``batch_tokens`` (docs/scheduling.md, "SPS profiling").
 
     ``rows=R``: every B as R rows of B / R tokens, each continuing its own cache: the forwards of the
     batched serving loop at R live requests (``dspark.scheduling.batched_serving``), q = 1 + max ℓ per row.
@@ -318,7 +276,7 @@ def profile_sps_runs(
 def profile_sps(target: Any, batch_tokens: Sequence[int] = DEFAULT_BATCH_TOKENS, **settings: Any) -> SPSTable:
     """SPS(B) table of ``target`` on its current device: steps/s = 1 / median seconds of one
     verification forward over B tokens after ``context_len`` cached tokens, timed in
-    interleaved sweeps, rises within the medians' 95 % intervals flattened (module docstring).
+    interleaved sweeps, rises within the medians' 95 % intervals flattened (docs/scheduling.md).
 
     ``settings``: the keyword arguments of :func:`profile_sps_runs` (context_len, warmup,
     repeats, tokens_per_request, seed)."""

@@ -3,41 +3,13 @@
 ``dspark.scheduling.calibration.fit_sts`` validates a round log and calls ``fit_temperatures`` here; this
 module holds the numerics only (numpy float64, no file or report handling).
 
-Plain STS (the paper's Section 3.2.1) picks, position by position, the grid temperature T_k whose
-calibrated prefix survival a'_k = Π_{i<k} c'_i · σ(logit(c_k)/T_k) has the lowest ECE against
-1[first k accepted]. An argmin always finds *some* T: where a position's labels carry no evidence
-it fits noise. Two guards keep T_k = 1 there (both off gives the plain argmin):
-
-- **minimum evidence** (``min_events``): T_k moves off 1 only if the rounds that verified k hold at
-  least ``min_events`` accepted *and* ``min_events`` rejected prefixes. With one class only the
-  ECE is minimised by pushing every prediction towards that class (T → the grid bound 0.05 when
-  all are rejected and c_k < 1/2), which says nothing about the temperature.
-- **cross-fitted held-out gain beyond noise** (``folds`` = K ≥ 2): the rounds are dealt into K
-  seeded folds by group (by request in `dspark calibrate`, since the rounds of one request are
-  correlated). For each fold f, temperatures T_1^(−f), T_2^(−f), … are fitted sequentially by the
-  ECE argmin on the rounds outside f only, and f's rounds get the held-out predictions
-  Π_{i<k} σ(z_i/T_i^(−f)) · σ(z_k/T_k^(−f)): no temperature in a held-out prediction, at k or
-  before, was fitted on that round. T_k moves off 1 only if, against T_k = 1 on the same
-  cross-fitted prefixes, both the held-out ECE gain and the held-out Brier gain have a 95 %
-  interval above 0 (one seeded bootstrap over the groups for both). The in-sample argmin can only
-  lower the fit ECE, so only held-out rounds say whether a gain generalises, and the held-out gain
-  is itself noisy, hence the intervals. The Brier condition is there because binned ECE is not a
-  proper scoring rule: a large T packs the predictions into fewer bins, which lowers ECE's noise
-  floor (of order sqrt(bins / n)) on held-out rounds too, so a calibrated head shows real held-out
-  ECE "gains" that predict nothing better; the expected Brier gain of any T ≠ 1 over a calibrated
-  head is negative.
-
-  An earlier position i whose guarded T_i stayed 1 has T_i^(−f) = 1 in every fold; one whose T_i
-  moved has its fold-specific argmin. The check at k thus judges T_k inside the predictor it would
-  join: re-fitting the kept positions per fold would put back the noise their guard removed, and
-  on the simulation below that cuts the power at k ≥ 3 to a few percent, while running the full
-  guards inside each fold would nest the check K-fold deep for every position.
-
-Guarantee, tested by simulation (tests/scheduling/test_sts_guard.py) with the `dspark calibrate`
-defaults (min_events 10, 5 folds, 1000 resamples): on calibrated confidences at 36 requests × 10
-rounds, γ = 7, with rounds of a request correlated, some T_k leaves 1 in ≤ 1 % of the logs (the ECE
-interval alone: about 4 %); for a head whose true acceptance is σ(logit(c)/2), T_1 leaves 1, above 1,
-in ≥ 90 % of logs of 100 requests × 20 rounds. Deterministic given ``seed``.
+Plain STS picks, position by position, the grid temperature T_k whose calibrated prefix survival
+a'_k = Π_{i<k} c'_i · σ(logit(c_k)/T_k) has the lowest ECE against 1[first k accepted]. Two guards keep
+T_k = 1 where a position's labels carry no evidence (both off gives the plain argmin): ``min_events``
+accepted *and* rejected prefixes, and (``folds`` ≥ 2) cross-fitted held-out predictions that beat
+T_k = 1 in ECE and in Brier score, each gain with a 95 % bootstrap interval above 0. Why both, how the
+folds chain across positions, and the guarantee tests/scheduling/test_sts_guard.py checks by
+simulation: docs/scheduling.md, "STS and its guards". Deterministic given ``seed``.
 """
 
 from __future__ import annotations
@@ -46,13 +18,13 @@ from typing import Any, Optional
 
 import numpy as np
 
-__all__ = ["bin_index", "fit_temperatures", "fold_ids", "log_loss_values", "logit", "sigmoid"]
+from dspark.scheduling.calibration_metrics import CLIP, bin_index, binned_residuals, ece_from_residuals, log_loss_values
 
-_CLIP = 1e-6
+__all__ = ["fit_temperatures", "fold_ids", "logit", "sigmoid"]
 
 
 def logit(c: np.ndarray) -> np.ndarray:
-    c = np.clip(c, _CLIP, 1.0 - _CLIP)
+    c = np.clip(c, CLIP, 1.0 - CLIP)
     return np.log(c) - np.log1p(-c)
 
 
@@ -61,22 +33,10 @@ def sigmoid(x: np.ndarray) -> np.ndarray:
         return 1.0 / (1.0 + np.exp(-x))
 
 
-def bin_index(p: np.ndarray, n_bins: int) -> np.ndarray:
-    # Bins [i/n, (i+1)/n); the value 1.0 joins the last bin.
-    return np.minimum((p * n_bins).astype(np.int64), n_bins - 1)
-
-
 def _ece_per_candidate(preds: np.ndarray, y: np.ndarray, n_bins: int) -> np.ndarray:
-    """ECE of each row of preds [G, n] against labels y [n] -> [G].
-
-    Uses n_b·|p̄_b − ȳ_b| = |Σ_{i∈b} (p_i − y_i)|, so one weighted bincount
-    over the [G, n_bins] flattened bins gives every candidate's ECE."""
-    G, n = preds.shape
-    idx = bin_index(preds, n_bins)  # [G, n]
-    idx += (np.arange(G) * n_bins)[:, None]
-    preds -= y[None, :]  # in place: preds is a scratch array owned by the caller
-    per_bin = np.bincount(idx.ravel(), weights=preds.ravel(), minlength=G * n_bins)
-    return np.abs(per_bin.reshape(G, n_bins)).sum(axis=1) / n
+    """ECE of each row of preds [G, n] against labels y [n] -> [G] (``ece_from_residuals``; preds is
+    a scratch array owned by the caller, overwritten)."""
+    return ece_from_residuals(binned_residuals(preds, y, n_bins), preds.shape[1])
 
 
 def _argmin_temperature(z: np.ndarray, prefix: np.ndarray, y: np.ndarray, grid: np.ndarray, n_bins: int) -> float:
@@ -156,13 +116,6 @@ def _brier(pred: np.ndarray, y: np.ndarray) -> float:
     return float(np.mean((pred - y) ** 2))
 
 
-def log_loss_values(pred: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Per-prediction log-loss −y·log p − (1 − y)·log(1 − p), p clipped to [1e-6, 1 − 1e-6] so that a
-    confident miss costs at most log(1e6) ≈ 13.8 nats instead of infinity (the same clip as ``logit``)."""
-    p = np.clip(pred, _CLIP, 1.0 - _CLIP)
-    return -(y * np.log(p) + (1.0 - y) * np.log1p(-p))
-
-
 def _scores(pred: np.ndarray, y: np.ndarray, n_bins: int) -> tuple[float, float, float]:
     """(ECE, Brier, log-loss) of predictions pred [n] against labels y [n]."""
     return _ece(pred, y, n_bins), _brier(pred, y), float(np.mean(log_loss_values(pred, y)))
@@ -230,7 +183,7 @@ def fit_temperatures(
     min_events: int = 0, folds: int = 0, groups: Optional[Any] = None, seed: int = 0,
     resamples: int = 1000, level: float = 0.95,
 ) -> tuple[np.ndarray, list[dict[str, Any]]]:
-    """Sequential Temperature Scaling with the guards of the module docstring.
+    """Sequential Temperature Scaling with the guards of the module docstring (docs/scheduling.md).
 
     z: logit(c_k) [N, γ]; label: 1[first k accepted], valid: k verified, both bool [N, γ];
     grid: candidate temperatures (a kept position gets exactly 1.0 whether or not grid holds it);
@@ -259,7 +212,7 @@ def fit_temperatures(
         records.append({"position": k + 1, "temperature": float(temps[k]), **info})
         prefix = prefix * sigmoid(z[:, k] / temps[k])
         if cross is not None:
-            if temps[k] != 1.0:  # a kept position has T_k^(−f) = 1 in every fold (module docstring)
+            if temps[k] != 1.0:  # a kept position has T_k^(−f) = 1 in every fold (docs/scheduling.md)
                 fold_prefix[:, rows] *= sigmoid(zk[None, :] / cross[0][:, None])
             else:
                 fold_prefix[:, rows] *= sigmoid(zk)[None, :]

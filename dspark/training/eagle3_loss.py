@@ -213,7 +213,6 @@ def eagle3_loss(
     checkpointing needs 2T V-sized and 3T k-sized ones)."""
     T = len(step_hidden)
     B, S = loss_mask.shape
-    device = final_hidden.device
     sup = supervision_mask(loss_mask, T, parity=parity, lengths=lengths)  # [T, B, S]
     decay = drafter.config.step_loss_decay
     normed = [drafter.norm(h) for h in step_hidden]  # the final norm stays in autograd (its weight trains)

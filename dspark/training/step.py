@@ -3,8 +3,8 @@ ratio metrics the trainer builds from the sums it returns.
 
 :class:`DraftLossModule` is what DDP / FSDP wrap (dspark.training.trainer): its forward
 takes a collated micro-batch with its anchors, runs the frozen target when the
-batch carries no cached features, the drafter over every anchor's block and
-the loss (fused with the LM head by default, dspark.training.fused_loss), and returns
+batch carries no cached features, then the drafter and the loss of every anchor's block
+(dspark.training.block_loss.block_terms, fused with the LM head by default), and returns
 raw weighted sums: the trainer divides them by the global denominator D.
 """
 
@@ -15,9 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from dspark.data.anchors import block_labels, target_positions
-from dspark.training.fused_loss import LogitFactors, fused_dspark_loss
-from dspark.training.loss import LossOutput, LossWeights, dspark_loss, position_weights
+from dspark.training.block_loss import block_terms
+from dspark.training.loss import LossWeights, position_weights
 from dspark.modeling import Drafter
 
 
@@ -45,17 +44,10 @@ class DraftLossModule(nn.Module):
         gamma = drafter.config.block_size
         input_ids, loss_mask = batch["input_ids"], batch["loss_mask"]
         features, final_hidden = self._target_states(batch)
-        B, S = input_ids.shape
-        labels, valid, prev = block_labels(input_ids, loss_mask, anchors, keep, gamma)  # [B, A, γ] each
-        hidden = drafter(features, input_ids, anchors, keep)  # [B, A, γ, d]
-        tpos = target_positions(anchors, gamma, S)  # [B, A, γ]
-        t_hidden = final_hidden.gather(1, tpos.reshape(B, -1, 1).expand(-1, -1, final_hidden.shape[-1]))
-        t_hidden = t_hidden.reshape(-1, gamma, final_hidden.shape[-1])  # [N, γ, d]
-        h_flat = hidden.reshape(-1, gamma, hidden.shape[-1])  # [N, γ, d]
-        prev_flat = prev.reshape(-1, gamma)
-        conf = drafter.confidence_logits(h_flat, prev_flat)
-        t_rows = (torch.arange(B, device=tpos.device)[:, None, None] * S + tpos).reshape(-1, gamma)  # [N, γ]
-        out = self._loss(h_flat, prev_flat, t_hidden, t_rows, labels.reshape(-1, gamma), valid.reshape(-1, gamma), conf)
+        # Raw weighted sums (denominator 1): the trainer divides by the global D.
+        one = torch.ones((), device=input_ids.device)
+        out, valid = block_terms(drafter, features, final_hidden, input_ids, loss_mask, anchors, keep, self.weights,
+                                 self.chunk_rows, self.fused, one)
         w = position_weights(gamma, self.weights.decay_gamma, device=input_ids.device)
         metrics = {
             "ce": out.ce.detach(),
@@ -79,39 +71,6 @@ class DraftLossModule(nn.Module):
         # padding: causal attention keeps real positions from seeing it.
         out = self.target(batch["input_ids"], return_logits=False)
         return out.features, out.last_hidden
-
-    def _loss(
-        self, h_flat: Tensor, prev_flat: Tensor, t_hidden: Tensor, t_rows: Tensor, labels: Tensor, valid: Tensor,
-        conf: Tensor | None,
-    ) -> LossOutput:
-        """The loss of the N blocks ([N, γ, d] hidden states, [N, γ] the rest) as raw weighted
-        sums (denominator 1): the trainer divides by the global D."""
-        drafter = self.drafter
-        one = torch.ones((), device=labels.device)
-        vocab = drafter.vocab  # a draft vocabulary: k-sized draft side, p^t restricted (dspark.training.loss)
-        if self.fused:
-            head = drafter.markov_head
-            factors = LogitFactors(
-                h_flat, drafter.shared_weights()["lm_head.weight"], t_hidden,
-                latent=None if head is None else head.block_latent(prev_flat, h_flat),
-                w2=None if head is None else head.markov_w2.weight,
-                softcap=drafter.config.final_logit_softcapping,
-                vocab=vocab, target_lm_head_weight=None if vocab is None else drafter.target_lm_head_weight(),
-                target_rows=t_rows,
-            )
-            return fused_dspark_loss(factors, labels, valid, conf, self.weights, chunk_rows=self.chunk_rows,
-                                     denominator=one)
-
-        def draft_logits_fn(r0: int, r1: int) -> Tensor:
-            return drafter.draft_logits(h_flat[r0:r1], prev_flat[r0:r1])
-
-        def target_logits_fn(r0: int, r1: int) -> Tensor:
-            return drafter.compute_logits(t_hidden[r0:r1], full=True)
-
-        return dspark_loss(
-            draft_logits_fn, target_logits_fn, labels, valid, conf, self.weights, chunk_rows=self.chunk_rows,
-            denominator=one, vocab=vocab,
-        )
 
 
 def build_loss_module(drafter: nn.Module, target: Any, loss: Any) -> nn.Module:

@@ -1,195 +1,46 @@
 """The training recipe: one process or many (torchrun; gloo on CPU, NCCL on GPU), the
 drafter replicated (train.distributed = "ddp") or sharded with FSDP2 ("fsdp").
 
-Exactness is the design constraint:
-
-- The global batch of step s is a fixed list of sample indices (a per-epoch
-  permutation seeded by config.seed, length-bucketed by micro-batch unless
-  train.bucketing is off: `Schedule`); rank r takes its contiguous slice and
-  walks it in micro-batches. Anchors of a sample are drawn from a generator
-  seeded by (seed, epoch, sample index), so they do not depend on how the
-  batch is split over ranks or micro-batches.
-- Every micro-batch backpropagates raw weighted sums (Σ w_k·term over its
-  supervised positions); before the optimizer step the gradients are scaled by
-  1/D with D = Σ w_k over all supervised positions of the global batch
-  (reduced across ranks). This is exactly the gradient of the weighted mean
-  over the global batch (Section 3.3), whatever the split. DDP and FSDP both average
-  gradients over ranks, so the scale applied is world/D.
-- One integer, the optimizer step, is the source of truth for resume: it
-  fixes the data position; checkpoints also hold optimizer, scheduler and
-  every rank's RNG state. A resumed run reproduces an uninterrupted one.
-- Checkpoints are the same whatever the parallelism: a plain drafter folder with
-  full tensors plus trainer_state.pt (FSDP gathers full tensors to rank 0 to write
-  them and re-shards them on load), so an FSDP checkpoint loads with load_drafter.
+Exactness is the design constraint: whatever the split over ranks and micro-batches, a step
+takes the same gradient, and a resumed run reproduces an uninterrupted one. The samples and
+anchors of a step are fixed by the step alone (dspark.training.schedule); checkpoints hold every
+state a resume needs (dspark.training.checkpoints). Every micro-batch backpropagates raw
+weighted sums (Σ w_k·term over its supervised positions); before the optimizer step the
+gradients are scaled by 1/D with D = Σ w_k over all supervised positions of the global batch
+(reduced across ranks). This is exactly the gradient of the weighted mean over the global batch
+(Section 3.3), whatever the split. DDP and FSDP both average gradients over ranks, so the scale
+applied is world/D.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import math
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from dspark.config import Config
-from dspark.data.anchors import sample_anchors
-from dspark.data.dataset import SampleSource, bucketed_order, collate, sample_lengths
-from dspark.io.atomic import atomic_write_text, replace_dir
-from dspark.modeling import Drafter, load_drafter, save_drafter
+from dspark.data.dataset import SampleSource, check_sample_source, collate, sample_lengths
+from dspark.data.vocab_counts import check_vocab_counted
+from dspark.modeling.checkpoint import check_against_target
+from dspark.modeling import Drafter, save_drafter
 from dspark.build import resolve_mixed_precision
-from dspark.seeds import derive_seed
-from dspark.training.step import METRIC_SUMS, DraftLossModule, build_loss_module, ratio_metrics
+from dspark.training.checkpoints import TrainerCheckpoints, latest_checkpoint
+from dspark.training.distributed import shard_fsdp
+from dspark.training.schedule import Schedule, anchors_for, lr_lambda, make_adamw
+from dspark.training.step import METRIC_SUMS, build_loss_module, ratio_metrics
 
 log = logging.getLogger(__name__)
-
-LATEST = "latest"
-
-
-# ------------------------------------------------------------ data schedule
-@dataclass
-class Schedule:
-    """Which samples each step trains on: epoch e is a permutation of the N samples seeded by
-    (seed, e), read as one endless stream cut into global batches of ``global_batch``.
-
-    With ``lengths`` (bucketing), each epoch's permutation is reordered by
-    ``dspark.data.dataset.bucketed_order`` so that every micro-batch of ``micro_batch``
-    samples holds similar lengths: the samples of an epoch, their anchors and their losses
-    are unchanged, only which samples share a micro-batch (and a step) changes. The order is
-    a function of (seed, epoch, lengths, micro_batch, bucket_window) alone: resume stays exact
-    and ranks agree on it without communicating.
-    """
-
-    num_samples: int
-    global_batch: int
-    world: int
-    rank: int
-    seed: int
-    total_steps: int
-    micro_batch: int = 1
-    lengths: Tensor | None = None  # Long [N]; None = no bucketing
-    bucket_window: int = 64  # micro-batches per length-sorting window
-
-    def __post_init__(self) -> None:
-        self._perms: dict[int, Tensor] = {}
-
-    def epoch_perm(self, epoch: int) -> Tensor:
-        if epoch in self._perms:
-            return self._perms[epoch]
-        g = torch.Generator().manual_seed(derive_seed(self.seed, 0, epoch))
-        perm = torch.randperm(self.num_samples, generator=g)
-        if self.lengths is not None:
-            # The first micro-batch boundary inside epoch e (the stream does not restart at one).
-            head = (-epoch * self.num_samples) % self.micro_batch
-            perm = bucketed_order(perm, self.lengths, self.micro_batch, self.bucket_window * self.micro_batch, head, g)
-        self._perms = {e: p for e, p in self._perms.items() if e >= epoch - 1}  # keep the current two
-        self._perms[epoch] = perm
-        return perm
-
-    def step_samples(self, step: int) -> list[tuple[int, int]]:
-        """(epoch, sample index) of this rank's share of the global batch of `step`."""
-        per_rank = self.global_batch // self.world
-        start = step * self.global_batch + self.rank * per_rank
-        out = []
-        for g in range(start, start + per_rank):
-            epoch, pos = divmod(g, self.num_samples)
-            out.append((epoch, int(self.epoch_perm(epoch)[pos])))
-        return out
-
-
-def anchors_for(loss_mask: Tensor, num_anchors: int, seed: int, epoch: int, index: int) -> tuple[Tensor, Tensor]:
-    """Anchors of one sample, independent of batching and ranks. loss_mask [S] -> ([A], [A])."""
-    g = torch.Generator().manual_seed(derive_seed(derive_seed(0, seed, epoch), 0, index))
-    anchors, keep = sample_anchors(loss_mask.unsqueeze(0).cpu(), num_anchors, generator=g)
-    return anchors[0], keep[0]
-
-
-def make_adamw(params: Any, lr: float, weight_decay: float, device: torch.device, sharded: bool = False) -> torch.optim.AdamW:
-    """AdamW (betas 0.9, 0.95) with the fused kernel where torch has one for the device: one
-    pass over each parameter instead of a dozen foreach passes over all of them, the same update
-    to rounding (bench/train_step.py ``optimizer`` times both on drafters up to SmolLM2's size). FSDP's
-    sharded parameters on a CPU keep the foreach path."""
-    fused = device.type == "cuda" or (device.type == "cpu" and not sharded)
-    try:
-        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95), fused=fused or None)
-    except RuntimeError:  # a torch without the fused kernel for this device
-        if not fused:
-            raise
-        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95))
-
-
-def lr_lambda(total_steps: int, warmup_ratio: float, min_ratio: float) -> Callable[[int], float]:
-    warmup = max(1, int(round(warmup_ratio * total_steps)))
-
-    def f(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return f
-
-
-# ------------------------------------------------------------- checkpoints
-def latest_checkpoint(out_dir: str | os.PathLike) -> Path | None:
-    pointer = Path(out_dir) / "checkpoints" / LATEST
-    if not pointer.is_file():
-        return None
-    path = Path(out_dir) / "checkpoints" / pointer.read_text().strip()
-    return path if (path / "trainer_state.pt").is_file() else None
-
-
-def _rng_state() -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
-# -------------------------------------------------------------------- FSDP
-def shard_fsdp(module: DraftLossModule, device: torch.device) -> None:
-    """FSDP2 in place: one shard group per draft layer, then the root (fc, norms, heads).
-
-    Rank 0's initial parameters are copied to every rank first, as DDP does. The frozen
-    target and the shared embedding / LM head are not parameters of `module`, so they
-    stay whole and untouched on every rank.
-    """
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
-
-    for t in itertools.chain(module.parameters(), module.buffers()):
-        dist.broadcast(t.data, src=0)
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    for layer in module.drafter.layers:
-        fully_shard(layer, mesh=mesh)
-        # The drafter projects the context K/V through layer.context_kv(), outside the
-        # layer's forward(): FSDP must gather the layer's parameters for that call too.
-        if hasattr(layer, "context_kv"):  # an Eagle3 layer has no injected context
-            register_fsdp_forward_method(layer, "context_kv")
-    fully_shard(module, mesh=mesh)
-
-
-def _full_state_options(**kw: bool) -> Any:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(full_state_dict=True, **kw)
 
 
 # --------------------------------------------------------------- the trainer
@@ -200,9 +51,13 @@ class TrainResult:
     history: list[dict[str, Any]]
 
 
-class Trainer:
+class Trainer(TrainerCheckpoints):
     """One rank's training run: the loss module (wrapped by DDP / FSDP when distributed), AdamW
-    with a warmup-cosine schedule, the data schedule and checkpoints; :meth:`fit` runs it."""
+    with a warmup-cosine schedule, the data schedule and checkpoints; :meth:`fit` runs it.
+
+    ``train_data`` / ``eval_data`` follow ``dspark.data.dataset.SampleSource``. The constructor
+    checks its inputs before any heavy work (:func:`check_inputs`): a drafter built for another
+    target, an uncounted draft vocabulary or samples without ``loss_mask`` are named errors."""
 
     def __init__(
         self,
@@ -215,6 +70,7 @@ class Trainer:
         out_dir: str | os.PathLike | None = None,
         progress: bool = True,
     ) -> None:
+        check_inputs(target, drafter, train_data, eval_data)
         self.config = config
         self.target = target
         self.drafter = drafter
@@ -407,94 +263,6 @@ class Trainer:
         reduced = self._global_sums(sums, list(METRIC_SUMS))
         return {f"eval_{k}": v for k, v in ratio_metrics(reduced).items()}
 
-    # ----------------------------------------------------------- checkpoints
-    def drafter_state_dict(self) -> dict[str, Tensor]:
-        """The drafter's full tensors (state_dict names). Under FSDP this gathers the shards:
-        every rank must call it, and only rank 0 gets the tensors (on CPU; others get {})."""
-        if not self.fsdp:
-            return self.drafter.state_dict()
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-        full = get_model_state_dict(self.module, options=_full_state_options(cpu_offload=True))
-        prefix = "drafter."
-        return {k[len(prefix):]: v for k, v in full.items() if k.startswith(prefix)}
-
-    def _optimizer_state_dict(self) -> dict[str, Any]:
-        """Under FSDP: full optimizer state keyed by parameter name, on rank 0 only (collective)."""
-        if not self.fsdp:
-            return self.optimizer.state_dict()
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-        return get_optimizer_state_dict(self.module, self.optimizer, options=_full_state_options(cpu_offload=True))
-
-    def save_checkpoint(self) -> Path:
-        """Drafter folder + trainer state (optimizer, scheduler, step, every rank's RNG), atomically."""
-        ckpt_root = self.out_dir / "checkpoints"
-        name = f"step-{self.step:07d}"
-        drafter_state = self.drafter_state_dict() if self.fsdp else None
-        optimizer_state = self._optimizer_state_dict()
-        rng = _rng_state()
-        rngs = [None] * self.world
-        if self.distributed:
-            dist.all_gather_object(rngs, rng)
-        else:
-            rngs = [rng]
-        final = ckpt_root / name
-        if self.rank == 0:
-            ckpt_root.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=ckpt_root))
-            try:
-                save_drafter(self.drafter, tmp / "drafter", state_dict=drafter_state)
-                state = {
-                    "step": self.step,
-                    "optimizer": optimizer_state,
-                    "scheduler": self.scheduler.state_dict(),
-                    "rng": rngs,
-                    "world_size": self.world,
-                    "wall_seconds": self._wall_seconds(),
-                    "history": self.history,
-                    "config": self.config.to_dict(),
-                }
-                torch.save(state, tmp / "trainer_state.pt")
-                replace_dir(tmp, final)
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
-            atomic_write_text(ckpt_root / LATEST, name)
-            self._prune(ckpt_root)
-        if self.distributed:
-            dist.barrier()
-        return final
-
-    def _prune(self, root: Path, keep: int = 2) -> None:
-        ckpts = sorted(p for p in root.glob("step-*") if p.is_dir())
-        for old in ckpts[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
-
-    def load_checkpoint(self, path: Path) -> None:
-        state = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=True)
-        if state["world_size"] != self.world:
-            log.warning("resuming a %d-rank run on %d ranks: data order is kept, RNG streams are re-seeded", state["world_size"], self.world)
-        if self.fsdp:  # every rank reads the full tensors and keeps its shard
-            from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-
-            loaded = load_drafter(path / "drafter", self.target, dtype=self.drafter.fc.weight.dtype)
-            full = {f"drafter.{k}": v for k, v in loaded.state_dict().items()}
-            set_model_state_dict(self.module, full, options=_full_state_options())
-            set_optimizer_state_dict(self.module, self.optimizer, state["optimizer"], options=_full_state_options())
-        else:
-            loaded = load_drafter(path / "drafter", self.target, device=self.device)
-            with torch.no_grad():
-                for name, p in self.drafter.state_dict().items():
-                    p.copy_(loaded.state_dict()[name])
-            self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.step = int(state["step"])
-        self.wall_offset = float(state.get("wall_seconds", 0.0))
-        self.history = list(state.get("history", []))
-        if state["world_size"] == self.world:
-            _set_rng_state(state["rng"][self.rank])
-
     # ------------------------------------------------------------------ run
     def _log(self, record: dict[str, Any]) -> None:
         self.history.append(record)
@@ -604,6 +372,20 @@ class Trainer:
             save_drafter(self.drafter, self.out_dir / "drafter", state_dict=drafter_state)
 
 
+def check_inputs(target: Any, drafter: Any, train_data: SampleSource, eval_data: SampleSource | None) -> None:
+    """ValueError before any forward: the drafter does not fit the target (sizes, captured layers:
+    dspark.modeling.checkpoint.check_against_target), its draft vocabulary was never counted
+    (dspark.data.vocab_counts.check_vocab_counted), or a data source lacks a key
+    (dspark.data.dataset.check_sample_source)."""
+    config = drafter.config
+    check_against_target(config, target, "the drafter")
+    check_vocab_counted(drafter)
+    width = len(config.target_layer_ids) * config.hidden_size
+    for source, name in ((train_data, "the training data"), (eval_data, "the held-out data")):
+        if source is not None:
+            check_sample_source(source, name, feature_width=width, hidden_size=config.hidden_size)
+
+
 def _add_sums(sums: dict[str, Tensor], metrics: dict[str, Tensor]) -> None:
     """sums[k] += metrics[k] in fp32, for every metric sum of a micro-batch."""
     for k, v in metrics.items():
@@ -633,18 +415,3 @@ class _Window:
             "anchor_positions_per_s": round(self.anchors * block_size / dt, 2),
             "tokens_per_s": round(self.tokens / dt, 2),
         }
-
-
-def setup_distributed() -> tuple[int, int, torch.device]:
-    """Init torch.distributed from torchrun's environment (gloo on CPU, NCCL on GPU)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
-    else:
-        device = torch.device("cpu")
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
-    return rank, world, device

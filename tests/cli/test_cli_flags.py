@@ -10,7 +10,8 @@ import pytest
 
 from dspark.cli.main import build_parser
 from dspark.cli.flags import COMMANDS, FLAGS, flag_values
-from dspark.config import SIMULATE_POLICIES, Config, ServeConfig, apply_overrides, get_key, load_config, set_values
+from dspark.config import SIMULATE_POLICIES, Config, ServeConfig, apply_overrides, load_config, set_values
+from dspark.config_fields import get_key
 
 
 def _config(argv: list[str]) -> Config:

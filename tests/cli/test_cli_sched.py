@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 
 from helpers.targets import make_tiny_target
-from dspark.scheduling.calibration import roc_auc, split_rounds_by_request
+from dspark.scheduling.calibration import split_rounds_by_request
+from dspark.scheduling.calibration_metrics import roc_auc
+import dspark.evaluation.eval_plain as eval_plain
 import dspark.evaluation.evaluate as ev
 from dspark.cli.main import main
 from dspark.decoding.loop import speculative_generate
@@ -87,7 +89,7 @@ def test_calibrate_lowers_held_out_ece_and_keeps_the_ranking(tmp_path, capsys):
 
 def test_the_conditional_auroc_is_that_of_c_k_on_rounds_that_reached_k():
     rows = synthetic_rounds(num_requests=40)
-    from dspark.scheduling.calibration import conditional_metrics
+    from dspark.scheduling.calibration_metrics import conditional_metrics
 
     conf = np.array([r["confidences"] for r in rows])
     m = np.array([r["accepted"] for r in rows])
@@ -123,7 +125,7 @@ def test_eval_through_the_serving_loop_reproduces_the_per_request_hook(tmp_path,
     common = dict(decoding=DECODING, progress=False, tokenizer=CharTokenizer())
     served = evaluate(target, drafter, files, serving=ServeSettings(policy="static:2", concurrency=2),
                       out_dir=tmp_path / "served", **common)
-    monkeypatch.setattr(ev, "speculative_generate", functools.partial(speculative_generate, choose_length=lambda c, i: 2))
+    monkeypatch.setattr(eval_plain, "speculative_generate", functools.partial(speculative_generate, choose_length=lambda c, i: 2))
     plain = evaluate(target, drafter, files, out_dir=tmp_path / "plain", **common)
     rows = [rounds_of(tmp_path / d) for d in ("plain", "served")]
     assert rows[0] == rows[1] and {r["proposed"] for r in rows[1]} == {2}
@@ -143,7 +145,7 @@ def test_a_per_request_hook_as_a_policy_gives_the_rounds_of_speculative_generate
     common = dict(decoding=DECODING, progress=False, tokenizer=CharTokenizer(), baseline=False)
     evaluate(target, drafter, files, serving=ServeSettings(policy=per_request_policy(hook), concurrency=3),
              out_dir=tmp_path / "served", **common)
-    monkeypatch.setattr(ev, "speculative_generate", functools.partial(speculative_generate, choose_length=hook))
+    monkeypatch.setattr(eval_plain, "speculative_generate", functools.partial(speculative_generate, choose_length=hook))
     evaluate(target, drafter, files, out_dir=tmp_path / "plain", **common)
     rows = [rounds_of(tmp_path / d) for d in ("plain", "served")]
     assert rows[0] == rows[1] and {r["proposed"] for r in rows[1]} == {0, 1, 2, 3}
@@ -171,7 +173,7 @@ def test_eval_with_algorithm1_reads_the_sps_and_sts_files(tmp_path, no_warmup):
 
 def test_eval_checks_the_policy_before_decoding_anything(tmp_path, monkeypatch):
     target = make_tiny_target("llama")
-    monkeypatch.setattr(ev, "speculative_generate", lambda *a, **k: pytest.fail("decoded before the check"))
+    monkeypatch.setattr(eval_plain, "speculative_generate", lambda *a, **k: pytest.fail("decoded before the check"))
     files = write_benchmarks(tmp_path / "data", {"gsm8k": ["g0"]})
     with pytest.raises(ValueError, match="'algorithm1' needs an SPS table"):
         evaluate(target, random_drafter(target, gamma=3), files, serving=ServeSettings(policy="algorithm1"),
@@ -179,6 +181,46 @@ def test_eval_checks_the_policy_before_decoding_anything(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="unknown policy 'fastest'"):
         evaluate(target, random_drafter(target, gamma=3), files, serving=ServeSettings(policy="fastest"),
                  tokenizer=CharTokenizer(), progress=False)
+
+
+USER_POLICIES = """
+import numpy as np
+
+
+def verify_two(request_ids, confidences):
+    return np.full(len(request_ids), min(2, confidences.shape[1]), dtype=np.int64)
+"""
+
+
+def test_simulate_runs_a_users_module_function_policy(tmp_path, monkeypatch, capsys):
+    """`dspark simulate --policy module:function` (the module on sys.path) serves every request under the
+    user's function, named by its __name__ in the results, next to a built-in policy."""
+    import sys
+
+    import dspark.build
+
+    (tmp_path / "dspark_cli_user_policies.py").write_text(USER_POLICIES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    target = make_tiny_target("llama")
+    target.tokenizer = CharTokenizer()
+    drafter = random_drafter(target, gamma=3)
+    monkeypatch.setattr(dspark.build, "load_models", lambda config: (target, drafter, "a random drafter"))
+    write_benchmarks(tmp_path / "data", {"gsm8k": ["g0", "g1"], "mbpp": ["m0"]})
+    SPS.to_json(tmp_path / "sps.json")
+    try:
+        assert main(["simulate", "--data-dir", str(tmp_path / "data"), "--benchmarks", "gsm8k", "mbpp",
+                     "--num-prompts", "2", "--concurrency", "1,2", "--max-new-tokens", "8", "--engine", "per-request",
+                     "--policy", "dspark_cli_user_policies:verify_two", "static1", "--sps", str(tmp_path / "sps.json"),
+                     "--threads", "1", "--out", str(tmp_path / "sim")]) == 0
+    finally:
+        sys.modules.pop("dspark_cli_user_policies", None)
+    results = json.loads((tmp_path / "sim" / "results.json").read_text())["results"]
+    assert [(r["policy"], r["concurrency"]) for r in results] == [
+        ("verify_two", 1), ("verify_two", 2), ("static1", 1), ("static1", 2)]
+    rounds = [json.loads(line) for line in (tmp_path / "sim" / "rounds.jsonl").read_text().splitlines()]
+    mine = [r for r in rounds if r["policy"] == "verify_two"]
+    assert mine and {r["proposed"] for r in mine if not r["eos_accepted"]} == {2}
+    assert "verify_two" in capsys.readouterr().out
 
 
 def test_scheduled_eval_reports_speed_mean_length_and_draft_cost_in_target_steps(tmp_path, no_warmup):
@@ -210,7 +252,7 @@ def test_scheduled_eval_reports_speed_mean_length_and_draft_cost_in_target_steps
 def test_scheduled_summary_and_table_equal_hand_computed_costs():
     """Target step t = (0.9 + 0.1 + 0.45 + 0.05) s / (10 + 5) forwards = 0.1 s. Draft: 0.6 s over 4 drafted
     rounds = 0.15 s = 1.5 steps; a round: 2.6 s over 6 rounds = 4.33 steps; mean ℓ = 6 / 6."""
-    from dspark.evaluation.report import scheduled_summary, scheduling_table
+    from dspark.evaluation.scheduled_report import scheduled_summary, scheduling_table
 
     records = [
         {"timings": {"prefill": 1.0, "draft": 0.2, "verify": 0.6, "accept": 0.1, "bookkeeping": 0.1, "total": 2.0},

@@ -1,5 +1,6 @@
-"""Self-written training prompts: template cut, filters, deduplication, evaluation guard,
-determinism, the data.train_prompts spec and the path through `prepare`.
+"""Self-written training prompts (dspark.data.self_prompts, dspark.data.near_duplicates): template
+cut, filters, deduplication, evaluation guard, determinism, the data.train_prompts spec and the
+path through `prepare`.
 
 Tokenizers are tiny byte-level BPEs trained here with three chat formats: SmolLM2's ChatML
 (``dspark.hub.CHATML_TEMPLATE``, a default system turn), Llama 3 and Gemma (written from
@@ -17,8 +18,10 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from dspark.config import Config, DataConfig, EvalConfig, GenerationConfig, load_config, split_train_prompts, validate
+from dspark.config import Config, DataConfig, EvalConfig, GenerationConfig, load_config
+from dspark.config_checks import split_train_prompts, validate
 from dspark.data import prepare as prepare_module
+from dspark.data import near_duplicates as N
 from dspark.data import self_prompts as S
 from dspark.data.generate import Result
 from dspark.data.prepare import load_train_prompts, prepare, split_indices
@@ -162,12 +165,12 @@ def test_repeated_word_trigrams_are_repetitive_and_a_plain_question_is_not():
 
 # ---------------------------------------------------------------- duplicates
 def test_normalize_casefolds_strips_punctuation_and_collapses_whitespace():
-    assert S.normalize_text("  What is the CAPITAL\tof   France?? ") == "what is the capital of france"
-    assert S.normalize_text("Don't stop!") == "dont stop"
+    assert N.normalize_text("  What is the CAPITAL\tof   France?? ") == "what is the capital of france"
+    assert N.normalize_text("Don't stop!") == "dont stop"
 
 
 def test_exact_duplicate_after_normalisation():
-    index = S.DuplicateIndex()
+    index = N.DuplicateIndex()
     index.add("What is the capital of France?")
     assert index.match("  what is the CAPITAL of france ") == "duplicate"
     assert index.match("What is the capital of Spain?") is None
@@ -176,16 +179,16 @@ def test_exact_duplicate_after_normalisation():
 def test_near_duplicate_is_word_5gram_jaccard_at_least_0_8():
     end_changed = STORY.replace("village", "town")  # 1 of 13 shingles changes: 12 / 14
     middle_changed = STORY.replace("dragon", "wizard")  # 5 of 13 change: 8 / 18
-    assert S.jaccard(S.word_shingles(STORY), S.word_shingles(end_changed)) == pytest.approx(12 / 14)
-    assert S.jaccard(S.word_shingles(STORY), S.word_shingles(middle_changed)) == pytest.approx(8 / 18)
-    index = S.DuplicateIndex(threshold=0.8)
+    assert N.jaccard(N.word_shingles(STORY), N.word_shingles(end_changed)) == pytest.approx(12 / 14)
+    assert N.jaccard(N.word_shingles(STORY), N.word_shingles(middle_changed)) == pytest.approx(8 / 18)
+    index = N.DuplicateIndex(threshold=0.8)
     index.add(STORY)
     assert index.match(end_changed) == "near_duplicate"
     assert index.match(middle_changed) is None
 
 
 def test_texts_under_five_words_are_near_duplicates_only_when_equal():
-    index = S.DuplicateIndex()
+    index = N.DuplicateIndex()
     index.add("Name a colour.")
     assert index.match("Name a color.") is None
     assert index.match("name a colour!") == "duplicate"
@@ -194,20 +197,20 @@ def test_texts_under_five_words_are_near_duplicates_only_when_equal():
 def test_containment_is_the_larger_share_of_shingles_the_other_text_holds():
     piece = " ".join(STORY.split()[:10])  # 6 shingles, all of them among STORY's 13
     wrapped = "I would love it if you could " + STORY  # 7 more words: 20 shingles, 13 of them STORY's
-    assert S.containment(S.word_shingles(piece), S.word_shingles(STORY)) == 1.0
-    assert S.containment(S.word_shingles(STORY), S.word_shingles(wrapped)) == 1.0
-    assert S.jaccard(S.word_shingles(STORY), S.word_shingles(wrapped)) == pytest.approx(13 / 20)
+    assert N.containment(N.word_shingles(piece), N.word_shingles(STORY)) == 1.0
+    assert N.containment(N.word_shingles(STORY), N.word_shingles(wrapped)) == 1.0
+    assert N.jaccard(N.word_shingles(STORY), N.word_shingles(wrapped)) == pytest.approx(13 / 20)
     half = " ".join(STORY.split()[:10]) + " and then sings a song to the moon"  # 14 shingles, 6 of them STORY's
-    assert S.containment(S.word_shingles(half), S.word_shingles(STORY)) == pytest.approx(6 / 13)
+    assert N.containment(N.word_shingles(half), N.word_shingles(STORY)) == pytest.approx(6 / 13)
 
 
 def test_a_text_under_five_words_is_contained_when_its_words_run_consecutively_in_the_other():
-    story = S.word_shingles(STORY)
-    assert S.containment(S.word_shingles("A dragon, who"), story) == 1.0  # in both argument orders
-    assert S.containment(story, S.word_shingles("bake bread")) == 1.0
-    assert S.containment(S.word_shingles("dragon who bake"), story) == 0.0  # words of STORY, not a run of it
-    assert S.containment(S.word_shingles("name a colour"), S.word_shingles("Name a colour, please")) == 1.0
-    index = S.DuplicateIndex(containment=0.8)
+    story = N.word_shingles(STORY)
+    assert N.containment(N.word_shingles("A dragon, who"), story) == 1.0  # in both argument orders
+    assert N.containment(story, N.word_shingles("bake bread")) == 1.0
+    assert N.containment(N.word_shingles("dragon who bake"), story) == 0.0  # words of STORY, not a run of it
+    assert N.containment(N.word_shingles("name a colour"), N.word_shingles("Name a colour, please")) == 1.0
+    index = N.DuplicateIndex(containment=0.8)
     index.add(STORY)
     index.add("Name a colour, please.")
     for text, found in [("A dragon who", "contained"), ("village", "contained"), ("in a small village", "contained"),
@@ -217,10 +220,10 @@ def test_a_text_under_five_words_is_contained_when_its_words_run_consecutively_i
 
 
 def test_containment_is_looked_up_only_when_the_index_is_given_a_threshold():
-    plain, with_containment = S.DuplicateIndex(), S.DuplicateIndex(containment=0.8)
+    plain, with_containment = N.DuplicateIndex(), N.DuplicateIndex(containment=0.8)
     for index in (plain, with_containment):
         index.add(BENCHMARK_PROMPT)
-    assert S.jaccard(S.word_shingles(BENCHMARK_PROMPT), S.word_shingles(WRAPPED)) < 0.8
+    assert N.jaccard(N.word_shingles(BENCHMARK_PROMPT), N.word_shingles(WRAPPED)) < 0.8
     assert plain.match(WRAPPED) is None
     assert with_containment.match(WRAPPED) == "contained"
 
@@ -255,8 +258,8 @@ def test_evaluation_prompts_emitted_by_the_generator_are_dropped(chatml, monkeyp
 def test_a_wrapped_benchmark_question_and_a_piece_of_one_are_dropped_by_containment(chatml, monkeypatch, tmp_path):
     lines = [json.dumps({"turns": [BENCHMARK_PROMPT]}), json.dumps({"turns": [LONG_BENCHMARK_PROMPT]})]
     (tmp_path / "gsm8k.jsonl").write_text("\n".join(lines) + "\n")
-    assert S.jaccard(S.word_shingles(BENCHMARK_PROMPT), S.word_shingles(WRAPPED)) == pytest.approx(16 / 27)
-    assert S.jaccard(S.word_shingles(LONG_BENCHMARK_PROMPT), S.word_shingles(FRAGMENT)) == pytest.approx(17 / 42)
+    assert N.jaccard(N.word_shingles(BENCHMARK_PROMPT), N.word_shingles(WRAPPED)) == pytest.approx(16 / 27)
+    assert N.jaccard(N.word_shingles(LONG_BENCHMARK_PROMPT), N.word_shingles(FRAGMENT)) == pytest.approx(17 / 42)
     monkeypatch.setattr(S, "sample_user_turns", scripted_sampler([WRAPPED, FRAGMENT, FRESH[0]]))
     evals = S.evaluation_prompts(tmp_path, ["gsm8k"])
     result = S.generate_self_prompts(None, chatml, settings(num_prompts=1), evals, progress=False)

@@ -254,7 +254,7 @@ def test_a_folder_is_read_at_concurrency_1_and_refused_otherwise(tmp_path):
 # --------------------------------------------------------------------------- the simulator's clock
 def served_rows(sim, target, jobs, decoding):
     """requests.jsonl / rounds.jsonl rows of a serving run, as a scheduled evaluation writes them
-    (``dspark.evaluation.evaluate._scheduled_benchmark``), each with its target-only baseline."""
+    (``dspark.evaluation.eval_scheduled.scheduled_benchmark``), each with its target-only baseline."""
     records, rounds = [], []
     for info, job in zip(sim.requests, jobs):
         benchmark, request = job.tag

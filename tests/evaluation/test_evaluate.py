@@ -1,6 +1,6 @@
 """The evaluation recipe: benchmark selection, the report and its files.
 
-Most tests replace the module's decode functions (``speculative_generate``,
+Most tests replace the decode functions of ``dspark.evaluation.eval_plain`` (``speculative_generate``,
 ``target_generate``) by scripted ones: every prompt has a fixed list of
 rounds (accepted counts), and a fake clock advances 1 s per speculative decode
 and 2 s per baseline decode that emits the same number of tokens, so every
@@ -11,15 +11,18 @@ benchmark files.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import warnings
-from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
+import dspark.evaluation.eval_config as eval_config
+import dspark.evaluation.eval_plain as plain
 import dspark.evaluation.evaluate as ev
 from dspark.decoding.loop import DecodeResult, RoundRecord
 from dspark.data.benchmarks import resolve_benchmarks, samples_per_benchmark
@@ -27,7 +30,7 @@ from dspark.evaluation.evaluate import DecodeSettings, ServeSettings, evaluate
 from dspark.evaluation.report import compare_reports
 from dspark.evaluation.metrics import BENCHMARKS
 from helpers.benchmarks import CharTokenizer, write_benchmarks
-from helpers.evaluation import GAMMA, SCRIPT, FakeClock, fake_models, prompt_text, scripted_decoders
+from helpers.evaluation import GAMMA, FakeClock, fake_models, scripted_decoders
 from helpers.paths import REPO, SHARED
 
 ROOT = REPO
@@ -42,6 +45,7 @@ TABLE1_HEADER = (
 @pytest.fixture
 def clock(monkeypatch):
     c = FakeClock()
+    monkeypatch.setattr(plain, "time", c)
     monkeypatch.setattr(ev, "time", c)
     return c
 
@@ -53,8 +57,8 @@ def no_warmup(monkeypatch):
 
 def use_decoders(monkeypatch, decode, baseline):
     """Make ``evaluate`` decode with ``decode`` (speculative) and ``baseline`` (target alone)."""
-    monkeypatch.setattr(ev, "speculative_generate", decode)
-    monkeypatch.setattr(ev, "target_generate", baseline)
+    monkeypatch.setattr(plain, "speculative_generate", decode)
+    monkeypatch.setattr(plain, "target_generate", baseline)
 
 
 def run(tmp_path, clock, monkeypatch, **kwargs):
@@ -268,13 +272,39 @@ def test_an_unknown_split_names_the_choices(tmp_path):
         evaluate(target, drafter, write_benchmarks(tmp_path / "data"), split="train", progress=False)
 
 
+def every_draft(request_ids, confidences):
+    """A policy as a plain function: verify all γ drafts of every request."""
+    return np.full(len(request_ids), confidences.shape[1])
+
+
+def test_a_policy_is_named_by_its_spec_its_policy_name_or_its_functions_name():
+    from dspark.scheduling.policies import per_request_policy
+
+    assert ev.policy_label("static:2") == "static:2"
+    assert ev.policy_label(every_draft) == "every_draft"
+    assert ev.policy_label(functools.partial(every_draft)) == "every_draft"
+    assert ev.policy_label(per_request_policy(lambda c, i: 1, name="one at a time")) == "one at a time"
+
+
+def test_a_scheduled_evaluation_under_a_plain_function_reports_the_functions_name(tmp_path, no_warmup):
+    from helpers.decoding import random_drafter
+    from helpers.targets import make_tiny_target
+
+    target = make_tiny_target("llama")
+    report = evaluate(target, random_drafter(target, gamma=3), write_benchmarks(tmp_path / "data", {"gsm8k": ["g0"]}),
+                      decoding=DecodeSettings(max_new_tokens=4, seed=0, eos_token_ids=[0]), baseline=False,
+                      serving=ServeSettings(policy=every_draft), tokenizer=CharTokenizer(), progress=False)
+    assert report["config"]["scheduler"] == "every_draft (serving loop, R = 1)"
+    assert report["scheduled"]["policy"] == "every_draft"
+
+
 def test_ranks_take_every_world_th_prompt_and_only_rank_zero_writes_the_report(
         tmp_path, clock, monkeypatch, no_warmup):
     files = {"gsm8k": ["g0", "g1"], "mbpp": ["m0"]}
     target, drafter = fake_models()
     calls = []
     use_decoders(monkeypatch, *scripted_decoders(clock, calls))
-    monkeypatch.setattr(ev, "_dist_info", lambda: (1, 2))
+    monkeypatch.setattr(ev, "dist_info", lambda: (1, 2))
     monkeypatch.setattr(ev, "_gather", lambda records, rounds, served, world: (records, rounds, served))
     monkeypatch.setattr(ev, "_barrier", lambda: None)
     report = evaluate(target, drafter, write_benchmarks(tmp_path / "data", files), out_dir=tmp_path / "out",
@@ -341,7 +371,7 @@ def test_smollm2_with_a_fresh_drafter_runs_all_nine_benchmarks(smollm2_target, t
     from dspark.build import build_drafter
     from dspark.config import load_config
 
-    config = load_config(str(SMOLLM2_CONFIG))
+    config = load_config(str(SMOLLM2_CONFIG), [f"drafter.target_layer_ids={list(smollm2_target.target_layer_ids)}"])
     drafter = build_drafter(config, smollm2_target).eval()
     # Seed 294 draws the shortest one-prompt subsets (at most ~1,000 characters per prompt):
     # the test measures plumbing, not throughput, on a shared 2-core CPU.
@@ -487,7 +517,7 @@ def test_gather_collects_records_through_all_gather_object(tmp_path):
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
-        assert ev._dist_info() == (0, 1)
+        assert ev.dist_info() == (0, 1)
         records, rounds, served = ev._gather([{"request": 0}], [{"round": 0}, {"round": 1}], {("a", 0): {}}, 1)
     finally:
         dist.destroy_process_group()
@@ -504,7 +534,7 @@ def test_evaluate_from_config_reads_the_eval_section_and_writes_a_config_that_lo
                                     batch_size=1))  # the scripted decoders are batch-1 seams
     target, drafter = fake_models()
     use_decoders(monkeypatch, *scripted_decoders(clock))
-    report = ev.evaluate_from_config(target, drafter, config, progress=False)
+    report = eval_config.evaluate_from_config(target, drafter, config, progress=False)
     assert list(report["benchmarks"]) == ["mbpp", "alpaca"]
     assert report["config"]["max_new_tokens"] == 16 and report["config"]["temperature"] == 0.5
     assert report["config"]["num_samples"] == {"mbpp": 256, "alpaca": 500}
@@ -519,7 +549,7 @@ def test_evaluate_from_config_wants_a_policy_for_concurrency_and_points_to_batch
 
     target, drafter = fake_models()
     with pytest.raises(ValueError, match="serve.concurrency needs serve.policy.*--batch-size"):
-        ev.evaluate_from_config(target, drafter, Config(serve=ServeConfig(concurrency=2)))
+        eval_config.evaluate_from_config(target, drafter, Config(serve=ServeConfig(concurrency=2)))
 
 
 def test_evaluate_from_config_runs_one_policy_and_says_where_several_go():
@@ -527,7 +557,7 @@ def test_evaluate_from_config_runs_one_policy_and_says_where_several_go():
 
     target, drafter = fake_models()
     with pytest.raises(ValueError, match=r"serve.policy=\['static', 'static1'\] names 2 policies.*dspark simulate"):
-        ev.evaluate_from_config(target, drafter, Config(serve=ServeConfig(policy=["static", "static1"])))
+        eval_config.evaluate_from_config(target, drafter, Config(serve=ServeConfig(policy=["static", "static1"])))
 
 
 def test_prompts_given_in_memory_draw_the_same_seeded_subset_as_their_file(tmp_path, clock, monkeypatch, no_warmup):
@@ -559,4 +589,4 @@ def test_the_automatic_batch_size_is_the_last_doubling_that_raises_round_through
     assert auto_batch_size(table, 3) == 4
     assert auto_batch_size(SPSTable([1, 4], [20.0, 20.0], 4), 3) == 1  # R = 2 would leave the table
     assert auto_batch_size(None, 3, "cpu") == 8 and auto_batch_size(None, 3, "cuda") == 64
-    assert ev.resolve_batch_size(5, None, None, None) == 5
+    assert eval_config.resolve_batch_size(5, None, None, None) == 5

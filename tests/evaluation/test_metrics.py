@@ -15,7 +15,8 @@ import math
 import numpy as np
 import pytest
 
-from dspark.scheduling.calibration import apply_temperatures, confidence_metrics
+from dspark.scheduling.calibration import apply_temperatures
+from dspark.scheduling.calibration_metrics import confidence_metrics
 from dspark.data.benchmarks import BENCHMARKS
 from dspark.evaluation.metrics import (
     MACRO_COLUMNS,

@@ -1,5 +1,5 @@
 """Paired ratios of two evaluations of the same requests (dspark.evaluation.paired), in the demo summary's
-scheduling section (dspark.evaluation.demo_page) and in `dspark compare` (dspark.evaluation.compare).
+scheduling section (dspark.evaluation.demo_results) and in `dspark compare` (dspark.evaluation.compare).
 
 Oracles: speedup and τ ratios and their jackknife intervals computed by hand; coverage of the known
 ratio of a synthetic paired population; the report's own pooled numbers (build_report)."""
@@ -16,7 +16,9 @@ from dspark.cli.main import main
 from dspark.evaluation.compare import compare_reports
 from dspark.evaluation.paired import paired_ratio, paired_ratio_from_records, verdict
 from dspark.evaluation.report import build_report
-from dspark.evaluation.demo_page import load_run, paired_rows, summary_markdown, summary_short
+from dspark.evaluation.demo_page import summary_markdown, summary_short
+from dspark.evaluation.demo_runs import load_run
+from dspark.evaluation.verdicts import paired_rows
 
 
 def _record(request, tokens, wall, base_tokens, base_wall, benchmark="gsm8k", prompt=10):

@@ -1,7 +1,7 @@
 """Markdown of the reports (dspark.evaluation.markdown, dspark.evaluation.report): cells, tables, the calibration table.
 
 The evaluation report itself is tested end to end with the recipe in test_evaluate.py,
-the serving files in test_serving.py, the SPS files in test_sps.py."""
+the serving files in test_simulator.py, the SPS files in test_sps_profile.py."""
 
 import math
 

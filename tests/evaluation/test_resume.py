@@ -22,13 +22,14 @@ CHILD = textwrap.dedent("""
     import os, sys
     sys.path.insert(0, {tests!r})
     from pathlib import Path
+    import dspark.evaluation.eval_plain as plain
     import dspark.evaluation.evaluate as ev
     import dspark.evaluation.journal as journal
     from helpers.evaluation import FakeClock, fake_models, scripted_decoders
     from helpers.benchmarks import write_benchmarks
     out, kill_at = Path(sys.argv[1]), int(sys.argv[2])
     clock = FakeClock()
-    ev.time, ev.WARMUP_TOKENS = clock, 0
+    plain.time, ev.time, ev.WARMUP_TOKENS = clock, clock, 0
     decode, baseline = scripted_decoders(clock)
     done = []
     def killing(*args, **kwargs):
@@ -36,7 +37,7 @@ CHILD = textwrap.dedent("""
             os.kill(os.getpid(), 9)
         done.append(1)
         return decode(*args, **kwargs)
-    ev.speculative_generate, ev.target_generate = killing, baseline
+    plain.speculative_generate, plain.target_generate = killing, baseline
     target, drafter = fake_models()
     ev.evaluate(target, drafter, write_benchmarks(out.parent / "data"), out_dir=out, progress=False,
                 decoding=ev.DecodeSettings(max_new_tokens=8, temperature=1.0))
@@ -127,19 +128,20 @@ TINY_CHILD = textwrap.dedent("""
     import os, sys
     sys.path.insert(0, {tests!r})
     from pathlib import Path
+    import dspark.evaluation.eval_plain as plain
     import dspark.evaluation.evaluate as ev
     from helpers.benchmarks import CharTokenizer, write_benchmarks
     from helpers.decoding import random_drafter
     from helpers.targets import make_tiny_target
     out, kill_at = Path(sys.argv[1]), int(sys.argv[2])
     ev.WARMUP_TOKENS = 0
-    real, done = ev.speculative_generate, []
+    real, done = plain.speculative_generate, []
     def killing(*args, **kwargs):
         if len(done) == kill_at:
             os.kill(os.getpid(), 9)
         done.append(1)
         return real(*args, **kwargs)
-    ev.speculative_generate = killing
+    plain.speculative_generate = killing
     target = make_tiny_target("llama", vocab_size=256)
     drafter = random_drafter(target, gamma=3, seed=1)
     ev.evaluate(target, drafter, write_benchmarks(out.parent / "data"), out_dir=out, progress=False,

@@ -1,4 +1,4 @@
-"""torchrun worker for test_train.py: trains the tiny setup on N ranks and saves the parameters."""
+"""torchrun worker for test_trainer.py: trains the tiny setup on N ranks and saves the parameters."""
 
 import sys
 
@@ -9,7 +9,7 @@ sys.path.insert(0, __file__.rsplit("/", 2)[0])  # tests/, where the helpers pack
 from helpers.targets import make_tiny_target  # noqa: E402
 from helpers.training import tiny_trainer  # noqa: E402
 
-from dspark.training.trainer import setup_distributed  # noqa: E402
+from dspark.training.distributed import setup_distributed  # noqa: E402
 
 
 def main(out_dir: str, micro: int) -> None:

@@ -1,4 +1,4 @@
-"""torchrun worker for test_train_fsdp.py: the tiny setup under FSDP2, one launch for every check.
+"""torchrun worker for test_trainer_fsdp.py: the tiny setup under FSDP2, one launch for every check.
 
 In `out_root` it runs, on all ranks:
   full/    an uninterrupted run (micro-batch 1: two accumulated micro-batches per rank),
@@ -21,7 +21,7 @@ from helpers.targets import make_tiny_target  # noqa: E402
 from helpers.training import fit_killed_after, synthetic_samples, tiny_trainer  # noqa: E402
 
 from dspark.data.dataset import RenderedSource  # noqa: E402
-from dspark.training.trainer import setup_distributed  # noqa: E402
+from dspark.training.distributed import setup_distributed  # noqa: E402
 
 
 def fsdp_trainer(target, out_dir: str):

@@ -1,5 +1,5 @@
 """`dspark export` of an Eagle3 drafter: the standard EAGLE-3 layout vLLM and SGLang load
-(LlamaForCausalLMEagle3; facts in dspark.interop.export's docstring), refusals
+(LlamaForCausalLMEagle3; facts in docs/interop.md, "What each folder holds"), refusals
 of what it cannot express, and the way back through dspark's import.
 
 Oracles: the layout's names, shapes and fields written out by hand; the original drafter's own

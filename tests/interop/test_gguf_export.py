@@ -1,4 +1,4 @@
-"""`dspark export --to llamacpp`: the draft GGUF llama.cpp loads (facts in dspark.interop.gguf's docstring).
+"""`dspark export --to llamacpp`: the draft GGUF llama.cpp loads (facts in docs/interop.md, "The GGUF file").
 
 Oracles: the keys, value types, tensor names and shapes llama.cpp's loader reads, written out here
 by hand; the drafter's own weights (the file's tensors equal them, after the documented q/k row

@@ -1,7 +1,7 @@
 """Golden fixtures: dspark reproduces the numbers the reference implementations computed.
 
-The fixtures live in the shared golden folder (helpers.paths.SHARED, or $DSPARK_GOLDEN): checkpoints written by DeepSpec
-(`Qwen3DSparkModel.save_pretrained`) and by z-lab (`DFlashDraftModel.save_pretrained`), plus the
+The fixtures live in tests/golden (helpers.paths.GOLDEN; $DSPARK_GOLDEN names another copy): checkpoints written by
+DeepSpec (`Qwen3DSparkModel.save_pretrained`) and by z-lab (`DFlashDraftModel.save_pretrained`), plus the
 tensors those implementations computed from them (see the folder's README.md). Each test loads a
 checkpoint with `load_drafter`, exactly as a user would, and compares:
 
@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -30,13 +28,12 @@ from dspark.data.anchors import block_labels, target_positions
 from dspark.training.loss import LossWeights, dspark_loss, position_weights
 from dspark.modeling import load_drafter
 from dspark.target import TargetModel
-from helpers.paths import SHARED
+from helpers.paths import GOLDEN
 
-GOLDEN = Path(os.environ.get("DSPARK_GOLDEN", SHARED / "golden"))
 DEEPSPEC_FIXTURES = ("dspark_vanilla", "dspark_rnn", "dflash")
 pytestmark = pytest.mark.skipif(
     not (GOLDEN / "deepspec" / "target").is_dir(),
-    reason=f"needs the golden fixtures in {GOLDEN} (the shared golden folder; or set DSPARK_GOLDEN)",
+    reason=f"needs the golden fixtures in {GOLDEN} (tests/golden, or the folder $DSPARK_GOLDEN names)",
 )
 
 

@@ -10,7 +10,6 @@ mask token, the block layout), and the check must name that corruption.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -19,21 +18,20 @@ import torch
 
 from dspark.cli.main import main, render_inspection
 from dspark.data.anchors import block_labels
+from dspark.interop.describe import describe_folder
 from dspark.interop.inspect import (
     Finding,
     TargetFacts,
     check_structure,
     default_prompts,
-    describe_folder,
     inspect_drafter,
     problems,
 )
 from dspark.modeling import Drafter, load_drafter, save_drafter
 from dspark.evaluation.proposals import greedy_continuation
 from tests.helpers.targets import build_tiny_model, make_tiny_target, tiny_drafter_config
-from helpers.paths import SHARED
+from helpers.paths import GOLDEN
 
-GOLDEN = Path(os.environ.get("DSPARK_GOLDEN", SHARED / "golden"))
 LAYER_IDS = (0, 2)  # shiftable both ways in a 4-layer target: (-1, 1) and (1, 3)
 GAMMA = 4
 NEW_TOKENS = 32
@@ -178,7 +176,7 @@ def test_description_of_our_folder(trained):
 def test_description_of_a_deepspec_folder():
     folder = GOLDEN / "deepspec" / "dspark_vanilla" / "checkpoint"
     if not folder.is_dir():
-        pytest.skip(f"{folder} is absent (the golden fixtures live in the shared golden folder)")
+        pytest.skip(f"{folder} is absent (tests/golden, or the folder $DSPARK_GOLDEN names)")
     desc = describe_folder(folder)
     assert (desc.format, desc.algorithm, desc.block_layout, desc.gamma) == ("deepspec", "dspark", "anchor_first", 7)
     assert desc.target_layer_ids == [-1, 1, 4] and desc.mask_token_id == 999
@@ -192,7 +190,7 @@ def test_description_of_a_deepspec_folder():
 def test_description_of_a_zlab_folder():
     folder = GOLDEN / "zlab_dflash" / "checkpoint"
     if not folder.is_dir():
-        pytest.skip(f"{folder} is absent (the golden fixtures live in the shared golden folder)")
+        pytest.skip(f"{folder} is absent (tests/golden, or the folder $DSPARK_GOLDEN names)")
     desc = describe_folder(folder)
     # golden README: block_size 8 = anchor + 7 masks, dflash_config {mask 999, ids [1, 3]}, no embedding/LM head
     assert (desc.format, desc.algorithm, desc.block_layout, desc.gamma) == ("zlab", "dflash", "anchor_plus_masks", 7)
@@ -266,7 +264,7 @@ def test_cli_inspect_without_target_describes(trained, capsys):
 def test_a_deepspec_folder_is_checked_against_its_target():
     folder, target_dir = GOLDEN / "deepspec" / "dspark_vanilla" / "checkpoint", GOLDEN / "deepspec" / "target"
     if not folder.is_dir() or not target_dir.is_dir():
-        pytest.skip(f"{folder} or {target_dir} is absent (the golden fixtures live in the shared golden folder)")
+        pytest.skip(f"{folder} or {target_dir} is absent (tests/golden, or the folder $DSPARK_GOLDEN names)")
     inspection = inspect_drafter(folder, str(target_dir), dtype="float32", num_prompts=1, max_new_tokens=8,
                                  diagnose="never")
     structure = [f for f in inspection.check.findings if f.code != "acceptance"]

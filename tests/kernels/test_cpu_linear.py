@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.kernels import cpu_linear
-from dspark.config import load_config, validate
+from dspark.config import load_config
+from dspark.config_checks import validate
 from dspark.decoding.loop import speculative_generate, target_generate
 from dspark.kernels.lm_head import vocab_logits
 from helpers.targets import make_tiny_target

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from helpers.targets import make_tiny_target, tiny_drafter_config
-from dspark.modeling import DrafterConfig, Drafter, GatedMarkovHead, MarkovHead, RNNHead
+from dspark.modeling import DrafterConfig, Drafter
 from helpers.reference_drafter import ReferenceDrafter
 
 FAMILIES = ("llama", "qwen3", "gemma4")
@@ -257,115 +257,6 @@ def test_extend_context_rejects_num_valid_beyond_the_chunk():
         drafter.extend_context(ctx, features[:, :3], num_valid=torch.tensor([5, 1]))
     with pytest.raises(ValueError, match="num_valid"):
         drafter.extend_context(ctx, features[:, :3], num_valid=torch.tensor([-1, 1]))
-
-
-# ------------------------------------------------------------------ sequential heads
-def _random_head(cls, vocab: int = 11, rank: int = 3, hidden: int = 5, **kwargs):
-    head = cls(vocab, rank) if cls is MarkovHead else cls(vocab, rank, hidden, **kwargs)
-    gen = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for p in head.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen))
-    return head.double()
-
-
-def test_markov_bias_is_w1_row_times_w2():
-    head = _random_head(MarkovHead)
-    w1, w2 = head.markov_w1.weight, head.markov_w2.weight  # [V, r], [V, r]
-    prev = torch.tensor([[2, 0, 10], [5, 5, 1]])
-    hidden = torch.randn(2, 3, 5, dtype=torch.float64)
-    expected = torch.zeros(2, 3, 11, dtype=torch.float64)
-    for i in range(2):
-        for k in range(3):
-            for v in range(11):
-                expected[i, k, v] = sum(w1[prev[i, k], j] * w2[v, j] for j in range(3))
-    torch.testing.assert_close(head.block_bias(prev, hidden), expected)
-    _, step_bias = head.step(head.init_state(2, "cpu", torch.float64), prev[:, 1], hidden[:, 1])
-    torch.testing.assert_close(step_bias, expected[:, 1])
-
-
-def _rnn_by_hand(head: RNNHead, prev: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-    """Eq. 6 for one block (plus DeepSpec's bias b when the head has one): prev [γ], hidden [γ, d] -> B [γ, V]."""
-    w1, w2, wj = head.markov_w1.weight, head.markov_w2.weight, head.joint_proj.weight
-    bj = head.joint_proj.bias
-    r = w1.shape[1]
-    s = [0.0] * r
-    out = []
-    for k in range(prev.shape[0]):
-        z = s + w1[prev[k]].tolist() + hidden[k].tolist()
-        y = [sum(wj[i, j].item() * z[j] for j in range(len(z))) + (bj[i].item() if bj is not None else 0.0)
-             for i in range(3 * r)]
-        g, c, o = y[:r], y[r : 2 * r], y[2 * r :]
-        sig = [1 / (1 + math.exp(-x)) for x in g]
-        s = [sig[i] * s[i] + (1 - sig[i]) * math.tanh(c[i]) for i in range(r)]
-        t = [math.tanh(x) for x in o]
-        out.append([sum(w2[v, i].item() * t[i] for i in range(r)) for v in range(w2.shape[0])])
-    return torch.tensor(out, dtype=torch.float64)
-
-
-@pytest.mark.parametrize("bias", [True, False], ids=["deepspec-bias", "paper-eq6"])
-def test_rnn_block_bias_is_the_eq6_recurrence(bias):
-    head = _random_head(RNNHead, bias=bias)
-    assert (head.joint_proj.bias is not None) == bias
-    gen = torch.Generator().manual_seed(8)
-    prev = torch.randint(0, 11, (2, 4), generator=gen)
-    hidden = torch.randn(2, 4, 5, generator=gen, dtype=torch.float64)
-    bias = head.block_bias(prev, hidden)
-    for i in range(2):
-        torch.testing.assert_close(bias[i], _rnn_by_hand(head, prev[i], hidden[i]))
-
-
-def test_rnn_step_with_carried_state_equals_block_bias():
-    head = _random_head(RNNHead)
-    gen = torch.Generator().manual_seed(9)
-    prev = torch.randint(0, 11, (3, 4), generator=gen)
-    hidden = torch.randn(3, 4, 5, generator=gen, dtype=torch.float64)
-    state = head.init_state(3, "cpu", torch.float64)
-    steps = []
-    for k in range(4):
-        state, bias = head.step(state, prev[:, k], hidden[:, k])
-        steps.append(bias)
-    torch.testing.assert_close(torch.stack(steps, 1), head.block_bias(prev, hidden))
-
-
-def test_rnn_step_with_a_fresh_zero_state_each_time_is_not_the_recurrence():
-    """Gives the carried-state test its power: forgetting the state changes positions k >= 2."""
-    head = _random_head(RNNHead)
-    gen = torch.Generator().manual_seed(9)
-    prev = torch.randint(0, 11, (3, 4), generator=gen)
-    hidden = torch.randn(3, 4, 5, generator=gen, dtype=torch.float64)
-    forgetful = [head.step(head.init_state(3, "cpu", torch.float64), prev[:, k], hidden[:, k])[1] for k in range(4)]
-    forgetful = torch.stack(forgetful, 1)
-    carried = head.block_bias(prev, hidden)
-    torch.testing.assert_close(forgetful[:, 0], carried[:, 0])  # s_0 = 0 either way
-    assert (forgetful[:, 1:] - carried[:, 1:]).abs().max() > 1e-2
-
-
-def test_rnn_step_refuses_a_missing_state():
-    head = _random_head(RNNHead)
-    with pytest.raises(ValueError, match="state"):
-        head.step(None, torch.tensor([1]), torch.zeros(1, 5, dtype=torch.float64))
-
-
-def test_gated_block_bias_is_w2_of_the_gated_w1_row():
-    head = _random_head(GatedMarkovHead)
-    w1, w2 = head.markov_w1.weight, head.markov_w2.weight  # [V, r], [V, r]
-    wg, bg = head.gate_proj.weight, head.gate_proj.bias  # [r, d + r], [r]
-    gen = torch.Generator().manual_seed(10)
-    prev = torch.randint(0, 11, (2, 4), generator=gen)
-    hidden = torch.randn(2, 4, 5, generator=gen, dtype=torch.float64)
-    expected = torch.zeros(2, 4, 11, dtype=torch.float64)
-    for i in range(2):
-        for k in range(4):
-            e = w1[prev[i, k]].tolist()
-            z = hidden[i, k].tolist() + e  # DeepSpec: hidden first, then W1[x_{k-1}]
-            gate = [1 / (1 + math.exp(-(sum(wg[j, n].item() * z[n] for n in range(len(z))) + bg[j].item())))
-                    for j in range(3)]
-            for v in range(11):
-                expected[i, k, v] = sum(w2[v, j].item() * gate[j] * e[j] for j in range(3))
-    torch.testing.assert_close(head.block_bias(prev, hidden), expected)
-    steps = [head.step(None, prev[:, k], hidden[:, k])[1] for k in range(4)]
-    torch.testing.assert_close(torch.stack(steps, 1), expected)
 
 
 # ------------------------------------------------------------------ confidence head

@@ -1,7 +1,7 @@
 """Eagle3 (the paper's baseline, Section 4.1): DeepSpec's golden numbers, the TTT unroll, the loss, propose(), checkpoints,
 training through the real trainer and decoding.
 
-Oracles: DeepSpec's stored tensors (deepspec/eagle3 of the golden folder, $DSPARK_GOLDEN; its README gives the
+Oracles: DeepSpec's stored tensors (deepspec/eagle3 of tests/golden, or of $DSPARK_GOLDEN; its README gives the
 tolerance), the drafter's own step-by-step inference (the TTT unroll must equal it), a float64
 re-derivation of the loss from its definition, and target-only greedy decoding (lossless).
 """
@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,15 +24,15 @@ from dspark.modeling import DrafterConfig, Eagle3Drafter, load_drafter, save_dra
 from dspark.modeling.eagle3 import Eagle3Layer
 from dspark.build import build_drafter
 from helpers.eagle3 import tiny_eagle3
-from helpers.paths import REPO, SHARED
+from helpers.paths import GOLDEN, REPO
 
 ROOT = REPO
-GOLDEN = Path(os.environ.get("DSPARK_GOLDEN", SHARED / "golden"))
 EAGLE3 = GOLDEN / "deepspec" / "eagle3"
 # tiny models are dispatch-bound: one thread (see conftest.one_thread) is many times faster on a shared CPU
 pytestmark = pytest.mark.usefixtures("one_thread")
-needs_golden = pytest.mark.skipif(not (EAGLE3 / "cases.json").is_file(),
-                                  reason=f"needs the golden fixture {EAGLE3} (the shared golden folder; or set DSPARK_GOLDEN)")
+needs_golden = pytest.mark.skipif(
+    not (EAGLE3 / "cases.json").is_file(),
+    reason=f"needs the golden fixture {EAGLE3} (tests/golden, or the folder $DSPARK_GOLDEN names)")
 
 
 def assert_close(got: torch.Tensor, ref: torch.Tensor, what: str) -> None:

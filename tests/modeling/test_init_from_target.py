@@ -15,11 +15,13 @@ import torch
 from helpers.targets import make_tiny_target, tiny_config as tiny_hf_config, tiny_drafter_config
 from helpers.training import fit_killed_after, synthetic_samples, tiny_config
 from dspark.build import build_drafter, init_layer_ids
-from dspark.config import apply_overrides, init_from_target_choice, set_values
+from dspark.config import apply_overrides, set_values
+from dspark.config_checks import init_from_target_choice
 from dspark.data.dataset import RenderedSource
 from dspark.modeling import DrafterConfig, load_drafter, make_drafter, save_drafter
 from dspark.modeling.init import choose_layer_ids, init_draft_layers_from_target
-from dspark.training.trainer import Trainer, latest_checkpoint
+from dspark.training.checkpoints import latest_checkpoint
+from dspark.training.trainer import Trainer
 
 LLAMA_LAYER = (
     "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",

@@ -10,18 +10,26 @@ import pytest
 
 from dspark.scheduling.calibration import (
     apply_temperatures,
-    brier,
     calibrate_rounds,
-    confidence_metrics,
-    ece,
     fit_sts,
     load_sts_json,
-    log_loss,
-    prefix_labels,
-    roc_auc,
     save_sts_json,
     save_sts_report,
 )
+from dspark.scheduling.calibration_metrics import (
+    binned_residuals,
+    brier,
+    confidence_metrics,
+    ece,
+    ece_from_residuals,
+    ece_from_sums,
+    ece_sums,
+    log_loss,
+    prefix_labels,
+    reliability_bins,
+    roc_auc,
+)
+from dspark.scheduling.sts import _ece as _sts_ece
 from helpers.calibration import sigmoid, synthetic_rounds
 
 
@@ -49,6 +57,24 @@ def test_ece_puts_one_in_the_last_bin():
 def test_ece_bin_edges_belong_to_the_upper_bin():
     # n_bins=2: 0.5 joins 0.75 in [0.5, 1]: (0.25 + 2·|0.625 - 0.5|)/3
     assert ece([0.25, 0.5, 0.75], [0, 0, 1], n_bins=2) == pytest.approx(0.5 / 3)
+
+
+def test_every_ece_is_computed_from_binned_residuals_alike():
+    """ece, the per-request sums behind its intervals and the STS search give one number: Σ_b |Σ_{i∈b}(p_i − y_i)| / N,
+    which is Σ_b (n_b/N)·|mean pred_b − mean label_b| over the reliability bins."""
+    rng = np.random.default_rng(3)
+    p = rng.random(500)
+    y = rng.random(500) < p
+    given = p.copy()
+    value = ece(p, y)
+    np.testing.assert_array_equal(p, given)  # the caller's predictions are left alone
+    count, mean_pred, mean_label = reliability_bins(p, y)
+    seen = count > 0
+    assert value == pytest.approx(np.sum(count[seen] * np.abs(mean_pred[seen] - mean_label[seen])) / 500, rel=1e-12)
+    assert value == _sts_ece(p, y.astype(np.float64), 20)
+    assert value == float(ece_from_residuals(binned_residuals(p[None, :].copy(), y.astype(np.float64), 20), 500)[0])
+    sums = ece_sums(p[:, None], y.astype(int), np.ones(500, int), np.arange(500) % 7, 7)  # [7 requests, 1, 21]
+    assert ece_from_sums(sums.sum(axis=0))[0] == pytest.approx(value, rel=1e-12)
 
 
 def test_roc_auc_counts_ties_as_half():
@@ -172,6 +198,7 @@ def test_sts_leaves_per_position_ranking_unchanged(overconfident):
         assert a["auroc"] == pytest.approx(b["auroc"], abs=0.01)
 
 
+@pytest.mark.filterwarnings("ignore:fit_sts kept T = 1:UserWarning")  # calibrated: kept at 1 by design
 def test_sts_keeps_temperature_near_one_on_calibrated_data():
     rng = np.random.default_rng(2)
     temps = fit_sts(*synthetic_rounds(40_000, 1.0, rng))

@@ -1,14 +1,21 @@
 """The evidence guards of Sequential Temperature Scaling (dspark/scheduling/sts.py, dspark.scheduling.calibration.fit_sts)."""
 
+import warnings
+
 import numpy as np
 import pytest
 
-from dspark.scheduling.calibration import (brier, calibrate_rounds, default_temperature_grid, ece, fit_sts,
-                                           fit_sts_explained, log_loss)
+from dspark.scheduling.calibration import calibrate_rounds, default_temperature_grid, fit_sts, fit_sts_explained
+from dspark.scheduling.calibration_metrics import brier, ece, log_loss
 from dspark.cli.main import build_parser
 from dspark.cli.flags import flag_values
-from dspark.config import Config, load_config, set_values, validate
+from dspark.config import Config, load_config, set_values
+from dspark.config_checks import validate
 from dspark.scheduling.sts import fold_ids
+
+# The simulations below fit many logs in which a guard keeps positions at 1 by design; fit_sts's warning
+# naming them is tested on its own (test_fit_sts_warns_naming_each_position_kept_at_one_and_why).
+pytestmark = pytest.mark.filterwarnings("ignore:fit_sts kept T = 1:UserWarning")
 
 
 def sigmoid(x):
@@ -21,7 +28,7 @@ def logit(p):
 
 def brute_force_sts(conf, accepted, proposed, grid):
     """The paper's plain STS by definition: per position, the grid T with the lowest ECE
-    (dspark.scheduling.calibration.ece, one candidate at a time) of Π_{i<k} c'_i·σ(logit(c_k)/T), ties to
+    (dspark.scheduling.calibration_metrics.ece, one candidate at a time) of Π_{i<k} c'_i·σ(logit(c_k)/T), ties to
     the T closest to 1 in log scale."""
     n, gamma = conf.shape
     temps, prefix = np.ones(gamma), np.ones(n)
@@ -66,6 +73,24 @@ def test_min_events_counts_both_classes():
     assert fit_sts(conf, accepted, proposed, min_events=1, folds=0)[1] != 1.0
     _, records = fit_sts_explained(conf, accepted, proposed, min_events=2, folds=0)
     assert records[1]["kept"] == "1 rejected prefix < min_events=2"
+
+
+def test_fit_sts_warns_naming_each_position_kept_at_one_and_why():
+    conf, accepted, proposed = only_rejections_at_two()
+    with pytest.warns(UserWarning, match=r"position 2: 0 accepted prefixes < min_events=10") as caught:
+        temps = fit_sts(conf, accepted, proposed, min_events=10, folds=0)
+    np.testing.assert_array_equal(temps, [1.0, 1.0])
+    assert len(caught) == 1 and "position 1" not in str(caught[0].message)  # T_1 was fitted (its argmin is 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        temps, reasons = fit_sts(conf, accepted, proposed, min_events=10, folds=0, explain=True)
+        np.testing.assert_array_equal(temps, [1.0, 1.0])
+        assert reasons == [None, "0 accepted prefixes < min_events=10"]
+        assert reasons == [r["kept"] for r in fit_sts_explained(conf, accepted, proposed, min_events=10, folds=0)[1]]
+        fit_sts(conf, accepted, proposed, min_events=0, folds=0)  # the plain argmin keeps nothing: no warning
+    never_verified = np.ones(40, int)  # position 2 is never verified
+    with pytest.warns(UserWarning, match="position 2: no round verified this position"):
+        fit_sts(conf, accepted, never_verified, min_events=0, folds=0)
 
 
 def test_guards_off_is_the_plain_ece_argmin():

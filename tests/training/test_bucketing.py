@@ -9,7 +9,8 @@ from helpers.training import fit_killed_after, synthetic_samples, tiny_trainer
 
 from dspark.data.dataset import RenderedSource, bucketed_order, collate, padding_share, sample_lengths
 from dspark.data.render import RenderedSample
-from dspark.training.trainer import Schedule, anchors_for, latest_checkpoint
+from dspark.training.checkpoints import latest_checkpoint
+from dspark.training.schedule import Schedule, anchors_for
 from dspark import build as runtime
 from helpers.paths import REPO
 
@@ -187,8 +188,6 @@ def test_trainer_autocasts_as_auto_resolves(tiny_qwen3, tmp_path, monkeypatch):
 
 
 def test_smollm2_configs_use_auto_precision():
-    from pathlib import Path
-
     from dspark.config import load_config
 
     root = REPO / "config"

@@ -13,7 +13,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from helpers.memory import LiveStorages
 
-from dspark.training.fused_loss import LogitFactors, fused_dspark_loss, release_workspace
+from dspark.training.fused_loss import LogitFactors, fused_dspark_loss
+from dspark.training.fused_pass import release_workspace
 from dspark.training.loss import LossWeights, dspark_loss, naive_dspark_loss, position_weights
 
 N, GAMMA, DIM, VOCAB, RANK = 5, 4, 6, 17, 3
@@ -395,7 +396,7 @@ def test_target_rows_compute_each_target_position_once_with_the_same_loss_and_gr
         draft_vocab, chunk_rows, monkeypatch):
     """Blocks of nearby anchors overlap (anchor a reads positions a..a+γ−1): with target_rows the
     fused loss projects each distinct position once per chunk; nothing else may change."""
-    from dspark.training import fused_loss
+    from dspark.training import fused_pass
     from dspark.modeling.vocab import DraftVocab
 
     gen = torch.Generator().manual_seed(5)
@@ -412,14 +413,14 @@ def test_target_rows_compute_each_target_position_once_with_the_same_loss_and_gr
     weights = LossWeights(ce=0.4, tv=0.6, conf=0.5)
 
     saved = []
-    real = fused_loss._distinct_target_rows
+    real = fused_pass._distinct_target_rows
 
     def spy(run, pos):
         out = real(run, pos)
         saved.append((pos.numel(), out[0].numel(), out[1] is not None))
         return out
 
-    monkeypatch.setattr(fused_loss, "_distinct_target_rows", spy)
+    monkeypatch.setattr(fused_pass, "_distinct_target_rows", spy)
 
     def run(target_rows):
         leaves = [x.clone().requires_grad_(True) for x in (case["hidden"], case["latent"], w2, case["conf"])]

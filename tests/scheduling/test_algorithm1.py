@@ -7,15 +7,13 @@ import numpy as np
 import pytest
 
 from dspark.scheduling.algorithm1 import (
-    AsyncPrefixScheduler,
     SPSTable,
-    admit_top_k,
-    capacity_from_stale,
     first_below_lengths,
     schedule_prefix,
     static_lengths,
     threshold_lengths,
 )
+from dspark.scheduling.async_scheduler import AsyncPrefixScheduler, admit_top_k, capacity_from_stale
 
 # Appendix A: R = 1, γ = 2.
 APPENDIX_SPS = SPSTable([1, 2, 3], [1.0, 0.5, 0.45], max_batch_tokens=3)

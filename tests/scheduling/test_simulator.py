@@ -468,6 +468,7 @@ def test_at_r_1_eval_and_simulate_decode_every_request_with_the_same_tokens(tmp_
     (``simulate`` on the interleaved prompts with their keys, as ``dspark simulate`` builds them)
     seed every request with ``request_seed``, so at R = 1 each prompt gets the very same tokens
     and rounds on both. Without keys the simulator's own seeds give other tokens (the oracle bites)."""
+    import dspark.evaluation.eval_scheduled as scheduled
     import dspark.evaluation.evaluate as ev
     from dspark.config import Config, EvalConfig, ServeConfig
     from dspark.evaluation.scheduling_runs import _simulation_prompts
@@ -486,7 +487,7 @@ def test_at_r_1_eval_and_simulate_decode_every_request_with_the_same_tokens(tmp_
         return served[-1]
 
     monkeypatch.setattr(ev, "WARMUP_TOKENS", 0)
-    monkeypatch.setattr(ev, "run_requests", capture)
+    monkeypatch.setattr(scheduled, "run_requests", capture)
     ev.evaluate(target, drafter, data, names=["gsm8k", "mbpp", "alpaca"], num_samples=2, decoding=decoding,
                 serving=serving, baseline=False, progress=False, tokenizer=CharTokenizer())
     wall = {tuple(r["tag"]): r["result"] for sim in served for r in sim.requests}

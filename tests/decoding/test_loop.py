@@ -9,21 +9,18 @@ distributions, so that every draft must be accepted.
 
 from __future__ import annotations
 
-import itertools
-import math
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 import torch
 
 from helpers.targets import make_tiny_target
-from dspark.scheduling.calibration import prefix_labels
+from dspark.scheduling.calibration_metrics import prefix_labels
 from dspark.kernels import cpu_linear
 from dspark.build import prepare_for_decoding
 from dspark.decoding.loop import DecodeResult, RoundRecord, speculative_generate, target_generate
 from dspark.evaluation.metrics import summarize_rounds
-from dspark.modeling import Drafter, DrafterConfig, Proposal
+from dspark.modeling import Proposal
 from dspark.sampling import logits_to_probs
 from helpers.decoding import chi_square_pvalue, exact_joint, random_drafter
 from helpers.paths import REPO

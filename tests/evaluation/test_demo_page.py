@@ -9,8 +9,11 @@ from pathlib import Path
 import pytest
 
 from dspark.cli.main import main
-from dspark.evaluation.demo_page import (clock_cell, clock_rows, fmt_ci, load_run, metric, results_table, sched_row,
-                                          summary_markdown, write_summary)
+from dspark.evaluation.demo_page import summary_markdown, write_summary
+from dspark.evaluation.demo_results import results_table, sched_row
+from dspark.evaluation.demo_runs import load_run, metric
+from dspark.evaluation.markdown import fmt_ci
+from dspark.evaluation.verdicts import clock_cell, clock_rows
 
 SPS = {"sample_batch_tokens": [1, 4], "sample_steps_per_sec": [10.0, 8.0], "max_batch_tokens": 512}
 
@@ -215,11 +218,11 @@ def test_the_summary_command_prints_the_short_text_and_names_a_missing_folder(ru
 
 
 def test_the_headline_names_the_trained_drafters_and_stages_get_a_description():
-    from dspark.evaluation.demo_page import _drafters_trained, _stage_name
+    from dspark.evaluation.demo_sections import _stage_name, drafters_trained
 
     run = {"training": {"dflash_x": {"variant": "dflash"}, "dspark_x": {"variant": "dspark"}, "eagle3_x": {"variant": "eagle3"}}}
-    assert _drafters_trained(run) == "a DSpark, a DFlash and an Eagle3 drafter"
-    assert _drafters_trained({"training": {}}) == "drafters"
+    assert drafters_trained(run) == "a DSpark, a DFlash and an Eagle3 drafter"
+    assert drafters_trained({"training": {}}) == "drafters"
     assert _stage_name("train-eagle3_x") == "training" and _stage_name("sched-algorithm1+skip-R1") == "scheduled evaluation"
     assert _stage_name("vocab").startswith("draft vocabulary") and _stage_name("other") == ""
 
@@ -269,7 +272,7 @@ def acceptance_run(tmp_path: Path) -> Path:
 
 
 def test_the_acceptance_table_shows_each_position_with_its_interval_and_the_rounds_it_rests_on(acceptance_run):
-    from dspark.evaluation.demo_page import acceptance_table
+    from dspark.evaluation.demo_sections import acceptance_table
 
     rows = acceptance_table(load_run(acceptance_run)).splitlines()
     assert rows[0] == "| drafter | k=1 | k=2 | k=3 | k=4 |"
@@ -281,7 +284,8 @@ def test_the_acceptance_table_shows_each_position_with_its_interval_and_the_roun
 
 
 def test_dspark_is_above_dflash_only_where_the_two_intervals_are_apart(acceptance_run):
-    from dspark.evaluation.demo_page import acceptance_rows, dspark_vs_dflash, position_verdicts
+    from dspark.evaluation.demo_sections import acceptance_rows, dspark_vs_dflash
+    from dspark.evaluation.verdicts import position_verdicts
 
     dspark, dflash = acceptance_rows(load_run(acceptance_run))
     # k = 2: 0.15 > 0.09 apart; k = 3: [0.02, 0.20] and [0.0, 0.30] overlap; k = 4: DFlash has none.
@@ -302,14 +306,15 @@ def test_the_page_and_the_short_text_carry_the_acceptance_table_and_the_verdict(
 
 
 def test_without_dflash_there_is_no_verdict_and_without_evaluations_no_table(run_dir, tmp_path):
-    from dspark.evaluation.demo_page import acceptance_section, dspark_vs_dflash
+    from dspark.evaluation.demo_sections import acceptance_section, dspark_vs_dflash
 
     run = load_run(run_dir)  # DSpark alone, reports without per-position curves
     assert dspark_vs_dflash(run) == [] and acceptance_section(run) == "No evaluation report found."
 
 
 def test_the_page_says_which_split_each_stage_decoded_and_whether_sts_saw_the_scored_prompts(run_dir):
-    from dspark.evaluation.demo_page import calibration_section, results_caption
+    from dspark.evaluation.demo_results import results_caption
+    from dspark.evaluation.demo_sections import calibration_section
 
     # The fixture's reports record no split ("all"), and its STS file no fitted_on: overlap is possible.
     run = load_run(run_dir)
@@ -334,7 +339,7 @@ def test_the_page_says_which_split_each_stage_decoded_and_whether_sts_saw_the_sc
 
 
 def test_the_calibration_table_shows_the_ece_on_the_scored_rounds_raw_and_with_sts(run_dir):
-    from dspark.evaluation.demo_page import calibration_section
+    from dspark.evaluation.demo_sections import calibration_section
 
     report = json.loads((run_dir / "sched" / "static-R1" / "report.json").read_text())
     report["all"]["confidence"] = [{"ece": 0.12}, {"ece": 0.05}]
@@ -346,7 +351,7 @@ def test_the_calibration_table_shows_the_ece_on_the_scored_rounds_raw_and_with_s
 
 
 def test_the_llamacpp_section_shows_the_chosen_setting_beside_the_static_one_and_target_alone():
-    from dspark.evaluation.demo_page import llamacpp_section
+    from dspark.evaluation.demo_sections import llamacpp_section
 
     tri = lambda x: {"macro": [x, x - 0.1, x + 0.1]}  # noqa: E731
     results = {

@@ -6,14 +6,14 @@ import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 from helpers.targets import make_tiny_target
 from helpers.training import fit_killed_after, run_torchrun, synthetic_samples, tiny_trainer
 
-from dspark.training.trainer import latest_checkpoint, lr_lambda, make_adamw
+from dspark.training.checkpoints import latest_checkpoint
+from dspark.training.schedule import lr_lambda, make_adamw
 from dspark.training.loss import LossWeights, reduce_terms
 from dspark.training.step import ratio_metrics, tau_from_acceptance_rates
 from helpers.paths import REPO
@@ -40,8 +40,9 @@ def test_resume_reproduces_uninterrupted_run(tiny_qwen3, tmp_path):
     assert (tmp_path / "full" / "drafter" / "model.safetensors").is_file()
 
 
-def test_resume_changes_nothing_when_a_parameter_differs(tiny_qwen3, tmp_path):
-    """Power check for the resume test: a different seed gives different parameters."""
+def test_the_resume_comparison_sees_a_run_that_differs(tiny_qwen3, tmp_path):
+    """Power check for the resume test: its parameter comparison tells apart two runs that differ
+    (here in the learning rate) after the same steps."""
     a = tiny_trainer(tiny_qwen3, str(tmp_path / "a"))
     fit_killed_after(a, 2)
     b = tiny_trainer(tiny_qwen3, str(tmp_path / "b"), lr=2e-3)
@@ -245,7 +246,7 @@ def test_sample_order_and_anchor_streams_are_seeded_by_hand_computed_seeds():
     from (seed·7919 + e)·1000003 + i (dspark.seeds.derive_seed, nested): a resumed run draws what
     the interrupted one would have, whichever version of the code wrote its checkpoint."""
     from dspark.data.anchors import sample_anchors
-    from dspark.training.trainer import Schedule, anchors_for
+    from dspark.training.schedule import Schedule, anchors_for
 
     seed, epoch, index = 7, 3, 5
     schedule = Schedule(num_samples=10, global_batch=2, world=1, rank=0, seed=seed, total_steps=1)

@@ -1,0 +1,259 @@
+"""The per-row state of a batch: the target's KV cache and the drafter's context, R rows each.
+
+``BatchKVCache``: one tensor per layer, [R, H_kv, S, d_h]. The columns a forward appends are
+shared by all rows, so the padding of short rows and the rejected drafts of every row become
+holes, masked from then on and dropped when the cache is compacted. Column order means nothing:
+the mask compares per-row positions, so a freed row can take a new request's prompt in its first
+columns. The drafter's context (``DraftContext`` / ``Eagle3Context``, per-row lengths) is a
+dataclass of batch-first tensors: ``put_row``, ``select_rows`` and ``add_ctx_row`` write, keep
+and append its rows. ``dspark.decoding.batched`` steps both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["BatchKVCache", "add_ctx_row", "put_row", "select_rows"]
+
+_ATTENTION_KINDS = ("full_attention", "sliding_attention")
+
+
+# ---------------------------------------------------------------------------
+# The target's cache of a batch
+# ---------------------------------------------------------------------------
+
+
+class BatchKVCache:
+    """A transformers ``DynamicCache`` of R rows with per-row validity and positions.
+
+    valid [R, S] bool: column s of row r holds one of that row's tokens; pos [R, S]: its
+    position; next_pos [R]: the position of the row's next token. ``forward`` runs the
+    target over [R, q] new tokens (row r's first ``counts[r]`` real, the rest padding) at
+    positions next_pos[r] + 0..q−1 under the mask "same row, valid, position ≤ the
+    query's" (and within the window on sliding-window layers); ``commit`` then keeps the
+    first ``keep[r]`` of them. Sliding-window layers keep every column (the window is a
+    mask), so any row can be cropped.
+    """
+
+    def __init__(self, target: Any) -> None:
+        from transformers import DynamicCache
+
+        self.target = target
+        self.cache = DynamicCache()
+        device = target.device
+        self.valid = torch.zeros(0, 0, dtype=torch.bool, device=device)
+        self.pos = torch.zeros(0, 0, dtype=torch.long, device=device)
+        self.next_pos = torch.zeros(0, dtype=torch.long, device=device)
+        self._pending: tuple[Tensor, Tensor] | None = None  # (positions [R, q], real [R, q]) of the last forward
+        config = target.text_config
+        kinds = list(getattr(config, "layer_types", None) or ["full_attention"])
+        unknown = sorted(set(kinds) - set(_ATTENTION_KINDS))
+        if unknown:
+            raise ValueError(f"batched decoding supports {list(_ATTENTION_KINDS)} layers; the target has {unknown}: "
+                             "decode it at batch size 1 (eval.batch_size = 1)")
+        self.window = int(config.sliding_window) if "sliding_attention" in kinds else None
+        self.kinds = sorted(set(kinds))
+        impl = str(getattr(target.model.config, "_attn_implementation", "") or "")
+        self._boolean_mask = "sdpa" in impl
+
+    @property
+    def rows(self) -> int:
+        return int(self.next_pos.shape[0])
+
+    @property
+    def columns(self) -> int:
+        return int(self.valid.shape[1])
+
+    def _layers(self) -> list[Any]:
+        return list(self.cache.layers)
+
+    def lengths(self) -> Tensor:
+        """[R] tokens each row holds."""
+        return self.valid.sum(dim=1)
+
+    # -------------------------------------------------------------- rows
+    def add_row(self) -> int:
+        """Append an empty row (no valid column); returns its index."""
+        r = self.rows
+        self.valid = torch.cat([self.valid, self.valid.new_zeros(1, self.columns)])
+        self.pos = torch.cat([self.pos, self.pos.new_zeros(1, self.columns)])
+        self.next_pos = torch.cat([self.next_pos, self.next_pos.new_zeros(1)])
+        for layer in self._layers():
+            if getattr(layer, "is_initialized", False) and layer.keys is not None and layer.keys.numel():
+                layer.keys = torch.cat([layer.keys, layer.keys.new_zeros(1, *layer.keys.shape[1:])])
+                layer.values = torch.cat([layer.values, layer.values.new_zeros(1, *layer.values.shape[1:])])
+        return r
+
+    def write_row(self, row: int, single: Any) -> None:
+        """Put the prompt cache of one request (a batch-1 ``DynamicCache`` of P tokens, positions
+        0..P−1) into row ``row``, which forgets what it held."""
+        layers = list(single.layers)
+        length = int(layers[0].keys.shape[-2])
+        if not self._layers() or not getattr(self._layers()[0], "is_initialized", False):
+            self._init_from(layers)
+        if length > self.columns:
+            self._grow(length - self.columns)
+        for mine, theirs in zip(self._layers(), layers):
+            mine.keys[row, :, :length] = theirs.keys[0]
+            mine.values[row, :, :length] = theirs.values[0]
+        cols = torch.arange(self.columns, device=self.valid.device)
+        self.valid[row] = cols < length
+        self.pos[row] = torch.where(cols < length, cols, 0)
+        self.next_pos[row] = length
+
+    def _init_from(self, layers: Sequence[Any]) -> None:
+        """The per-layer tensors, [R, H_kv, 0, d_h], shaped after a request's prompt cache."""
+        from transformers.cache_utils import DynamicLayer
+
+        rows = self.rows
+        self.cache.layers = []
+        for theirs in layers:
+            layer = DynamicLayer()
+            layer.lazy_initialization(theirs.keys, theirs.values)
+            layer.keys = theirs.keys.new_zeros(rows, theirs.keys.shape[1], 0, theirs.keys.shape[3])
+            layer.values = theirs.values.new_zeros(rows, theirs.values.shape[1], 0, theirs.values.shape[3])
+            self.cache.layers.append(layer)
+
+    def _grow(self, extra: int) -> None:
+        """Append ``extra`` invalid columns to every row."""
+        self.valid = torch.cat([self.valid, self.valid.new_zeros(self.rows, extra)], dim=1)
+        self.pos = torch.cat([self.pos, self.pos.new_zeros(self.rows, extra)], dim=1)
+        for layer in self._layers():
+            pad = layer.keys.new_zeros(*layer.keys.shape[:2], extra, layer.keys.shape[3])
+            layer.keys = torch.cat([layer.keys, pad], dim=2)
+            layer.values = torch.cat([layer.values, pad], dim=2)
+
+    def select(self, rows: Tensor) -> None:
+        """Keep the rows ``rows`` (Long [R']), in that order."""
+        self.valid, self.pos, self.next_pos = self.valid[rows], self.pos[rows], self.next_pos[rows]
+        for layer in self._layers():
+            layer.keys, layer.values = layer.keys[rows], layer.values[rows]
+
+    def compact(self) -> None:
+        """Move every row's valid columns to the front, in position order, and drop the columns no
+        row uses (the holes of padding and rejected drafts)."""
+        counts = self.lengths()
+        width = int(counts.max()) if self.rows else 0
+        # Valid columns first, by position; invalid ones after them.
+        key = torch.where(self.valid, self.pos, torch.iinfo(torch.long).max)
+        order = key.argsort(dim=1, stable=True)[:, :width]  # [R, width]
+        self.valid = self.valid.gather(1, order)
+        self.pos = self.pos.gather(1, order)
+        for layer in self._layers():
+            index = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
+            layer.keys, layer.values = layer.keys.gather(2, index), layer.values.gather(2, index)
+
+    def maybe_compact(self, slack: int = 16) -> None:
+        """Compact once the holes outnumber ``slack`` columns plus an eighth of the longest row: every
+        forward reads (and the cache's append copies) every column, holes included, so a few holes
+        cost less than the gather that removes them, many cost more."""
+        if not self.rows:
+            return
+        longest = int(self.lengths().max())
+        if self.columns - longest > slack + longest // 8:
+            self.compact()
+
+    # ------------------------------------------------------------ forward
+    def forward(self, tokens: Tensor, counts: Tensor, *, logits: bool = True) -> Any:
+        """The target over tokens [R, q]: row r's first counts[r] tokens are real (counts ≥ 1).
+        Returns the ``TargetOutput`` ([R, q, ...]; padded positions hold garbage)."""
+        rows, q = tokens.shape
+        device = tokens.device
+        steps = torch.arange(q, device=device)
+        qpos = self.next_pos.unsqueeze(1) + steps  # [R, q]
+        real = steps.unsqueeze(0) < counts.unsqueeze(1)  # [R, q]
+        kpos = torch.cat([self.pos, qpos], dim=1)  # [R, S+q]
+        kvalid = torch.cat([self.valid, real], dim=1)  # [R, S+q]
+        allowed = kvalid.unsqueeze(1) & (kpos.unsqueeze(1) <= qpos.unsqueeze(2))  # [R, q, S+q]
+        # A padded query still sees its own row's past (every row holds ≥ 1 token): no empty softmax row.
+        # sdpa takes a boolean mask (what transformers itself builds for it, so a batch of one row runs
+        # the same kernel as batch-1 decoding); eager attention adds the mask, so it gets 0 / min.
+        dtype = self.target.dtype
+        boolean = self._boolean_mask
+
+        def additive(ok: Tensor) -> Tensor:
+            if boolean:
+                return ok.unsqueeze(1)
+            return torch.zeros(ok.shape, dtype=dtype, device=device).masked_fill_(~ok, torch.finfo(dtype).min).unsqueeze(1)
+
+        full = additive(allowed)
+        mask: Any = full
+        if self.window is not None:
+            near = (qpos.unsqueeze(2) - kpos.unsqueeze(1)) < self.window
+            mask = {"full_attention": full, "sliding_attention": additive(allowed & near)}
+        out = self.target(tokens, past_key_values=self.cache, attention_mask=mask, position_ids=qpos,
+                          use_cache=True, return_logits=logits)
+        self._pending = (qpos, real)
+        return out
+
+    def commit(self, keep: Tensor) -> None:
+        """Keep the first keep[r] (≤ counts[r]) tokens of row r's last forward; the rest become holes."""
+        if self._pending is None:
+            raise RuntimeError("commit() without a forward()")
+        qpos, real = self._pending
+        self._pending = None
+        kept = torch.arange(qpos.shape[1], device=qpos.device).unsqueeze(0) < keep.unsqueeze(1)
+        self.valid = torch.cat([self.valid, kept & real], dim=1)
+        self.pos = torch.cat([self.pos, qpos], dim=1)
+        self.next_pos = self.next_pos + keep
+
+
+# ---------------------------------------------------------------------------
+# The drafter context of a batch (dataclasses of batch-first tensors)
+# ---------------------------------------------------------------------------
+
+
+def put_row(ctx: Any, row: int, single: Any) -> None:
+    """Write the one-row context ``single`` into row ``row`` of ``ctx`` (same dataclass), growing
+    ``ctx`` along any dimension where ``single`` is larger. Works for every drafter context that
+    is a dataclass of batch-first tensors (or lists of them): ``DraftContext``, ``Eagle3Context``.
+    Entries of the row beyond ``single``'s are reset (−1 for integer tensors, 0 otherwise)."""
+    for f in dataclasses.fields(ctx):
+        mine, theirs = getattr(ctx, f.name), getattr(single, f.name)
+        if isinstance(mine, list):
+            setattr(ctx, f.name, [_put(m, row, t) for m, t in zip(mine, theirs)])
+        elif isinstance(mine, Tensor):
+            setattr(ctx, f.name, _put(mine, row, theirs))
+
+
+def _put(mine: Tensor, row: int, theirs: Tensor) -> Tensor:
+    if mine.dim() == 1:
+        mine[row] = theirs[0]
+        return mine
+    fill = -1 if not mine.is_floating_point() and mine.dtype != torch.bool else 0
+    for dim in range(1, mine.dim()):
+        extra = theirs.shape[dim] - mine.shape[dim]
+        if extra > 0:
+            shape = list(mine.shape)
+            shape[dim] = extra
+            mine = torch.cat([mine, mine.new_full(shape, fill)], dim=dim)
+    mine[row] = fill
+    mine[(row, *[slice(0, n) for n in theirs.shape[1:]])] = theirs[0]
+    return mine
+
+
+def select_rows(ctx: Any, rows: Tensor) -> None:
+    """Keep rows ``rows`` (Long [R']) of a drafter context, in that order."""
+    for f in dataclasses.fields(ctx):
+        value = getattr(ctx, f.name)
+        if isinstance(value, list):
+            setattr(ctx, f.name, [t[rows] for t in value])
+        elif isinstance(value, Tensor):
+            setattr(ctx, f.name, value[rows])
+
+
+def add_ctx_row(ctx: Any) -> None:
+    """Append one empty row to a drafter context (length 0)."""
+    for f in dataclasses.fields(ctx):
+        value = getattr(ctx, f.name)
+        grow = (lambda t: torch.cat([t, t.new_full((1, *t.shape[1:]), 0 if t.dim() == 1 else
+                                                   (-1 if not t.is_floating_point() else 0))]))
+        if isinstance(value, list):
+            setattr(ctx, f.name, [grow(t) for t in value])
+        elif isinstance(value, Tensor):
+            setattr(ctx, f.name, grow(value))

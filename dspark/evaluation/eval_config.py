@@ -1,0 +1,110 @@
+"""``dspark eval`` from a ``dspark.config.Config``: the checks it makes before any model is loaded
+and the ``evaluate`` call it makes.
+
+- ``evaluate_from_config``  every setting of ``evaluate`` from ``config.eval`` and ``config.serve``; the
+                            config is stored in the report and, as config.json, next to it.
+- ``check_eval_inputs``     the benchmark files, the policy and the drafter folder, read before loading.
+- ``check_config_folder``   refuses an output folder of another config, then writes config.json.
+- ``resolve_batch_size``    ``eval.batch_size`` as a number ("auto": from the SPS table).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from dspark.evaluation.evaluate import DecodeSettings, PathLike, ServeSettings, dist_info, drafter_gamma, evaluate
+from dspark.io.atomic import atomic_write_text
+from dspark.scheduling.simulator import sps_table
+
+
+def evaluate_from_config(target: Any, drafter: Any, config: Any, **overrides: Any) -> dict[str, Any]:
+    """``evaluate`` as ``dspark eval`` runs it: every setting from a ``dspark.config.Config``.
+
+    Reads ``config.eval`` (prompts, decoding, baseline, label, out) and ``config.serve``
+    (policy, concurrency, STS, SPS), stores the whole config in the report and, next to
+    it, as ``config.json``, so that ``dspark eval --config <out>/config.json`` runs the
+    same evaluation again. Keyword arguments override any of ``evaluate``'s."""
+    e, s = config.eval, config.serve
+    policy = _one_policy(s.policy)
+    if policy is None and s.concurrency != 1:
+        raise ValueError("serve.concurrency needs serve.policy (--concurrency needs --policy POLICY, e.g. --policy "
+                         "algorithm1); to decode requests together without a policy use eval.batch_size "
+                         "(--batch-size R)")
+    benchmarks: Any = e.data_dir
+    names: list[str] | None = list(e.benchmarks)
+    if e.builtin_prompts:
+        from dspark.data.prompts import builtin_eval_sets
+
+        benchmarks, names = builtin_eval_sets(), None
+    options: dict[str, Any] = dict(
+        names=names, num_samples=e.num_samples or None, split=e.split,
+        decoding=DecodeSettings(max_new_tokens=e.max_new_tokens, temperature=e.temperature, seed=e.seed),
+        # without a policy the SPS table only sets the automatic batch size
+        serving=ServeSettings(policy=policy, sps=(s.sps or None) if policy else None, concurrency=s.concurrency,
+                              sts_temperatures=s.sts or None, engine=s.engine),
+        baseline=e.baseline, label=e.label or None, out_dir=config.path(e.out, "eval"), run_config=config,
+        batch_size=resolve_batch_size(e.batch_size, s.sps or None, drafter, target),
+    )
+    options.update(overrides)
+    if options["out_dir"] is not None and dist_info()[0] == 0 and options.get("resume") is not False:
+        check_config_folder(options["out_dir"], config, resume=options.get("resume"))
+    report = evaluate(target, drafter, options.pop("benchmarks", benchmarks), **options)
+    return report
+
+
+def resolve_batch_size(value: int | str, sps: Any, drafter: Any, target: Any) -> int:
+    """``eval.batch_size`` as a number: an int as given; "auto" by ``dspark.decoding.batched.auto_batch_size``
+    (the SPS table of ``sps`` when given, else the device's default)."""
+    if value != "auto":
+        return int(value)
+    from dspark.decoding.batched import auto_batch_size
+
+    return auto_batch_size(sps_table(sps), drafter_gamma(drafter) or 1, getattr(target, "device", "cpu"))
+
+
+def check_eval_inputs(config: Any) -> None:
+    """Before any model is loaded: every line of the benchmark files (JSON with "turns"; an error
+    names the file and line), the policy, and the drafter folder of ``eval.draft`` (its
+    config.json exists, parses and is a layout ``dspark.modeling.load_drafter`` reads)."""
+    from dspark.data.benchmarks import load_benchmark_prompts
+    from dspark.modeling.formats import detect_format, locate_drafter, read_json
+
+    e = config.eval
+    _one_policy(config.serve.policy)
+    if not e.builtin_prompts:
+        load_benchmark_prompts(e.data_dir, list(e.benchmarks), e.num_samples or None, e.seed, e.split)
+    if e.draft:
+        folder, _ = locate_drafter(e.draft)
+        d = read_json(folder / "config.json")
+        if detect_format(d) is None:
+            raise ValueError(f"eval.draft={e.draft!r}: {folder / 'config.json'} has architectures "
+                             f"{d.get('architectures')!r}, no drafter layout dspark reads; pass a drafter folder "
+                             "(ours, DeepSpec's or z-lab's) or a training run folder")
+
+
+def check_config_folder(out_dir: PathLike, config: Any, resume: bool | None = None) -> None:
+    """Before any model is loaded: refuse an output folder whose config.json holds another
+    config (naming the fields), unless ``resume`` is False (start over); then write config.json,
+    so that ``dspark eval --config <out>/config.json`` runs the same evaluation again."""
+    from dspark.evaluation.journal import IGNORED, check_settings, clear_outputs
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if resume is False:
+        clear_outputs(out, extra=("config.json",))
+    ignore = [key.removeprefix("run.") for key in IGNORED if key.startswith("run.")]
+    if not check_settings(out, config.to_dict(), "config.json", ignore) and resume is True:
+        raise FileNotFoundError(f"--resume: {out / 'config.json'} not found, so {out} holds no evaluation "
+                                "to resume; drop --resume to start one")
+    atomic_write_text(out / "config.json", json.dumps(config.to_dict(), indent=2) + "\n")
+
+
+def _one_policy(policies: Sequence[str]) -> str | None:
+    """The policy of ``serve.policy`` for ``dspark eval`` (None: verify all γ drafts)."""
+    if len(policies) > 1:
+        raise ValueError(f"serve.policy={list(policies)} names {len(policies)} policies but dspark eval runs one; "
+                         "pass one (--policy algorithm1) or compare several with dspark simulate")
+    return policies[0] if policies else None

@@ -1,0 +1,63 @@
+"""The rounds of speculative decoding as the inputs of Sequential Temperature Scaling
+(paper Section 3.2.1): :func:`sts_inputs` turns ``DecodeResult.rounds`` into the
+arguments of ``dspark.fit_sts``.
+
+A round is a ``dspark.decoding.loop.RoundRecord``: the confidences c_1..c_γ of its drafted
+positions, the ℓ drafts verified (``proposed``) and the m accepted; the labels STS fits
+against, 1[first k accepted] where k ≤ ℓ, come from those two counts
+(``dspark.scheduling.calibration.prefix_labels``). Torch-free (numpy only).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+__all__ = ["sts_inputs"]
+
+
+def sts_inputs(results: Any) -> dict[str, np.ndarray]:
+    """The keyword arguments of ``dspark.fit_sts`` from decoded requests:
+    ``temperatures = dspark.fit_sts(**dspark.sts_inputs(results))``.
+
+    Args:
+        results: one ``DecodeResult`` (``dspark.speculative_generate``'s) or an iterable of them,
+            one per request. Rounds without confidences (a drafter without a confidence head) are
+            left out; all others must come from one drafter (one γ).
+
+    Returns:
+        {"conf": float64 [N, γ] the per-position confidences c_k (not cumulative),
+        "accepted": int64 [N] accepted drafts m, "proposed": int64 [N] verified drafts ℓ,
+        "groups": int64 [N] the request of each round (0, 1, ... in the order given), so that
+        ``fit_sts``'s held-out check deals whole requests to its folds}.
+    """
+    requests = [results] if hasattr(results, "rounds") else list(results)
+    conf: list[list[float]] = []
+    accepted: list[int] = []
+    proposed: list[int] = []
+    groups: list[int] = []
+    for index, result in enumerate(requests):
+        rounds: Iterable[Any] = getattr(result, "rounds", None)
+        if rounds is None:
+            raise TypeError(f"results[{index}] is a {type(result).__name__}, not a DecodeResult (with .rounds)")
+        for r in rounds:
+            if r.confidences is None:
+                continue
+            conf.append([float(c) for c in r.confidences])
+            accepted.append(int(r.accepted))
+            proposed.append(int(r.proposed))
+            groups.append(index)
+    if not conf:
+        raise ValueError("no round has confidences: decode with a drafter that has a confidence head "
+                         "(a DSpark drafter; DFlash and Eagle3 drafters have none)")
+    widths = sorted({len(c) for c in conf})
+    if len(widths) != 1:
+        raise ValueError(f"rounds have confidences of lengths {widths}; calibrate one drafter (one γ) at a time")
+    return {
+        "conf": np.asarray(conf, dtype=np.float64),
+        "accepted": np.asarray(accepted, dtype=np.int64),
+        "proposed": np.asarray(proposed, dtype=np.int64),
+        "groups": np.asarray(groups, dtype=np.int64),
+    }
