@@ -151,8 +151,10 @@ def run_dspark_eval(drafter_dir: Path, target: Any, settings: Mapping[str, Any],
     from dspark.data.prompts import builtin_eval_sets
     from dspark.evaluation.evaluate import evaluate
     from dspark.modeling import load_drafter
+    from dspark.modeling.checkpoint import read_config
     from dspark.scheduling.simulator import DecodeSettings
 
+    target = target.with_layers(read_config(drafter_dir).target_layer_ids)  # the drafter's own feature layers
     drafter = load_drafter(drafter_dir, target)
     source = builtin_eval_sets() if settings["builtin"] else settings["data_dir"]
     evaluate(target, drafter, source, names=None if settings["builtin"] else settings["benchmarks"],
@@ -172,8 +174,9 @@ def drafter_facts(folder: Path, target: Any) -> dict[str, Any]:
     """variant, γ (--spec-draft-n-max) and llama.cpp's --spec-type of a drafter folder."""
     from dspark.interop.gguf import draft_n_max, spec_type
     from dspark.modeling import load_drafter
+    from dspark.modeling.checkpoint import read_config
 
-    drafter = load_drafter(folder, target)
+    drafter = load_drafter(folder, target.with_layers(read_config(folder).target_layer_ids))
     return {"variant": drafter.config.variant, "gamma": draft_n_max(drafter), "spec_type": spec_type(drafter)}
 
 
@@ -182,11 +185,13 @@ def export_gguf_of(folder: Path, out: Path, target_name: str, target: Any) -> Pa
     newer than the drafter's weights)."""
     from dspark.interop.gguf import export_gguf
     from dspark.modeling import load_drafter
+    from dspark.modeling.checkpoint import read_config
 
     weights = max((p.stat().st_mtime for p in folder.glob("*.safetensors")), default=0.0)
     if out.is_file() and out.stat().st_mtime >= weights:
         return out
-    return Path(export_gguf(load_drafter(folder, target), out, target=target_name))
+    drafter = load_drafter(folder, target.with_layers(read_config(folder).target_layer_ids))
+    return Path(export_gguf(drafter, out, target=target_name))
 
 
 # ---------------------------------------------------------------------------

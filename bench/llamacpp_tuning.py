@@ -216,8 +216,10 @@ def shape_costs(draft_dir: Path, target: Any, target_name: str, shapes: Sequence
     on the shape alone, so the cheapest shape is found without training one."""
     from dspark.interop.gguf import export_gguf, spec_type
     from dspark.modeling import load_drafter, make_drafter
+    from dspark.modeling.checkpoint import read_config
     from dspark.modeling.vocab import DraftVocab
 
+    target = target.with_layers(read_config(draft_dir).target_layer_ids)  # the drafter's own feature layers
     base = load_drafter(draft_dir, target).config
     rows = []
     for layers, k in shapes:

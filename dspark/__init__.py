@@ -1,32 +1,21 @@
 """dspark: confidence-scheduled, semi-autoregressive draft models for speculative decoding.
 
-The names a researcher imports, loaded on first use (``import dspark`` itself pulls in
-neither torch nor transformers)::
+The names a researcher imports, by the paper's parts, loaded on first use (``import dspark`` pulls in neither
+torch nor transformers; docs/library.md composes them into a training loop and a calibration of your own)::
 
     import dspark
     target = dspark.load_target(dspark.load_config("config/dspark/dspark_smollm2_135m.py"))
     drafter = dspark.load_drafter("runs/demo/dspark_smollm2_135m", target=target)
     result = dspark.speculative_generate(target, drafter, prompt_ids, max_new_tokens=64)
 
-Where each name lives, by the paper's parts (docs/library.md: a training loop and a
-calibration of your own, from these names alone):
-
-- the models: ``TargetModel`` (frozen target, feature capture), ``Drafter`` (paper Eq. 2-7:
-  parallel backbone, sequential head, confidence head), ``DrafterConfig``, ``build_drafter``
-  (a fresh one from a ``Config``), ``load_drafter`` / ``save_drafter`` (any drafter folder);
-- data (Section 4.1): ``render_conversation`` / ``render_prompt`` (chat template, loss mask),
-  ``count_draft_vocab`` (a draft vocabulary of k ids, for ``Drafter.set_vocab``);
-- training (Section 3.3): ``sample_anchors``, ``block_labels``, ``target_positions`` (the blocks
-  of a batch), ``block_loss`` (a batch's loss in one call), ``dspark_loss`` (Eq. 8-12),
-  ``LossWeights``, ``Trainer`` (the whole recipe: DDP / FSDP, exact resume);
-- decoding (Section 2): ``verify_draft`` (lossless rejection sampling), ``speculative_generate``,
-  ``target_generate``; ``SpeculativeBatch`` and ``speculative_batch_generate``: many requests per
-  drafter and target forward, each decoding the tokens it decodes alone;
-- scheduling (Section 3.2): ``sts_inputs`` (decoded rounds -> ``fit_sts``'s arguments),
-  ``fit_sts`` (Sequential Temperature Scaling), ``apply_temperatures``, ``schedule_prefix``
-  (Algorithm 1), ``SPSTable``;
-- running it: ``Config``, ``load_config``, ``load_target``, ``evaluate`` with its
-  ``DecodeSettings`` and ``ServeSettings`` (the verification policy, SPS table, concurrency).
+- models (Eq. 2-7): ``TargetModel``, ``Drafter``, ``DrafterConfig``, ``build_drafter``, ``load_drafter``, ``save_drafter``
+- data (Section 4.1): ``render_conversation``, ``render_prompt``, ``count_draft_vocab``
+- training (Section 3.3): ``sample_anchors``, ``block_labels``, ``target_positions``, ``block_loss``, ``dspark_loss``
+  (Eq. 8-12), ``LossWeights``, ``Trainer``
+- decoding (Section 2): ``verify_draft``, ``speculative_generate``, ``target_generate``, ``SpeculativeBatch``,
+  ``speculative_batch_generate``
+- scheduling (Section 3.2): ``sts_inputs``, ``fit_sts``, ``apply_temperatures``, ``schedule_prefix``, ``SPSTable``
+- running it: ``Config``, ``load_config``, ``load_target``, ``evaluate``, ``DecodeSettings``, ``ServeSettings``
 """
 
 from __future__ import annotations

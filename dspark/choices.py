@@ -44,7 +44,7 @@ POSITIVE = (
     "train.global_batch_size", "train.micro_batch_size", "train.bucket_window", "generation.batch_size",
     "generation.max_new_tokens", "eval.max_new_tokens", "loss.chunk_rows", "serve.concurrency",
     "serve.max_new_tokens", "profile.context_len", "profile.repeats", "calibrate.bins", "propose.max_new_tokens",
-    "propose.num_blocks", "eval.bootstrap_resamples", "drafter.ttt_length",
+    "propose.num_blocks", "eval.bootstrap_resamples", "drafter.ttt_length", "train.save_every", "train.log_every",
 )
 NON_NEGATIVE = (
     "threads", "eval.num_samples", "eval.block_size", "serve.num_prompts", "serve.num_requests",

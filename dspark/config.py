@@ -1,22 +1,15 @@
 """Typed experiment configs, the config-file loader and `key.path=value` overrides.
 
-Every command that runs a model reads one `Config`. Its defaults are the
-Qwen3-4B DSpark recipe of paper Section 3.3 (config/dspark/dspark_qwen3_4b.py spells
-every field out, to copy from); a config file is plain Python that binds one
-`Config` to the name `config` and states only what differs:
+Every command that runs a model reads one `Config`. Its defaults are the Qwen3-4B DSpark recipe of
+paper Section 3.3 (config/dspark/dspark_qwen3_4b.py spells every field out, to copy from); a config
+file is plain Python that binds one `Config` to the name `config` and states only what differs.
+`load_config(path, overrides=["train.lr=3e-4", "drafter.block_size=8"])` also reads the config.json
+a run writes next to its outputs (`Config.to_dict()`), so a run is reproduced from that file.
+Overrides are type-checked against the dataclass fields; an unknown key or a value of the wrong
+type is a ValueError naming the key. `dflash_of` and `eagle3_of` derive the baselines' configs
+from a DSpark one.
 
-    from dspark.config import Config, DrafterSpec, TargetConfig
-    config = Config(
-        name="dspark_qwen3_14b_block7",
-        target=TargetConfig(name_or_path="Qwen/Qwen3-14B"),
-        drafter=DrafterSpec(target_layer_ids=[1, 10, 19, 28, 37]),
-    )
-
-`load_config(path, overrides=["train.lr=3e-4", "drafter.block_size=8"])` also
-reads the config.json a run writes next to its outputs (`Config.to_dict()`),
-so a run is reproduced from that file. Overrides are type-checked against the
-dataclass fields; an unknown key or a value of the wrong type is a ValueError
-naming the key.
+docs/configs.md: an example config file, the sections, the settings worth knowing.
 """
 
 from __future__ import annotations

@@ -120,12 +120,12 @@ class Registry(Generic[T]):
 # --------------------------------------------------------------------------- heads
 # name -> a class following dspark.modeling.heads.SequentialHead
 HEADS: Registry[Any] = Registry("sequential head", "drafter.markov_head_type")
-HEADS.register("vanilla", "dspark.modeling.heads:MarkovHead", builtin=True,
-               help="Markov head, Eq. 5: B_k = W2 W1[x_{k-1}]")
-HEADS.register("gated", "dspark.modeling.heads:GatedMarkovHead", builtin=True,
-               help="DeepSpec's gated Markov head")
-HEADS.register("rnn", "dspark.modeling.heads:RNNHead", builtin=True,
-               help="RNN head, Eq. 6 (drafter.rnn_bias: its joint bias)")
+for _name, _entry, _help in (
+    ("vanilla", "dspark.modeling.heads:MarkovHead", "Markov head, Eq. 5: B_k = W2 W1[x_{k-1}]"),
+    ("gated", "dspark.modeling.heads:GatedMarkovHead", "DeepSpec's gated Markov head"),
+    ("rnn", "dspark.modeling.heads:RNNHead", "RNN head, Eq. 6 (drafter.rnn_bias: its joint bias)"),
+):
+    HEADS.register(_name, _entry, help=_help, builtin=True)
 
 # --------------------------------------------------------------------------- policies
 # name -> a factory (arg: str, sps: SPSTable | None, spec: str) -> dspark.scheduling.policies.Policy.
@@ -134,23 +134,25 @@ HEADS.register("rnn", "dspark.modeling.heads:RNNHead", builtin=True,
 # stripped (the Policy's name, for tables and logs). Each call makes a fresh Policy: one per run.
 # help: one line; it starts with the argument's spelling (":<a>", "[:M]") when the policy takes one.
 POLICIES: Registry[Callable[..., Any]] = Registry("verification policy", "policy")
-POLICIES.register("algorithm1", "dspark.scheduling.policies:algorithm1_policy", builtin=True,
-                  help="Algorithm 1 with its early-stopping break, lossless")
-POLICIES.register("algorithm1+skip", "dspark.scheduling.policies:algorithm1_skip_policy", builtin=True,
-                  help="[:M] algorithm1, and no drafting where a block will not pay; re-probes after at most "
-                       "M steps, 16 by default")
-POLICIES.register("async", "dspark.scheduling.policies:async_policy", builtin=True,
-                  help="[:K0] Section 5.2: a capacity from two-step-old confidences, top-K by the current ones; "
-                       "K0 while none is two steps old, one per live request by default")
-POLICIES.register("static1", "dspark.scheduling.policies:static1_policy", builtin=True,
-                  help="ℓ = 1, MTP-1-like")
-POLICIES.register("static", "dspark.scheduling.policies:static_policy", builtin=True,
-                  help="[:ℓ] every draft, ℓ = γ, or a fixed ℓ")
-POLICIES.register("threshold", "dspark.scheduling.policies:threshold_policy", builtin=True,
-                  help=":<a> every draft with cumulative a_j >= a")
-POLICIES.register("first-below", "dspark.scheduling.policies:first_below_policy", builtin=True,
-                  help=":<t> stop before the first c_j < t, DeepSpec's rule on raw c")
-
+for _name, _entry, _help in (
+    ("algorithm1", "dspark.scheduling.policies:algorithm1_policy",
+     "Algorithm 1 with its early-stopping break, lossless"),
+    ("algorithm1+skip", "dspark.scheduling.policies:algorithm1_skip_policy",
+     "[:M] algorithm1, and no drafting where a block will not pay; re-probes after at most M steps, "
+     "16 by default"),
+    ("async", "dspark.scheduling.policies:async_policy",
+     "[:K0] Section 5.2: a capacity from two-step-old confidences, top-K by the current ones; K0 while "
+     "none is two steps old, one per live request by default"),
+    ("static1", "dspark.scheduling.policies:static1_policy",
+     "ℓ = 1, MTP-1-like"),
+    ("static", "dspark.scheduling.policies:static_policy",
+     "[:ℓ] every draft, ℓ = γ, or a fixed ℓ"),
+    ("threshold", "dspark.scheduling.policies:threshold_policy",
+     ":<a> every draft with cumulative a_j >= a"),
+    ("first-below", "dspark.scheduling.policies:first_below_policy",
+     ":<t> stop before the first c_j < t, DeepSpec's rule on raw c"),
+):
+    POLICIES.register(_name, _entry, help=_help, builtin=True)
 
 def policy_help() -> str:
     """Every registered policy with its argument and help, then ``module:function`` (the CLI's text)."""

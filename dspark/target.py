@@ -1,22 +1,13 @@
 """The frozen target LLM: feature capture, final hidden state, LM head (the features of paper Eq. 2).
 
-:class:`TargetModel` wraps a ``transformers`` causal LM of a supported family
-and gives the drafter what it needs from it, and nothing more:
+- `TargetModel`: wraps a `transformers` causal LM of a family in `dspark.registry.FAMILIES` and
+  gives the drafter what it needs from it, and nothing more: `forward` -> `TargetOutput`
+  (`features` [B, S, m*d] at `target_layer_ids`, `last_hidden`, `logits`), the frozen `embed` and
+  `compute_logits` the drafter shares, and a KV cache that can be cropped.
+- `validate_layer_ids`: the layer-id rules.
 
-- ``features``: the hidden states at ``target_layer_ids``, concatenated in id
-  order, ``[B, S, m*d]``. Layer-id convention (DeepSpec's, for the l_1..l_m of Eq. 2): id ``i >= 0``
-  is ``hidden_states[i+1]`` of a transformers forward with
-  ``output_hidden_states=True`` (the output of decoder layer ``i``), id ``-1``
-  is ``hidden_states[0]`` (the embedding output, with Gemma's sqrt(d) scale).
-  transformers makes the *last* entry ``hidden_states[L]`` the final-normed
-  state, so id ``L-1`` is the final-normed state here too.
-- ``last_hidden``: the final hidden state after the final norm (LM-head input).
-- ``logits``: the LM head on it, with Gemma's final-logit soft-capping.
-- the frozen input embedding (``embed``) and LM head (``compute_logits``),
-  shared by the drafter (Eq. 2 inputs and U_k = LMHead(h_k)).
-
-Features are captured with forward hooks on the requested decoder layers only,
-so a 48-layer target does not keep 49 hidden-state tensors alive.
+The layer-id convention (DeepSpec's, for the l_1..l_m of Eq. 2) and how features are captured:
+docs/method.md, "The target".
 """
 
 from __future__ import annotations
@@ -213,6 +204,13 @@ class TargetModel(nn.Module):
             except Exception as err:  # the tokenizer is optional for the target itself
                 logger.warning("no tokenizer loaded for %s: %s", name_or_path, err)
         return cls(model, target_layer_ids, tokenizer=tokenizer)
+
+    def with_layers(self, target_layer_ids: Sequence[int]) -> TargetModel:
+        """The same frozen model and tokenizer (shared, nothing copied or reloaded), capturing
+        ``target_layer_ids`` instead: the target of a drafter that reads other layers."""
+        if tuple(target_layer_ids) == self.target_layer_ids:
+            return self
+        return type(self)(self.model, target_layer_ids, tokenizer=self.tokenizer)
 
     # ------------------------------------------------------------ frozen parts
     def train(self, mode: bool = True) -> TargetModel:

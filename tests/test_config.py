@@ -168,3 +168,14 @@ def test_default_eval_benchmarks_are_the_table_in_evaluation_order():
     from dspark.data.benchmarks import BENCHMARKS
 
     assert Config().eval.benchmarks == list(BENCHMARKS)
+
+
+def test_periodic_training_steps_must_be_positive():
+    """A period of 0 steps has no multiples: refused when the config is read, not at the first checkpoint."""
+    import pytest
+
+    from dspark.config import Config, apply_overrides
+
+    for key in ("train.save_every", "train.log_every"):
+        with pytest.raises(ValueError, match=f"{key} must be > 0, got 0"):
+            apply_overrides(Config(), [f"{key}=0"])

@@ -67,7 +67,7 @@ def test_a_new_head_trains_decodes_saves_reloads_and_is_refused_by_the_exporters
     exec(block_with("head_options="), namespace)  # the page's config file: imports mypkg.heads
     page = namespace["config"].drafter
     assert HEADS.get("scaled-bigram").__module__ == "mypkg.heads"
-    config = tiny_config(tiny_qwen3, str(tmp_path / "run"), max_steps=1, save_every=0)
+    config = tiny_config(tiny_qwen3, str(tmp_path / "run"), max_steps=1)
     config = dataclasses.replace(config, drafter=dataclasses.replace(
         config.drafter, markov_head_type=page.markov_head_type, head_options=page.head_options))
     drafter = build_drafter(config, tiny_qwen3)

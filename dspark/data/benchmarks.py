@@ -1,39 +1,17 @@
 """The nine evaluation benchmarks (paper Section 4.1, Table 1) and the prompts an evaluation decodes.
 
-``BENCHMARK_TABLE`` is the one list of them: file name, domain, Table 1
-header and the number of requests drawn. ``BENCHMARKS``, ``DOMAINS``,
-``TABLE1_ORDER``, ``DISPLAY_NAMES`` and ``DEFAULT_NUM_SAMPLES`` are views of it.
+``BENCHMARK_TABLE`` is the one list of them (file name, domain, Table 1 header, requests drawn);
+``BENCHMARKS``, ``DOMAINS``, ``TABLE1_ORDER``, ``DISPLAY_NAMES`` and ``DEFAULT_NUM_SAMPLES`` are
+views of it. ``resolve_benchmarks`` finds the files (``eval_data_folder``),
+``samples_per_benchmark`` the requests per benchmark, and ``load_benchmark_prompts`` /
+``load_prompts`` return the first-user-turn prompts an evaluation decodes: a seeded subset
+(``seeded_subset``, DeepSpec's rule) of the dev part, the test part or all of a benchmark
+(``split_prompts``, ``SPLITS``, ``SPLIT_SEED``, ``DEV_SIZE``). Dev and test are cut once, by a
+rule no evaluation setting can move, and never share a prompt: studies and tuning read dev,
+reported results read test.
 
-A benchmark is a ``<name>.jsonl`` file of ``{"turns": [...]}`` lines (see
-eval_datasets/README.md), or a list of conversations given in memory (the
-built-in evaluation prompts). Each is reduced to its first user turn, to one
-part of it (``split_prompts``: ``SPLITS``, below) and to a seeded subset of
-``num_samples`` prompts of that part (``seeded_subset``, DeepSpec's rule: a
-``random.Random(seed)`` shuffle, then the first N; for files and lists alike),
-so that the same seed evaluates the same prompts here and in DeepSpec.
-
-Dev and test (``split_prompts``, ``SPLITS``, ``SPLIT_SEED``, ``DEV_SIZE``). Choosing
-hyperparameters on the prompts whose results are reported inflates those results,
-so every benchmark is cut once, by a rule no evaluation setting can move:
-
-- ``"all"`` (the default): the whole benchmark, ``seeded_subset(items, num_samples, seed)``,
-  DeepSpec's subsets.
-- ``"dev"``: the benchmark's N prompts are shuffled with the fixed seed ``SPLIT_SEED``
-  (``DEEPSPEC_EVAL_SEED``, whatever ``eval.seed`` is), and dev is the first
-  ``d = min(DEV_SIZE, N // 2)`` of that shuffle. Studies and any tuning read dev.
-- ``"test"``: the rest of that shuffle, less every prompt whose text (first user turn,
-  compared after ``.strip()``) equals a dev prompt's, so that a line repeated in a file
-  cannot sit on both sides. Reported results read test.
-
-Each part keeps its prompts in file order and is then drawn from like a smaller file:
-``seeded_subset(part, num_samples, seed)`` with the evaluation's own seed. Neither the
-seed nor the count can carry a prompt across the cut. Because ``seeded_subset`` with
-seed ``DEEPSPEC_EVAL_SEED`` shuffles exactly as the cut does, dev holds the first 8
-prompts of the default ``"all"`` draw (``seeded_subset(items, 8, DEEPSPEC_EVAL_SEED)``:
-what a default evaluation of up to 8 prompts per benchmark decodes, the prompts recipe
-studies chose on) and test holds none of them: every benchmark file has at least 30
-prompts, so d >= 15. The built-in evaluation sets (a few prompts per domain) follow the
-same rule, with d = N // 2.
+The file format, the split rule and why dev holds the first prompts of the default draw:
+docs/data.md, "Benchmark files and the dev/test split".
 """
 
 from __future__ import annotations
@@ -61,7 +39,7 @@ EVAL_DATA_ENV = "DSPARK_EVAL_DATA"  # names the benchmark folder when data_dir i
 
 T = TypeVar("T")
 
-SPLITS: tuple[str, ...] = ("all", "dev", "test")  # the choices of eval.split (see the module docstring)
+SPLITS: tuple[str, ...] = ("all", "dev", "test")  # the choices of eval.split (docs/data.md)
 SPLIT_SEED = DEEPSPEC_EVAL_SEED  # the shuffle that cuts dev from test; fixed, not eval.seed
 DEV_SIZE = 16  # the most prompts of one benchmark that dev holds (d = min(DEV_SIZE, N // 2))
 
@@ -205,7 +183,7 @@ def split_prompts(
     items: Sequence[T], split: str, num_samples: int | None, seed: int,
     text: Callable[[T], str] = first_user_text,
 ) -> list[T]:
-    """``num_samples`` of the ``split`` part of a benchmark's ``items`` (the rule: the module docstring).
+    """``num_samples`` of the ``split`` part of a benchmark's ``items`` (the rule: docs/data.md).
 
     ``split``: "all" (``seeded_subset(items, num_samples, seed)``), "dev" (the first
     ``min(DEV_SIZE, N // 2)`` items of a ``random.Random(SPLIT_SEED)`` shuffle) or "test"

@@ -1,39 +1,15 @@
 """Regenerating training answers with the target itself (paper Section 4.1).
 
-Training data is prompts only; the target answers every prompt in
-non-thinking mode with its recommended sampling (``GenerationConfig``:
-Qwen3's T = 0.7, top_p = 0.8, top_k = 20), so the drafter learns the
-distribution it will be verified against.
+Training data is prompts only; the target answers every prompt in non-thinking mode with its
+recommended sampling (``GenerationConfig``), so the drafter learns the distribution it will be
+verified against. :func:`generate_responses` writes one JSON line per prompt, in input order,
+committed a batch at a time and resumed row for row after a kill; :func:`load_responses` reads
+the answered conversations back. A backend answers one batch (``generate(batch, start) ->
+list[Result]``, ``start`` the row index of ``batch[0]``): :class:`TransformersBackend`
+(in-process ``model.generate``, left-padded batches) or :class:`OpenAIBackend` (any
+OpenAI-compatible server: vLLM, SGLang; the requests of a batch run concurrently, with retries).
 
-:func:`generate_responses` writes one JSON line per prompt, in input order::
-
-    {"index": 0, "id": "math-001",
-     "conversations": [...prompt turns..., {"role": "assistant", "content": "..."}],
-     "finish_reason": "stop", "num_tokens": 57, "error": null}
-
-``finish_reason`` is ``"stop"`` (the model ended its turn) or ``"length"``
-(cut at ``max_new_tokens``); ``num_tokens`` counts the generated tokens,
-the end-of-turn token included. A row whose generation failed keeps its
-place with ``"error": "<message>"``, no assistant turn, ``finish_reason``
-null and ``num_tokens`` 0; :func:`load_responses` skips it.
-
-Resume. Rows are committed a batch at a time (write, flush, ``os.fsync``),
-so a killed run leaves complete rows, at worst followed by one partial line.
-On restart the partial line is cut off, the rows are checked to be exactly
-indices 0..n-1 answering the same prompts (otherwise: an error asking to
-delete the file), and generation continues. Batches are aligned to multiples
-of ``batch_size`` from row 0 and the batch starting at row ``i`` is sampled
-with seed ``seed + i``; rows of a batch that was only partly written are
-dropped and regenerated, so a resumed file equals an uninterrupted run
-row for row (for deterministic backends).
-
-Backends answer one batch: ``generate(batch, start) -> list[Result]`` where
-``start`` is the row index of ``batch[0]``.
-
-- :class:`TransformersBackend`: in-process ``model.generate``, left-padded
-  batches.
-- :class:`OpenAIBackend`: any OpenAI-compatible server (vLLM, SGLang);
-  the requests of a batch run concurrently, with retries.
+The row format and the resume rules: docs/data.md, "Regenerated answers".
 """
 
 from __future__ import annotations
@@ -103,8 +79,8 @@ def generate_responses(
     """Answer every prompt with ``backend`` into the JSON-lines file ``out_path``, resuming it if present.
 
     ``prompts`` end with a user (or system) turn; ``ids`` (optional, one per
-    prompt) are copied into the rows. See the module docstring for the row
-    format and the resume rules.
+    prompt) are copied into the rows. docs/data.md ("Regenerated answers") gives the
+    row format and the resume rules.
     """
     if batch_size <= 0:
         raise ValueError(f"batch_size must be > 0, got {batch_size}")

@@ -1,21 +1,16 @@
 """Prompt sources for drafter training and evaluation.
 
-A ``Conversation`` is a list of ``{"role": "system" | "user" | "assistant",
-"content": str}`` dicts, the shape ``tokenizer.apply_chat_template`` takes.
+A ``Conversation`` is a list of ``{"role": "system" | "user" | "assistant", "content": str}``
+dicts, the shape ``tokenizer.apply_chat_template`` takes. Training data is prompts only (paper
+Section 4.1): the target regenerates every answer itself, so what the loaders hand over is
+usually passed through :func:`prompt_only` first. Sources: :func:`load_hub_prompts` (a Hugging
+Face dataset with a ShareGPT-style ``conversations`` column), :func:`load_jsonl_prompts` (a local
+JSON-lines file), :func:`load_builtin_prompts` (the small set in ``dspark/data/builtin/``, for
+smoke tests and demos) and :func:`load_eval_benchmark` (a benchmark file: first user turn, the dev
+or test part or all of it, a subset drawn by :func:`seeded_subset`, DeepSpec's rule).
 
-Training data is prompts only (paper Section 4.1): the target regenerates every answer
-itself, so what the loaders below hand over is usually passed through
-:func:`prompt_only` first. Sources:
-
-- :func:`load_hub_prompts`: a Hugging Face dataset with a ShareGPT-style
-  ``conversations`` column (default ``mlabonne/open-perfectblend``, the
-  DeepSpec recipe), split into train and a 5 % held-out part with seed 42.
-- :func:`load_jsonl_prompts`: a local JSON-lines file.
-- :func:`load_builtin_prompts`: the small prompt set shipped with the package
-  (``dspark/data/builtin/``), for smoke tests and demos.
-- :func:`load_eval_benchmark`: the benchmark files of the evaluation protocol
-  (``dspark.data.benchmarks``; first user turn, the dev or test part or all of it,
-  seeded subset drawn by :func:`seeded_subset`, DeepSpec's rule).
+Each source and the benchmark split: docs/data.md, "Prompts" and "Benchmark files and the
+dev/test split".
 """
 
 from __future__ import annotations
@@ -165,7 +160,8 @@ def load_hub_prompts(
     which: str = "train",
     max_samples: int | None = None,
 ) -> list[Conversation]:
-    """Conversations of a hub dataset with a ShareGPT-style ``conversations`` column.
+    """Conversations of a hub dataset with a ShareGPT-style ``conversations`` column (default
+    ``mlabonne/open-perfectblend``, the DeepSpec recipe).
 
     The split is divided with ``Dataset.train_test_split(test_size=holdout_fraction,
     seed=seed)``; ``which="train"`` returns the larger part, ``which="holdout"``

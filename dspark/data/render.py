@@ -1,44 +1,16 @@
 """Chat rendering and loss masks (the training data of paper Sections 3.3 and 4.1).
 
-Every sequence is produced by the target's own ``tokenizer.apply_chat_template``;
-nothing here knows a chat format. The loss mask is found by rendering
-prefixes of the conversation:
+Every sequence is produced by the target's own ``tokenizer.apply_chat_template``; nothing here
+knows a chat format. :func:`render_conversation` gives a conversation's token ids and loss mask
+(:class:`RenderedSample`; the mask is 1 on every token the target generated as an assistant, its
+end-of-turn token included), :func:`render_dataset` renders many (:class:`RenderStats`), and
+:func:`render_prompt` renders a prompt with the generation prompt appended, for generation and
+evaluation. :func:`assistant_spans` finds each answer by rendering prefixes of the conversation
+and trusts those boundaries only where the renderings are prefixes of the whole, in text and in
+tokens, with a fallback for each.
 
-- assistant turn i starts where ``render(conversation[:i],
-  add_generation_prompt=True)`` ends: the generation prompt (header, and for
-  Qwen3 with thinking off the empty ``<think>`` block) is the prompt the
-  target saw, so it is not in the mask;
-- it ends where ``render(conversation[:i+1])`` ends, minus trailing
-  whitespace. So the end-of-turn token (``<|im_end|>``, ``<|eot_id|>``,
-  ``<end_of_turn>``) is in the mask, since the model emits it to stop, but
-  the newline ChatML and Gemma put after it is not: a model never generates
-  that newline, the template adds it when it renders the next turn's header.
-  (A template with no end-of-turn token would lose an answer's trailing
-  whitespace from the mask the same way; none we know of does that.)
-
-These boundaries are trusted only under the prefix property, checked twice:
-
-1. Text: the shorter rendering must be a prefix of the rendering of the whole
-   conversation. Templates that render a turn differently once later turns
-   exist break it: Qwen3 shows the empty ``<think>`` block only on assistant
-   turns after the last user message, so an earlier assistant turn has no
-   think block in the full rendering but has one in its generation prompt.
-   Fallback: such a turn stays in the sequence as context, out of the loss
-   mask, counted in ``turns_outside_mask``. The last assistant turn satisfies
-   it for every template we know (ChatML, Qwen3, Llama 3, Gemma), and
-   regenerated training data is single-turn, so this costs little.
-2. Tokens: tokenizing each shorter rendering must give a token prefix of the
-   tokenized whole. Tokenizers can merge characters across the cut: with a
-   GPT-2-style pre-tokenizer, ``"\n\n"`` at the end of a string is one token
-   but ``"\n\nThe"`` splits as ``"\n", "\n", "The"``, so the answer would
-   start mid-token and the prompt tokens would differ from the ones the
-   target saw at inference (``render_prompt``). Fallback: tokenize the
-   rendering piecewise, cut at every answer's start and end, so the tokens
-   before the first answer are exactly ``render_prompt``'s (later turns see
-   their history tokenized piece by piece, as it was generated). Accepted
-   only if the pieces decode to the same text as the whole, which rules out
-   tokenizers that add a prefix space to every call; otherwise every turn
-   falls outside the mask. Counted in ``tokenized_piecewise``.
+Where an answer starts and ends, the two prefix properties and their fallbacks
+(``turns_outside_mask``, ``tokenized_piecewise``): docs/data.md, "Chat rendering and loss masks".
 """
 
 from __future__ import annotations
@@ -63,7 +35,7 @@ class RenderedSample:
     loss_mask: list[int]
     truncated: bool = False  # cut to max_length from the right
     turns_outside_mask: int = 0  # assistant turns left out by a prefix-property fallback
-    tokenized_piecewise: bool = False  # token prefix property failed; see the module docstring
+    tokenized_piecewise: bool = False  # token prefix property failed; see docs/data.md
 
     @property
     def num_loss_tokens(self) -> int:
@@ -138,7 +110,8 @@ def assistant_spans(
     """Token ids of the whole conversation and the [start, end) token span of each masked turn.
 
     Returns ``(input_ids, spans, turns_outside_mask, tokenized_piecewise)``;
-    the module docstring says how spans are found and what the fallbacks do.
+    docs/data.md ("Chat rendering and loss masks") says how spans are found and what the
+    fallbacks do.
     """
     full, char_spans, outside = _answer_char_spans(tokenizer, conversation, enable_thinking)
     whole = _tokenize(tokenizer, full)
@@ -174,7 +147,7 @@ def render_conversation(
     ``conversation`` is a list of {"role", "content"} messages rendered by the target's own chat
     template (``tokenizer``: ``target.tokenizer``); the result's ``input_ids`` / ``loss_mask`` are
     a training sample (``dspark.data.dataset.RenderedSource`` wraps a list of them), the mask 1 on
-    every assistant turn's tokens (module docstring). Truncation keeps the first ``max_length``
+    every assistant turn's tokens (docs/data.md). Truncation keeps the first ``max_length``
     tokens. ``enable_thinking=False`` (the paper's non-thinking mode, Section 4.1) is passed to
     the chat template.
     """

@@ -1,21 +1,15 @@
 """Token counts that choose a draft vocabulary (dspark.modeling.vocab), and its coverage.
 
-Three ways to count over the target vocabulary V, all over the supervised (loss-masked)
-positions of the training data:
+All counts run over the target vocabulary V at the supervised (loss-masked) positions of the
+training data: :func:`hard_counts` (how often each id is the supervised token, EAGLE-3's count),
+:func:`soft_counts_from_cache` / :func:`soft_counts_online` (the target's own probabilities summed
+over those positions), and :func:`topped_up` (hard+soft: the hard ids first, the rest from the
+soft ranking). :func:`choose_vocab` picks k ids by mode (``data.vocab_counts``),
+:func:`coverage_table` says what each choice covers, :func:`count_draft_vocab` is the library call
+and :func:`write_draft_vocab` the ``dspark vocab`` recipe.
 
-- **hard**: how often each id is the supervised token (EAGLE-3's count). Few distinct ids occur
-  in a small set (3,344 in the SmolLM2 demo's 34.7k tokens), so every k past that many ties at 0
-  and the rest of the vocabulary is filled in id order: coverage of unseen text stops growing.
-- **soft**: the target's own probabilities p_t(· | prefix) summed over the supervised positions
-  (from the cache's final hidden states through the LM head, or from an online forward): every
-  position contributes its whole next-token distribution, so ids the target considers likely
-  count even when the sampled answer did not use them.
-- **hard+soft** (top-up): the ids with a hard count first (most frequent first), then the rest
-  of the k places from the soft ranking.
-
-A position j is counted when its next token j+1 is supervised; the cache stores the final hidden
-state only where positions j and j+1 are both supervised, so cache-based soft counts skip the
-first token of each answer (about one token per turn).
+Why soft counts, and which positions a cache-based count skips: docs/data.md,
+"The draft vocabulary counts".
 """
 
 from __future__ import annotations

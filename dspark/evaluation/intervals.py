@@ -1,27 +1,15 @@
 """95 % intervals over requests of the evaluation report's numbers (``dspark.evaluation.report.build_report``).
 
-Every interval treats the requests of each benchmark as the sample (stratified by
-benchmark, as the evaluation protocol fixes each benchmark's number of requests) and
-works on the scale where the number lives (``dspark.bootstrap``):
+Every interval treats the requests of each benchmark as the sample (stratified by benchmark) and
+works on the scale where the number lives (``dspark.bootstrap``): the stratified jackknife on the
+log scale for τ, τ per request and the speedups; Wilson's interval on effective counts for the
+proportions (conditional acceptance, acceptance rate, verified share of the drafts); the
+stratified percentile bootstrap on the logit scale for ECE. :func:`request_aggregates` sums the
+rounds and timings of each request of each benchmark (:class:`BenchmarkAggregates`), and
+:func:`add_intervals` adds ``x_ci`` next to each metric ``x`` of a report that it covers.
 
-- τ and τ per request: the stratified jackknife on the log scale, Student's t at the design
-  degrees of freedom Σ_b (n_b − 1), clipped at τ ≥ 1;
-- speedups: the same on the log scale; a request's speculative and target-only decodes are
-  deleted together;
-- proportions (conditional acceptance per draft position, acceptance rate, verified share of
-  the drafts): Wilson's interval on effective counts (``proportion_ci``), never outside [0, 1],
-  and none (NaN) below ``MIN_ROUNDS`` reaching rounds or ``MIN_REQUESTS`` requests;
-- ECE (a sum of absolute values, not smooth): the stratified percentile bootstrap with the
-  small-sample correction on the logit scale, one set of draw counts per benchmark shared by
-  every position (``eval.bootstrap_resamples``, seeded with the evaluation's seed).
-
-``add_intervals`` adds, next to each metric ``x`` it covers, ``x_ci``: [lo, hi]
-(for a per-position list, one [lo, hi] per position; for the macro dicts, one
-per column). Covered: tau, tau_per_request, conditional_acceptance,
-acceptance_rate, verify_rate, speedup, decode_speedup (benchmarks, domains,
-all), each domain's tau_macro, the ECE of every confidence entry
-(``confidence[k]["ece_ci"]``, ``confidence_calibrated`` too) and the macro
-averages of tau, tau_per_request, speedup and decode_speedup.
+docs/intervals.md (the report's intervals): what each number gets and why; docs/evaluation.md:
+how to read them.
 """
 
 from __future__ import annotations
@@ -70,7 +58,7 @@ def _speedup(s: np.ndarray) -> np.ndarray:
     return (s[..., 0] / s[..., 1]) / (s[..., 2] / s[..., 3])
 
 
-# The interval of each kind of number (module docstring): a jackknife scale, or "proportion".
+# The interval of each kind of number (docs/intervals.md): a jackknife scale, or "proportion".
 PROPORTION = "proportion"
 TAU_SUPPORT = (1.0, float("inf"))  # every round emits at least one token
 _STATISTICS: dict[str, tuple[str, Callable[[np.ndarray], np.ndarray], str]] = {
@@ -268,8 +256,15 @@ def add_intervals(
     temperatures: Any = None,
     n_bins: int = ECE_BINS,
 ) -> dict[str, Any]:
-    """Add the x_ci keys (module docstring) to a ``build_report`` dict in place, and
-    ``report["bootstrap"] = {resamples, seed, level}``; returns the report."""
+    """Add the x_ci keys to a ``build_report`` dict in place, and
+    ``report["bootstrap"] = {resamples, seed, level}``; returns the report.
+
+    Next to each covered metric ``x`` it adds ``x_ci``: [lo, hi] (for a per-position list, one
+    [lo, hi] per position; for the macro dicts, one per column). Covered: tau, tau_per_request,
+    conditional_acceptance, acceptance_rate, verify_rate, speedup, decode_speedup (benchmarks,
+    domains, all), each domain's tau_macro, the ECE of every confidence entry
+    (``confidence[k]["ece_ci"]``, ``confidence_calibrated`` too) and the macro averages of tau,
+    tau_per_request, speedup and decode_speedup."""
     check_settings(resamples, DEFAULT_LEVEL)
     aggregates = request_aggregates(records, rounds, int(report["gamma"]), temperatures, n_bins)
     intervals = _Intervals(aggregates, resamples, seed)

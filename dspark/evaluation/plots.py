@@ -1,19 +1,16 @@
 """Every figure of the library, as PNG files (matplotlib is imported inside ``_new_figure`` only).
 
-- ``plot_acceptance``, ``plot_reliability``   an evaluation report: conditional acceptance
-                                              per position (paper Fig. 2), reliability of a_k.
-- ``acceptance_comparison_figure``, ``plot_acceptance_comparison``
-                                              several drafters' conditional acceptance, one
-                                              line each (Fig. 2 of the comparison).
-- ``reliability_diagram``, ``reliability_grid``
-                                              reliability diagrams of predictions, and of
-                                              a_k = Π_{i≤k} c_i before / after STS per position.
-- ``plot_sps``                                a profiled SPS(B) table (paper Section 5.2).
-- ``plot_figure8``, ``plot_frontier``         the serving simulator (paper Fig. 8 and 7).
-- ``plot_learning_curves``                    held-out τ of training runs against wall-clock minutes.
+- ``plot_acceptance``, ``plot_reliability``: an evaluation report's conditional acceptance per
+  position (paper Fig. 2) and the reliability of a_k.
+- ``acceptance_comparison_figure``, ``plot_acceptance_comparison``: several drafters' conditional
+  acceptance, one line each (Fig. 2 of the comparison).
+- ``reliability_diagram``, ``reliability_grid``: reliability diagrams of predictions, and of
+  a_k = Π_{i≤k} c_i before / after STS per position.
+- ``plot_sps``: a profiled SPS(B) table (paper Section 5.2); ``plot_figure8``, ``plot_frontier``:
+  the serving simulator (paper Fig. 8 and 7); ``plot_learning_curves``: held-out τ of training runs
+  against wall-clock minutes.
 
-Every figure is a ``matplotlib.figure.Figure`` with its own Agg canvas: no pyplot
-state, no global backend switch, no display needed.
+docs/evaluation.md (figures): which command writes each file, and how a figure is drawn.
 """
 
 from __future__ import annotations

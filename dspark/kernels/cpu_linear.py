@@ -1,24 +1,15 @@
-"""oneDNN pre-packed weights for the few-row products of CPU decoding.
+"""oneDNN pre-packed weights for the few-row products of CPU decoding (``target.cpu_linear``).
 
-A decoding step multiplies 1 row (target-only), 7 rows (a drafted block) or 8 rows (a
-verification forward) against every weight matrix of the model. On a CPU those products
-stream the weights from memory, and how fast depends on the kernel more than on the
-multiply-adds: PyTorch's default (MKL for float32) streams the weights more slowly than oneDNN
-with the weights reordered once into its own blocked layout
-(``torch.ops.mkldnn._reorder_linear_weight``), and its cost grows faster from one row to eight.
-The packed path also speeds up bfloat16 on a CPU with native bf16, where ``F.linear`` already
-runs on oneDNN but unpacked. The measurements are `bench/decode_round.py`'s, in bench/README.md.
-
+A decoding step multiplies 1 row (target-only), 7 (a drafted block) or 8 (a verification forward)
+against every weight matrix, and on a CPU oneDNN with each weight packed once into its blocked
+layout streams the weights faster than ``F.linear`` (docs/configs.md, CPU decoding kernels).
 :func:`pack_linears` turns on that path for every ``nn.Linear`` of a module (they become
-:class:`PackedLinear`, same parameters and state dict) and :func:`register` for a bare
-weight (an LM head used through :func:`dspark.kernels.lm_head.vocab_logits`). :func:`linear` then takes
-it for inputs of 1..``FEW_ROWS`` rows on CPU in float32 or bfloat16 without autograd, and
-``F.linear`` for everything else (prefill, training, GPUs), so only decoding changes. The
-values are those of ``F.linear`` up to the summation order (float32: ~1e-6 relative).
-
-The packed copy is made on first use and costs the memory of the weights it packs
-(for SmolLM2-135M in float32, every weight matrix once more). It is rebuilt if the weight is changed in place or
-replaced (its version counter moved; a new storage is a new, unregistered weight), and freed with the weight.
+:class:`PackedLinear`, same parameters and state dict) and :func:`register` for a bare weight (an
+LM head used through :func:`dspark.kernels.lm_head.vocab_logits`). :func:`linear` then takes it for
+inputs of 1..``FEW_ROWS`` rows on CPU in float32 or bfloat16 without autograd, and ``F.linear`` for
+everything else (prefill, training, GPUs), so only decoding changes. The values are those of
+``F.linear`` up to the summation order (float32: ~1e-6 relative). :func:`resolve` reads the config
+setting; :func:`suspended` turns the path off within a block.
 """
 
 from __future__ import annotations
@@ -128,7 +119,12 @@ def _entry(weight: Tensor) -> _Entry | None:
 
 
 def register(weight: Tensor) -> None:
-    """Let :func:`linear` use a packed copy of ``weight`` [out, in] (made on first use)."""
+    """Let :func:`linear` use a packed copy of ``weight`` [out, in].
+
+    The copy is made on first use and costs the memory of the weight it packs (for SmolLM2-135M in
+    float32, every weight matrix once more). It is rebuilt if the weight is changed in place or
+    replaced (its version counter moved; a new storage is a new, unregistered weight), and freed
+    with the weight."""
     if weight.dim() != 2:
         raise ValueError(f"register expects a 2-D weight [out, in], got shape {tuple(weight.shape)}")
     if _entry(weight) is not None:
@@ -198,7 +194,8 @@ def applies(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear(x, weight, bias)``, through the packed weight when ``weight`` is registered
-    and ``x`` is a few-row CPU input without autograd (module docstring)."""
+    and ``x`` is a few-row CPU input (1..``FEW_ROWS`` rows, float32 or bfloat16) without autograd
+    (:func:`applies`); the same values up to the summation order."""
     if applies(x, weight, bias):
         packed = _packed(weight)
         if packed is not None:

@@ -188,9 +188,9 @@ def check_against_target(config: DrafterConfig, target: Any, folder: Path | str 
     if captured is not None and [int(i) for i in captured] != list(config.target_layer_ids):
         raise ValueError(
             f"{folder}: the drafter reads the target's layers {list(config.target_layer_ids)} "
-            f"(target_layer_ids), the target captures {[int(i) for i in captured]}; load the target with "
-            f"the drafter's layers: dspark.load_target(config, target_layer_ids={list(config.target_layer_ids)}) "
-            f"or TargetModel(..., target_layer_ids={list(config.target_layer_ids)})"
+            f"(target_layer_ids), the target captures {[int(i) for i in captured]}; pass "
+            f"target.with_layers({list(config.target_layer_ids)}) (the same model, nothing reloaded), or load the "
+            f"target with them: dspark.load_target(config, target_layer_ids={list(config.target_layer_ids)})"
         )
 
 

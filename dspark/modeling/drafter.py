@@ -1,25 +1,15 @@
-"""The DSpark / DFlash drafter: parallel backbone (Eq. 2-3) + sequential head (Eq. 4-6)
-+ confidence head (Eq. 7), sharing the target's frozen embedding and LM head.
+"""The DSpark / DFlash drafter `Drafter`: the parallel backbone (Eq. 2-3), the sequential head
+(Eq. 4-6) and the confidence head (Eq. 7), sharing the target's frozen embedding and LM head.
 
-Two entry points over one backbone:
+- `Drafter.forward(features, input_ids, anchors, keep)`: training, every anchor's block of a batch
+  in one pass under the block mask of Eq. 3 -> h_1..h_γ; `draft_logits` / `confidence_logits` turn
+  them into teacher-forced logits and confidences.
+- `Drafter.propose(context, anchor_tokens, ...)`: decoding, one block per running sequence against
+  a `DraftContext` (the injected keys/values of every context position, per layer) -> `Proposal`.
+- `init_linears`, `shortened`: shared with `dspark.modeling.eagle3`.
 
-- `forward(features, input_ids, anchors, keep)` — training: many blocks per
-  sequence, built at given anchor positions (anchor sampling lives in
-  `dspark.data.anchors`), all blocks of a batch in one pass under the block
-  mask of Eq. 3. Returns block hidden states; `draft_logits()` and
-  `confidence_logits()` turn them into teacher-forced logits/confidences so a
-  loss can evaluate the vocabulary in chunks.
-- `propose(context, anchor_tokens, ...)` — inference: one block per running
-  sequence against an incrementally kept context (`DraftContext`: the
-  injected keys/values of every context position, per layer). Samples the
-  block left to right and returns the tokens, the exact fp32 probabilities
-  they were sampled from, and the confidences.
-
-Block layout. With the anchor x_0 at sequence position p, slot i of a block
-sits at position p+i. DSpark ("anchor_first"): γ slots [x_0, MASK, ...],
-slot i predicts x_{i+1}. Original DFlash ("anchor_plus_masks"): γ+1 slots
-[x_0, MASK×γ], slot i ≥ 1 predicts x_i. A block sees the context strictly
-before p and every slot of its own block.
+The two entry points, the block layouts ("anchor_first", "anchor_plus_masks") and what a block
+sees: docs/method.md, "The backbone (Eq. 2-3)".
 """
 
 from __future__ import annotations

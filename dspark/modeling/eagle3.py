@@ -1,37 +1,15 @@
-"""Eagle3: an autoregressive drafter with one decoder layer over fused target features (the paper's baseline, Section 4.1).
+"""Eagle3: an autoregressive drafter with one decoder layer over fused target features (the paper's
+baseline, Section 4.1), in two presets (`DrafterConfig.eagle3_preset`): "eagle3_deepspec" (DeepSpec's
+`Qwen3Eagle3Model`, the paper's) and "eagle3" (the standard EAGLE-3 that vLLM and SGLang serve).
 
-One implementation, two presets (`DrafterConfig.eagle3_preset`, as DeepSpec, vLLM and SGLang load them):
+- `Eagle3Drafter`: `forward` runs training-time test (TTT) over `ttt_length` steps; `new_context` /
+  `extend_context` / `propose` draft γ tokens with γ sequential forwards over its own KV cache.
+- `Eagle3Layer`, `Eagle3Attention`: the draft layer, whose q/k/v read [embedding ; hidden] (2d wide).
+- `Eagle3Context`: that cache, per running sequence; `ttt_attention`: the attention of one TTT step.
+- The draft vocabulary (`dspark.modeling.vocab`) is the `Drafter`'s, borrowed, not re-implemented.
 
-- "eagle3_deepspec": DeepSpec's `Qwen3Eagle3Model`, the paper's baseline: the DSpark config's 5
-  target layers, the full vocabulary, q/k RMSNorm in the attention;
-- "eagle3": the standard EAGLE-3 that vLLM and SGLang serve: 3 fused layers [1, N/2 − 1, N − 4],
-  a Llama-style layer (no q/k norms) and a reduced draft vocabulary (`draft_vocab`, see below).
-
-The draft row of sequence position j reads the fused features of j and the token at j + 1:
-
-    g_j   = fc([H^{l_1}_j; ...; H^{l_m}_j])                           (at step 0; then the draft's own h)
-    x     = [input_layernorm(embed(x_{j+1})) ; hidden_norm(g_j)]       (2d wide: q/k/v read 2d)
-    h     = g_j + o_proj(attn(x))                                      (the residual is the hidden input)
-    h     = h + mlp(post_attention_layernorm(h))
-    logits = lm_head(norm(h))                                          (predicts x_{j+2})
-
-Training-time test (TTT) over `ttt_length` steps: step s at position i continues the chain anchored
-at feature row i with the draft's own step s−1 output as hidden input, the token x_{i+1+s}, RoPE
-position i + s, and attention over the causal step-0 keys j ≤ i plus the position's own keys of
-steps 1..s (a diagonal). Step s predicts x_{i+s+2} (the target's distribution at i+s+1).
-
-Inference keeps its own KV cache (`Eagle3Context`), no recompute: the context rows' keys/values
-are computed once, when the token that follows the row is known (the anchor for the last row), and
-a round costs γ sequential forwards: one over the new rows (its last output gives draft 1), then
-one per further draft. The drafts' own keys/values live only for the round.
-
-Draft vocabulary (`drafter.draft_vocab_size` = k > 0; dspark.modeling.vocab): the same state and
-methods as the DSpark/DFlash `Drafter` (buffers `d2t` / `t2d`, `vocab`, `set_vocab`, the LM head's k
-rows gathered from the target's frozen head), borrowed from it rather than re-implemented. It enters
-at `head_weight()` (the k rows), `to_target_tokens` / `to_target_probs` / `to_target_logits` (what
-propose returns: target ids, probabilities over all V ids with zeros outside, so verification stays
-lossless) and the loss's teacher, restricted and renormalised by `DraftVocab.restrict` (EAGLE-3's
-rule: positions whose target argmax lies outside are dropped; dspark.training.eagle3_loss).
+The layer's equations, the presets, TTT, the inference cache and the draft vocabulary:
+docs/method.md, "Eagle3 (Section 4.1)".
 """
 
 from __future__ import annotations

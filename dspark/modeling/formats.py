@@ -1,38 +1,15 @@
 """The drafter folder layouts dspark reads, and how each maps onto `DrafterConfig`.
 
-Facts relied on (each checked against folders the other tools wrote; `detect_format` names the layout):
+- `locate_drafter` / `resolve_folder`: the drafter folder of a path (of a training run folder: its
+  final drafter, else its latest checkpoint).
+- `detect_format`: the layout of a config.json, read from `architectures`, never guessed (an
+  unknown architecture is an error naming it).
+- `parse_config`: a `DrafterConfig` from any layout it reads; `serving_eagle3_as_ours` and
+  `serving_eagle3_weight_name` map the serving engines' EAGLE-3 folder onto ours.
 
-- **dspark** (`save_drafter`) and **DeepSpec** (`Qwen3DSparkModel.save_pretrained`): the target's
-  config plus flat fields (`block_size`, `mask_token_id`, `target_layer_ids`, `num_target_layers`,
-  `num_anchors`, `markov_rank`, `markov_head_type`, `enable_confidence_head`,
-  `confidence_head_with_markov`). DeepSpec writes `Qwen3DSparkModel` / `Gemma4DSparkModel` for
-  DSpark *and* DFlash (DFlash: `markov_rank` 0, head fields may be absent). Its block layout is
-  anchor-first: slot k predicts anchor + k + 1, all `block_size` slots are drafts.
-- **z-lab DFlash** (`DFlashDraftModel`): `dflash_config {target_layer_ids, mask_token_id}`,
-  top-level `block_size` = γ + 1 (slot 0 is the anchor, not a draft) and `num_target_layers`; no
-  embedding or LM head in the weights. Written by transformers 4.57 (`rope_theta`, `torch_dtype`)
-  or 5.x (`rope_parameters`, `dtype`); transformers' own config classes accept both.
-- **Eagle3** (`Qwen3Eagle3Model`, DeepSpec's `save_pretrained`): the target's config plus
-  `target_layer_ids` (exactly 5 in DeepSpec, output-of-layer ids like ours), `num_target_layers`,
-  `ttt_length`, `step_loss_decay`, `draft_num_hidden_layers`; weights `fc` [H, 5H], `layers.0.*` with
-  q/k/v reading 2H and q/k norms, `layers.0.hidden_norm`, `norm`, full-vocabulary `lm_head`, no d2t.
-  dspark writes the same fields plus `eagle3_preset` and `block_size` (γ of a drafting round); its
-  `Llama…`/`Gemma4Eagle3Model` names are its own. A folder without `eagle3_preset` is DeepSpec's
-  variant.
-- **Serving EAGLE-3** (`LlamaForCausalLMEagle3`, what vLLM and SGLang load; `dspark export` writes
-  it): a Llama config with one layer, weights `midlayer.*` (our `layers.0.*`), `fc` [H, 3H], `norm`,
-  `lm_head` [k, H], `d2t` / `t2d`, `draft_vocab_size`; the fused layers as
-  `eagle_config.eagle_aux_hidden_state_layer_ids` (output-of-layer, ours) or else the top-level
-  `eagle_aux_hidden_state_layer_ids` (input-of-layer: ours + 1), and, when neither is there, EAGLE-3's
-  default [1, N/2 − 1, N − 4]. Read as the "eagle3" preset (a Llama layer without q/k norms); the
-  number of target layers is our `num_target_layers` when written, else N = max id + 4 (the default
-  rule's last layer).
-- **Training run folders** (`locate_drafter`): a dspark run holds `drafter/` once training finished and
-  `checkpoints/<name>/drafter/` (`checkpoints/latest` names the newest) along the way; DeepSpec's
-  checkpoint manager writes `step_<N>/` sub-folders and a `step_latest` link. The final drafter is
-  read when there is one, else the latest checkpoint.
-
-The layout is read from `architectures`, never guessed: an unknown architecture is an error naming it.
+The layouts (dspark, DeepSpec, z-lab DFlash, Eagle3, serving EAGLE-3, training run folders) and
+the facts relied on, each checked against folders the other tools wrote: docs/interop.md, "What
+each folder dspark reads holds".
 """
 
 from __future__ import annotations

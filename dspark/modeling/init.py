@@ -1,31 +1,16 @@
-"""Initialise a drafter's decoder layers from the target's own decoder layers.
+"""Initialise a drafter's decoder layers from the target's own decoder layers (`drafter.init_from_target`).
 
 A draft layer has the shape of a target decoder layer (`dspark.modeling.layers`), so it can start
-from the weights of one instead of from noise: the drafter then begins as a function the target
-already computes, and training can spend its steps on the drafting task rather than on learning what
-a decoder layer does. `drafter.init_from_target` chooses which target layer feeds which draft layer
-(`choose_layer_ids`); `init_draft_layers_from_target` copies them.
+from the weights of one instead of from noise.
 
-What is copied into draft layer j from target decoder layer ids[j] (names as in transformers' Llama,
-Qwen3 and Gemma4 decoder layers, which the draft layers keep):
+- `choose_layer_ids`: which target layer feeds which draft layer ("last", "spread" or given ids).
+- `check_init_from_target`: the checks, on configs and shapes only, before anything is copied.
+- `init_draft_layers_from_target`: the copy; its `InitReport` names what was copied, what kept its
+  init and which target tensors were not used.
+- `DRAFT_LAYER_SOURCES`, `EAGLE3_LAYER_SOURCES`, `EAGLE3_HIDDEN_HALF`: the name maps it follows.
 
-- DSpark / DFlash: self_attn.{q,k,v,o}_proj and mlp.{gate,up,down}_proj (weights and any biases),
-  input_layernorm, post_attention_layernorm; with Qwen3 or Gemma4 targets also self_attn.{q,k}_norm;
-  with Gemma4 also {pre,post}_feedforward_layernorm and layer_scalar. Qwen3 draft layers over a
-  Llama-family target (`drafter.layer_family="qwen3"`) keep their q/k norms at init (ones): Llama
-  attention has none, so those layers start as the target's up to the per-head q/k normalisation.
-- Eagle3: the same, except that its q/k/v read [embedding ; hidden] (2d wide): the target's
-  [out, d] weight goes into the hidden half (columns d:2d) and the embedding half is zeroed;
-  hidden_norm takes the target's input_layernorm, and input_layernorm (the embedding's norm) keeps
-  its init. The residual stream decides the half: an Eagle3 layer adds its attention output to its
-  hidden input (h = g + o_proj(attn(x))), as a target layer adds to its own input, so the target's
-  q/k/v act on the stream they write back to. The initial layer is the target layer applied to the
-  hidden input; training grows the token path from zero.
-
-Everything else keeps its init: the fusion fc (and DSpark's hidden_norm, Eq. 2), the final norm, the sequential
-and confidence heads, and any draft-layer tensor whose target layer lacks it. Target-layer tensors
-with no draft counterpart (Gemma4's per-layer-input gate, a MoE block, the v_proj of a sliding layer
-when the draft layers share k and v) are not used. The report lists all of these by name.
+Why, and what maps where for DSpark / DFlash and Eagle3 layers: docs/method.md, "Draft layers from
+the target".
 """
 
 from __future__ import annotations
@@ -122,9 +107,9 @@ def check_init_from_target(config: DrafterConfig, target: Any, layer_ids: Sequen
 @torch.no_grad()
 def init_draft_layers_from_target(drafter: nn.Module, target: Any, layer_ids: Sequence[int]) -> InitReport:
     """Copy target decoder layer ``layer_ids[j]`` into draft layer j of ``drafter`` (a `Drafter` or
-    an `Eagle3Drafter`), cast to each drafter tensor's dtype and device; see the module docstring for
-    what maps where. Checks everything first (`check_init_from_target`), so a refusal changes nothing.
-    Returns what was copied and what was not."""
+    an `Eagle3Drafter`), cast to each drafter tensor's dtype and device; what maps where:
+    docs/method.md, "Draft layers from the target". Checks everything first
+    (`check_init_from_target`), so a refusal changes nothing. Returns what was copied and what was not."""
     config = drafter.config
     check_init_from_target(config, target, layer_ids)
     eagle3, types = config.variant == "eagle3", _layer_types(target)

@@ -1,19 +1,13 @@
 """KV-injected draft decoder layers (Eq. 3) with small per-family adapters.
 
-One backbone serves every family. What differs between Llama, Qwen3 and
-Gemma4 draft layers is captured by `FamilyAdapter`, read from the family's
-entry in `dspark.registry.FAMILIES` (with its rotary class):
+- `DraftLayer`: a pre-norm decoder layer of the target's family whose attention (`DraftAttention`)
+  reads keys/values injected from the fused context; `attention`, `tiled_sdpa`: its kernels.
+- `FamilyAdapter`: what differs between Llama, Qwen3 and Gemma4 draft layers, read from the
+  family's entry in `dspark.registry.FAMILIES`; `Rotary`: the family's transformers RoPE class.
+- `RMSNorm`, `GatedMLP`, `apply_rope`: the pieces `dspark.modeling.eagle3` shares.
 
-| family | q/k RMSNorm | v RMSNorm | sandwich norms | score scale     | MLP act |
-|--------|-------------|-----------|----------------|-----------------|---------|
-| llama  | no          | no        | no             | 1/sqrt(head_dim)| silu    |
-| qwen3  | yes         | no        | no             | 1/sqrt(head_dim)| silu    |
-| gemma4 | yes         | yes (no w)| yes            | 1.0             | gelu-tanh|
-
-Parameter names follow the transformers modeling files and DeepSpec's
-drafters (`self_attn.{q,k,v,o}_proj`, `self_attn.{q,k}_norm`,
-`mlp.{gate,up,down}_proj`, `input_layernorm`, `post_attention_layernorm`, ...),
-so checkpoints load by name.
+Parameter names follow the transformers modeling files and DeepSpec's drafters, so checkpoints
+load by name. The per-family table and the names: docs/method.md, "Draft layers".
 """
 
 from __future__ import annotations

@@ -1,32 +1,13 @@
 """The draft vocabulary: k target ids a drafter predicts over, shared by every drafter.
 
-A drafter with a draft vocabulary (DSpark, DFlash, Eagle3) evaluates its LM head on the
-target's rows for those k ids only (frozen, never a trainable copy), so every
-vocabulary-sized product of training and drafting costs k/V of the full one.
+- `DraftVocab`: the k ids and their `d2t` / `t2d` tables (EAGLE-3's conventions), the restriction
+  of the target distribution to them for the loss (`restrict`, `restrict_logits`), the way back to
+  the full vocabulary for decoding (`to_target`), and a vocabulary file (`save`, `load`).
+- `register_vocab_buffers`: the vocabulary as a drafter's `d2t` / `t2d` buffers.
 
-Conventions (EAGLE-3, as SpecForge, vLLM and SGLang read them):
-
-- the vocabulary is the k most frequent target ids of the training data, sorted by id;
-- ``d2t`` Long [k]: target id = draft id + d2t[draft id] (offsets, not absolute ids);
-- ``t2d`` Bool [V]: True at the target ids in the vocabulary (vLLM ignores it, SGLang and
-  SpecForge read it);
-- the checkpoint stores both as top-level safetensors tensors ``d2t`` / ``t2d`` and
-  ``draft_vocab_size`` = k in config.json; the LM head of such a checkpoint is [k, d] and the
-  Markov head's W2 is [k, r] while its W1 stays [V, r] (its inputs are target ids: the
-  anchor may be any token), as vLLM's DSpark heads are built.
-
-Training (EAGLE-3's rule, :meth:`DraftVocab.restrict`): the target distribution is
-restricted to the k ids and renormalised; a position whose target argmax (over the full
-vocabulary) lies outside the vocabulary is dropped from the CE and TV terms. Ours adds one
-case EAGLE-3 has no need for: the CE term of DSpark reads the data token x*_k, so a position
-whose label lies outside drops its CE (undefined there) and keeps its TV, taken against the full
-target distribution (``dspark.training.loss``). Acceptance metrics (c*, τ_prob) of every drafter
-are against the full target distribution, every supervised position counted.
-
-Decoding: the drafter samples over the k ids; :meth:`DraftVocab.to_target` puts its
-probabilities back on the full vocabulary with zeros outside, so rejection sampling against
-the full target distribution stays exactly lossless (a target token outside the vocabulary
-can only come from the residual max(0, p_t − p_d), which is p_t there).
+A drafter (DSpark, DFlash, Eagle3) evaluates its LM head on the target's k rows only (frozen), so
+every vocabulary-sized product costs k/V of the full one. The conventions, the training rule and
+why decoding stays exactly lossless: docs/method.md, "The draft vocabulary".
 """
 
 from __future__ import annotations

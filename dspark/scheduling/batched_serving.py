@@ -23,8 +23,8 @@ import torch
 
 from dspark.decoding.batched import BatchRow, SpeculativeBatch, TargetBatch
 from dspark.scheduling.results import SimResult
-from dspark.scheduling.serving_loop import _account_step, _checked_lengths, _confidence_matrix, _resolve
-from dspark.scheduling.sps_clock import MEASURED, draft_clock, on_table_scale, sps_table, speed_at, step_seconds
+from dspark.scheduling.serving_loop import _account_step, _checked_lengths, _confidence_matrix, _start_run
+from dspark.scheduling.sps_clock import MEASURED, on_table_scale, speed_at, step_seconds
 
 __all__ = ["run_batched", "target_only_wall"]
 
@@ -38,15 +38,8 @@ def run_batched(target: Any, drafter: Any, jobs: Iterable[Any], *, decoding: Any
                 stop_after_finished: int | None = None, on_step: Callable[[Any], None] | None = None) -> Any:
     """``run_requests`` on the batched decoder (module docstring); arguments and result as there.
     The result's ``engine`` is "batched"; ``step_wall_s`` holds the wall clock of the steps."""
-    policy, sps, temps = _resolve(serving)
-    if serving.price_sps is not None:
-        sps = sps_table(serving.price_sps)
-    if policy.on_start is not None:
-        policy.on_start()
-    clock, overhead_mode = draft_clock(serving.draft_overhead)
+    policy, sps, temps, clock, overhead_mode, eos, device = _start_run(serving, decoding, target)
     rows = serving.concurrency
-    eos = list(decoding.eos_token_ids or ())
-    device = torch.device(getattr(target, "device", "cpu"))
     result = SimResult(policy=policy.name, concurrency=rows, draft_clock=clock, engine="batched",
                            target_step_s=math.nan if sps is None else 1.0 / speed_at(sps, 1),
                            target_only_throughput=math.nan if sps is None else rows * speed_at(sps, rows))

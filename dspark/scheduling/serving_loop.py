@@ -77,15 +77,8 @@ def run_requests(
 
         return run_batched(target, drafter, jobs, decoding=decoding, serving=serving,
                            stop_after_finished=stop_after_finished, on_step=on_step)
-    policy, sps, temps = _resolve(serving)
-    if serving.price_sps is not None:
-        sps = sps_table(serving.price_sps)  # the clock's table; the policy keeps its own
-    if policy.on_start is not None:
-        policy.on_start()
-    clock, overhead = draft_clock(serving.draft_overhead)
+    policy, sps, temps, clock, overhead, eos, device = _start_run(serving, decoding, target)
     concurrency = serving.concurrency
-    eos = list(decoding.eos_token_ids or ())
-    device = torch.device(getattr(target, "device", "cpu"))
 
     def start(job: Job) -> SpeculativeRequest:  # the prefill; every request has its own generator and clock
         generator = torch.Generator(device=device).manual_seed(int(job.seed))
@@ -110,6 +103,19 @@ def run_requests(
     if sps is not None and clock == MEASURED:
         on_table_scale(result)
     return result
+
+
+def _start_run(serving: ServeSettings, decoding: DecodeSettings, target: Any) -> tuple:
+    """What a run of either engine starts from: (policy with its history cleared, the SPS table the
+    clock prices steps with, STS temperatures, the draft clock and its overhead mode, EOS ids, device)."""
+    policy, sps, temps = _resolve(serving)
+    if serving.price_sps is not None:
+        sps = sps_table(serving.price_sps)  # the clock's table; the policy keeps its own
+    if policy.on_start is not None:
+        policy.on_start()
+    clock, overhead = draft_clock(serving.draft_overhead)
+    eos = list(decoding.eos_token_ids or ())
+    return policy, sps, temps, clock, overhead, eos, torch.device(getattr(target, "device", "cpu"))
 
 
 def _resolve(serving: ServeSettings) -> tuple[Policy, SPSTable | None, np.ndarray | None]:

@@ -1,35 +1,16 @@
 """The Eagle3 training-time-test (TTT) loss (Li et al., the Eagle3 baseline of paper Section 4.1) and
 the module the trainer runs for an Eagle3 drafter.
 
-Step s at position i predicts x_{i+s+2}; its teacher is the target's distribution there,
-p_t = softmax(LMHead(h^target_{i+s+1})) (soft labels), and its term is the soft cross entropy
-CE_s(i) = −Σ_v p_t(v) log softmax(z_s(i))_v. The total is
+Step s at position i predicts x_{i+s+2} against the target's distribution there (soft labels), and
+L = Σ_s decay^s · Σ CE_s / D. :func:`eagle3_loss` computes it with the gradient w.r.t. the draft
+logits taken in closed form in the forward pass (:class:`_TTTLoss`); :func:`checkpointed_eagle3_loss`
+is the same loss through autograd with activation checkpointing (the general path, and the
+benchmarks' baseline). :func:`supervision_mask` says which (step, position) is trained under each
+convention (ours, or DeepSpec's with ``parity``), and :class:`Eagle3LossModule` wraps the drafter and
+its loss with the metric sums the trainer reduces, on the scale of DSpark's c* (paper Eq. 8).
 
-    L = Σ_s decay^s · Σ_{(b,i) supervised at s} CE_s(i) / D
-
-Two conventions (`parity`):
-
-- default (ours): (b, i) is supervised at step s when the predicted token's own loss mask is 1,
-  loss_mask[i+s+2] (as DSpark reads its labels' mask), and D = Σ_s decay^s · n_s, the weighted
-  number of supervised entries (a weighted mean over the tokens of the global batch);
-- parity=True (DeepSpec's `compute_eagle3_loss`): supervised when loss_mask[i+s] = 1, two positions
-  before the predicted token, with the last valid position's mask cleared; DeepSpec divides every
-  step by all B·S positions of its micro-batch (its local_mean, not divided by Σ decay^s), i.e.
-  each sequence's sum by the padded length S, and averages those per-sequence means over the
-  sequences of the global batch. A micro-batch therefore returns the numerator
-  Σ_s decay^s Σ CE / S and D = B (its sequences), so that the trainer's Σ numerators / Σ D over
-  micro-batches and ranks is DeepSpec's mean of per-sequence means whatever the split.
-
-With a draft vocabulary (`drafter.vocab`, k ids) the drafter's logits are over the k ids and the
-loss's teacher is restricted to them and renormalised, p_t|k(v) = p_t(v) / Σ_{u in vocab} p_t(u);
-positions whose target argmax (over all V ids) lies outside are dropped from the CE sums and from
-the count n_s of D, as EAGLE-3 does (`DraftVocab.restrict`).
-
-The metrics are on the scale verification sees, as DSpark's c* (paper Eq. 8,
-`dspark.training.loss`): the acceptance of an entry is c* = clamp(1 − ½ Σ_v |p_d(v) − p_t(v)|, 0, 1)
-with p_d the draft distribution on the full vocabulary (zero outside a draft vocabulary) and p_t
-the full target softmax, i.e. Σ_v min(p_d(v), p_t(v)); every supervised entry counts, including
-those the loss drops, and τ_prob is DeepSpec's mean over chains of 1 + Σ_s Π_{s' ≤ s} c*_{s'}.
+docs/training.md (the Eagle3 TTT loss): the two conventions and their denominators D, a draft
+vocabulary, the metrics.
 """
 
 from __future__ import annotations
@@ -231,7 +212,7 @@ def eagle3_loss(
 
 
 def _normalised(loss: Tensor, kept: Tensor, decay: float, B: int, S: int, parity: bool) -> tuple[Tensor, Tensor]:
-    """(numerator, D) of one micro-batch (module docstring): default Σ_s decay^s Σ CE over
+    """(numerator, D) of one micro-batch (docs/training.md): default Σ_s decay^s Σ CE over
     D = Σ_s decay^s n_s; parity (DeepSpec) Σ_s decay^s Σ CE / S over D = B, the per-sequence means'
     sum over the micro-batch's sequences."""
     if parity:

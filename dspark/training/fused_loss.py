@@ -1,19 +1,16 @@
 """The DSpark loss (Eq. 8-12) fused with the LM head: gradients computed in the forward pass.
 
-When the draft logits are softcap(h W_lmᵀ) + latent W2ᵀ (the drafter's frozen LM head plus the
-sequential head's rank-r bias) and the target logits softcap(h_t W_lmᵀ), :func:`fused_dspark_loss`
-takes those small factors (:class:`LogitFactors`) instead of the logits callables of
-:func:`dspark.training.loss.dspark_loss`, which stays the general path (any logits) and the
-reference this one is tested against. The gradient of the per-position terms w.r.t. the draft
-logits z has a closed form (p = softmax(z), p^t = softmax(t), s = sign(p − p^t) with sign(0) = 0,
-torch.abs's subgradient):
+:func:`fused_dspark_loss` takes the small factors of drafter-shaped logits (:class:`LogitFactors`:
+draft softcap(h W_lmᵀ) + latent W2ᵀ, the frozen LM head plus the sequential head's rank-r bias, and
+target softcap(h_t W_lmᵀ)) instead of the logits callables of :func:`dspark.training.loss.dspark_loss`,
+which stays the general path (any logits) and the reference this one is tested against. The
+gradients of CE (Eq. 9) and TV (Eq. 10) w.r.t. the draft logits have closed forms, so one forward
+pass per chunk yields the terms and the gradients w.r.t. the chunk's small inputs (hidden, latent,
+W2), and no logits are recomputed. Here: the inputs and their checks, the autograd op
+:class:`_FusedCeTv` and the reduction; the pass is dspark.training.fused_pass.
 
-    ∂CE/∂z                  = p − onehot(y)                              (Eq. 9)
-    ∂Σ_v|p_v − p^t_v|/∂z_u  = Σ_v s_v p_v (δ_vu − p_u) = p_u (s_u − ⟨p, s⟩)  (Eq. 10)
-
-so one forward pass per chunk yields the terms AND the gradients w.r.t. the chunk's small inputs
-(hidden, latent, W2), and no logits are recomputed. Here: the inputs and their checks, the
-autograd op :class:`_FusedCeTv` and the reduction; the pass is dspark.training.fused_pass.
+docs/training.md (the fused LM-head pass): the closed forms, the cost per position and why the
+result is dspark_loss's.
 """
 
 from __future__ import annotations
@@ -46,7 +43,7 @@ class LogitFactors:
 
     With a draft vocabulary of k ids (``vocab``) the draft side is k-sized (``lm_head_weight``
     [k, d], ``w2`` [k, r]) and p^t comes from the full [V, d] ``target_lm_head_weight``
-    (restriction and dropped positions as in the dspark.training.loss docstring).
+    (restriction and dropped positions as in docs/training.md).
     """
 
     hidden: Tensor  # [N, γ, d] draft hidden states h_1..h_γ (with grad), any float dtype
@@ -200,7 +197,7 @@ def fused_dspark_loss(
     Same result as :func:`dspark.training.loss.dspark_loss` with ``draft_logits_fn`` returning
     softcap(h W_lmᵀ) + latent W2ᵀ and ``target_logits_fn`` softcap(h_t W_lmᵀ), but each
     chunk's gradient w.r.t. (hidden, latent, w2) is computed in the forward pass from the
-    closed forms of the module docstring and kept; backward scales them, recomputing nothing.
+    closed forms of Eq. 9-10 (docs/training.md) and kept; backward scales them, recomputing nothing.
 
     Args:
         logits: the factors of the draft and target logits (:class:`LogitFactors`).

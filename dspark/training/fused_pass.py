@@ -1,19 +1,12 @@
 """One pass of the fused DSpark loss over the supervised positions, chunk by chunk
-(dspark.training.fused_loss holds its inputs, the autograd op and the closed forms it uses).
+(dspark.training.fused_loss holds its inputs and the autograd op; docs/training.md the closed forms
+it uses, its cost per position and the draft-vocabulary case).
 
 Reading order: :func:`_fused_ce_tv` (the pass) -> :func:`_chunk_terms` (CE and TV of a chunk)
 and :func:`_chunk_grads` (their gradients, through :func:`_logits_grad`) -> :class:`_Head` (the
-LM head and the sequential head's bias latent·W2ᵀ on a chunk). Per supervised position that is 4
-vocabulary-sized matmuls (draft logits, target logits, grad → h, grad → W2/latent; the target
-logits once per distinct target position with ``target_rows``) and one pass of softmax/TV work,
-done in place in two [m, V] buffers (three with softcap) that every chunk of the call reuses: no
-[m, V] tensor outlives the call, and on a CPU the buffers stay for the next one (a fresh buffer
-costs page faults of the order of an exp pass over it; :func:`release_workspace` frees them).
-
-With a draft vocabulary of k ids the draft side is k-sized (the LM head's k rows, W2 [k, r]) and
-the target side reads the full LM head once per position, without grad, for EAGLE-3's restriction
-and for c* against the full distribution (dspark.training.loss docstring): 3 k-sized and one
-V-sized matmul per supervised position instead of 4 V-sized ones.
+LM head and the sequential head's bias latent·W2ᵀ on a chunk). The [m, V] work is done in place in
+the buffers of :class:`_Buffers`, which every chunk of a call reuses: no [m, V] tensor outlives the
+call, and on a CPU the buffers stay for the next one (:func:`release_workspace` frees them).
 """
 
 from __future__ import annotations

@@ -1,45 +1,17 @@
 """The DSpark training objective: CE + TV + confidence (paper Eq. 8-12, Section 3.3).
 
-For N supervised blocks (rows) of γ positions, with position weights
-w_k = exp(−(k−1)/λ) and the supervision mask ``valid``:
+:func:`dspark_loss` is the general, memory-bounded path: any logits, asked for ``chunk_rows`` rows at
+a time, each chunk recomputed in backward. It is the reference the fused LM-head path
+(:func:`dspark.training.fused_loss.fused_dspark_loss`, what the trainer runs) is tested against, and
+:func:`naive_dspark_loss` the unchunked textbook version (a baseline for benchmarks and tests). Both
+paths reduce their per-position terms [N, γ] with :func:`reduce_terms` into a :class:`LossOutput`.
+:class:`LossWeights` holds α of Eq. 12 and λ of the position weights w_k = exp(−(k−1)/λ)
+(:func:`position_weights`). With a draft vocabulary (:mod:`dspark.modeling.vocab`) the target is
+restricted to its ids as in EAGLE-3 (:func:`draft_vocab_targets`) and c* stays the acceptance
+against the full target (:func:`full_vocab_tv`).
 
-- L_ce   = −Σ w_k log p^d_k(x*_k)                                  (Eq. 9)
-- L_tv   =  Σ w_k Σ_v |p^d_k(v) − p^t_k(v)|   (no ½, as DeepSpec)    (Eq. 10)
-- c*_k   = clamp(1 − ½ Σ_v |p^d_k(v) − p^t_k(v)|, 0, 1), detached    (Eq. 8)
-- L_conf = −Σ w_k [c*_k log c_k + (1−c*_k) log(1−c_k)], c_k = σ(z_k) (Eq. 11)
-- L      = α_ce L_ce + α_tv L_tv + α_conf L_conf                      (Eq. 12)
-
-Each term is a weighted mean: Σ w_k·valid·term / Σ w_k·valid, where the
-denominator may be supplied for the global batch (all ranks, all micro-batches).
-
-Memory. A full-vocabulary fp32 tensor for all rows holds N·γ·V floats, so
-:func:`dspark_loss` never materialises one for all rows. It asks
-callables for the logits of ``chunk_rows`` rows at a time and wraps each chunk
-in activation checkpointing: after the forward only the per-position terms
-[n, γ] survive, and backward recomputes the chunk's logits (the draft ones and
-the target ones; one extra LM-head matmul each per chunk). Within a chunk the
-draft distribution is computed once (log-softmax; p^d = exp of it), the target
-one once under ``no_grad``, and c* is read off the same TV tensor, detached.
-:func:`naive_dspark_loss` is the unchunked textbook version, kept only as a
-baseline for benchmarks and as a cross-check in tests.
-
-Draft vocabulary (``vocab``, :mod:`dspark.modeling.vocab`): the draft logits are [.., k] over
-the k draft ids and p^t in L_ce / L_tv is the target distribution restricted to those ids and
-renormalised (EAGLE-3). A position whose target argmax (over all V ids) lies outside the
-vocabulary is dropped from L_ce and L_tv as EAGLE-3 drops it. One whose label x*_k lies outside
-(target argmax inside) is dropped from L_ce only (its CE is undefined); its TV term is the one
-against the full target, Σ_v |p^d_v − p^t_v| over all V ids with p^d zero outside the vocabulary
-(``full_vocab_tv``). A dropped term adds 0 to the sums but its position stays in the
-denominator (EAGLE-3 averages over all positions too). c* (Eq. 8), and with it L_conf, the
-acceptance sums and τ_prob, is the expected acceptance against the *full* target distribution,
-1 − ½(Σ_{v∈D} |p^d_v − p^t_v| + p^t(outside D)), so it is what verification will accept and
-the confidence head learns that an out-of-vocabulary target is a likely rejection.
-
-The fused path (:func:`dspark.training.fused_loss.fused_dspark_loss`, what the trainer
-runs for drafter-shaped logits) computes the same terms and their gradients in
-one forward pass; :func:`dspark_loss` stays the general path (any logits) and
-the reference the fused one is tested against. Both reduce their per-position
-terms with :func:`reduce_terms`.
+docs/training.md: the terms, the weighted mean over a global batch, the chunks and their memory,
+and what a draft vocabulary drops.
 """
 
 from __future__ import annotations
@@ -209,7 +181,7 @@ def _chunk_terms(
 
     ``labels`` is the chunk's slice, with invalid entries already made safe.
     TV is ``Σ_v |p^d − p^t|`` (no ½); it keeps a graph only if ``track_tv``. With ``vocab``
-    the draft logits are [n, γ, k], the target ones [n, γ, V] (module docstring).
+    the draft logits are [n, γ, k], the target ones [n, γ, V] (docs/training.md).
     """
     rows, block_size = labels.shape
     draft = draft_logits_fn(start, end)  # [n, γ, V or k]
@@ -335,7 +307,7 @@ def dspark_loss(
         chunk_rows: rows per chunk; peak memory grows with chunk_rows·γ·V.
         denominator: Σ w_k·valid over the global batch; default: this call's.
         vocab: a draft vocabulary: ``draft_logits_fn`` returns [n, γ, k], ``target_logits_fn``
-            still [n, γ, V]; restriction and dropped positions as in the module docstring.
+            still [n, γ, V]; restriction and dropped positions as in docs/training.md.
 
     Returns:
         :class:`LossOutput`. Gradients equal those of the unchunked formula.

@@ -73,21 +73,8 @@ def test_rnn_block_bias_is_the_eq6_recurrence(bias):
         torch.testing.assert_close(bias[i], _rnn_by_hand(head, prev[i], hidden[i]))
 
 
-def test_rnn_step_with_carried_state_equals_block_bias():
-    head = _random_head(RNNHead)
-    gen = torch.Generator().manual_seed(9)
-    prev = torch.randint(0, 11, (3, 4), generator=gen)
-    hidden = torch.randn(3, 4, 5, generator=gen, dtype=torch.float64)
-    state = head.init_state(3, "cpu", torch.float64)
-    steps = []
-    for k in range(4):
-        state, bias = head.step(state, prev[:, k], hidden[:, k])
-        steps.append(bias)
-    torch.testing.assert_close(torch.stack(steps, 1), head.block_bias(prev, hidden))
-
-
 def test_rnn_step_with_a_fresh_zero_state_each_time_is_not_the_recurrence():
-    """Gives the carried-state test its power: forgetting the state changes positions k >= 2."""
+    """Gives the carried-state contract test its power: forgetting the state changes positions k >= 2."""
     head = _random_head(RNNHead)
     gen = torch.Generator().manual_seed(9)
     prev = torch.randint(0, 11, (3, 4), generator=gen)

@@ -68,7 +68,7 @@ def test_restrict_renormalises_and_drops_an_argmax_outside():
 
 # --------------------------------------------------------------------------- the loss
 def _reference_loss(draft, target, labels, valid, conf, weights, ids):
-    """Float64, from the definitions (dspark.training.loss docstring): p^t restricted to ids and renormalised;
+    """Float64, from the definitions (docs/training.md, "A draft vocabulary"): p^t restricted to ids and renormalised;
     CE only where the target argmax and the label lie in ids, TV where the target argmax does (against the
     full target where the label lies outside); c* against the full target."""
     draft, target, conf = draft.double(), target.double(), conf.double()

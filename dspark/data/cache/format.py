@@ -1,27 +1,11 @@
 """The cache on disk: file names, the manifest, the index, and the checks a reader runs on open.
 
-A cache is a folder:
-
-``shard-XXXXX.bin``
-    records, one per sample, each starting at a multiple of 8 bytes::
-
-        tokens          uint32 [S]
-        feature values  [S, m, d]   (fp8 bytes, bf16 or fp32)
-        final values    [F, d]      (F = number of candidates, in position order)
-        feature scales  uint8 [S, m]   (fp8 only)
-        final scales    uint8 [F]      (fp8 only)
-        zero padding to a multiple of 8
-
-``index-XXXXX.bin``
-    little-endian int64 [n, 3] per shard: record byte offset, length S, F.
-    One index per shard, so that resuming never rewrites a finished file.
-``manifest.json``
-    format name and version, precision, target fingerprint and layer ids,
-    sample and token counts, each shard and index file with its size and
-    sha256, a digest of the input samples, creation info, and ``complete``.
-
-Size figures of this package (:func:`~dspark.data.cache.writer.estimate_cache_size`,
-``Manifest.data_bytes``) count shards and indexes, not the manifest itself (a few kB).
+A cache is a folder of ``shard-XXXXX.bin`` (one record per sample), ``index-XXXXX.bin`` (int64
+[n, 3] per shard: record offset, length S, final rows F) and ``manifest.json`` (:class:`Manifest`,
+one :class:`ShardInfo` per finished shard). :func:`target_fingerprint` identifies the target;
+:func:`check_target`, :func:`layer_positions` and :func:`read_index` are the checks
+:class:`~dspark.data.cache.reader.TargetCache` runs on open. The record layout, the manifest's
+fields and what the size figures count: docs/data.md, "The feature cache" ("Files").
 """
 
 from __future__ import annotations
