@@ -8,7 +8,7 @@ a'_k = Π_{i<k} c'_i · σ(logit(c_k)/T_k) has the lowest ECE against 1[first k 
 T_k = 1 where a position's labels carry no evidence (both off gives the plain argmin): ``min_events``
 accepted *and* rejected prefixes, and (``folds`` ≥ 2) cross-fitted held-out predictions that beat
 T_k = 1 in ECE and in Brier score, each gain with a 95 % bootstrap interval above 0. Why both, how the
-folds chain across positions, and the guarantee tests/scheduling/test_sts_guard.py checks by
+folds chain across positions, and the guarantee tests/scheduling/test_sts.py checks by
 simulation: docs/scheduling.md, "STS and its guards". Deterministic given ``seed``.
 """
 

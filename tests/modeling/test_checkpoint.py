@@ -446,7 +446,7 @@ def test_config_fields_are_mapped_or_rejected_by_name(tmp_path, change, message)
 def test_a_drafter_of_another_hidden_size_is_rejected_naming_the_field(tmp_path):
     cfg = {**_deepspec_config(), "hidden_size": 32}
     _write_deepspec(tmp_path / "ds", cfg, _random_tensors(_deepspec_shapes(cfg)))
-    with pytest.raises(ValueError, match="hidden_size=32, the target has 64"):
+    with pytest.raises(ValueError, match="its hidden_size is 32, the target's is 64"):
         load_drafter(tmp_path / "ds", _target("qwen3"))
 
 
