@@ -444,3 +444,21 @@ def test_sample_block_takes_column_major_base_logits_without_touching_them(head)
     assert b.logits.is_contiguous() and torch.equal(column_major, kept)
     # the biases were added: with a sequential head the returned logits are not the base ones
     assert torch.equal(b.logits, row_major) == (drafter.markov_head is None)
+
+
+def test_the_training_forward_names_a_wrong_input_before_any_work(monkeypatch):
+    """Features from other layers, 1-D anchors, float ids or a mis-shaped keep: a ValueError naming the
+    argument and the shape it needs, raised before the fusion layer or any draft layer runs."""
+    target, drafter = _drafter("llama", randomize=False)
+    monkeypatch.setattr(drafter, "fuse_context", lambda *a: pytest.fail("ran before the check"))
+    ids, features = _sequences(target, 2, SEQ)
+    ids = ids[:, :SEQ]
+    m_d = len(drafter.config.target_layer_ids) * drafter.config.hidden_size
+    with pytest.raises(ValueError, match=rf"features must be \[B, S, m·d\] = \[2, {SEQ}, {m_d}\].*target_layer_ids"):
+        drafter(features[..., :-1], ids, ANCHORS, KEEP)
+    with pytest.raises(ValueError, match=r"anchors must be integer positions \[B, A\]"):
+        drafter(features, ids, ANCHORS[0], KEEP)
+    with pytest.raises(ValueError, match="input_ids must be integer token ids"):
+        drafter(features, ids.float(), ANCHORS, KEEP)
+    with pytest.raises(ValueError, match="keep must be a bool tensor shaped like anchors"):
+        drafter(features, ids, ANCHORS, KEEP[:, :2])
