@@ -10,6 +10,7 @@ to them; ``CHOICES`` reads those at validation time.
 from __future__ import annotations
 
 VARIANTS = ("dspark", "dflash", "eagle3")
+VARIANT_NAMES = {"dspark": "DSpark", "dflash": "DFlash", "eagle3": "Eagle3"}  # as tables and reports show them
 # "eagle3": the standard EAGLE-3 that vLLM / SGLang serve (Llama-style layer, no q/k norms, 3 fused
 # layers, reduced draft vocabulary); "eagle3_deepspec": DeepSpec's Qwen3Eagle3Model (q/k norms, the
 # 5 DSpark layers, full vocabulary), the paper's baseline.

@@ -20,12 +20,13 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from dspark.choices import VARIANT_NAMES
 from dspark.evaluation.demo_runs import (TAU_KEYS, eval_columns, is_float, link, load_run, metric, policy_order,
                                          simulated_results, split_of)
 from dspark.evaluation.markdown import fmt_ci, fmt_number, markdown_table
 from dspark.evaluation.verdicts import PAIRED_BASELINE, clock_cell, clock_rows, fmt_ratio, paired_rows, paired_verdict
 
-DRAFTER_NAMES = {"dspark": "DSpark", "dflash": "DFlash", "eagle3": "Eagle3"}
+DRAFTER_NAMES = VARIANT_NAMES
 POLICY_NAMES = {"static": "static γ = {gamma}", "static1": "static ℓ = 1", "algorithm1": "Algorithm 1",
                 "async": "async (Section 5.2)", "algorithm1+skip": "Algorithm 1 + skip"}
 RESULTS_HEADER = ("", "requests", "R", "τ, T = 1", "τ, greedy", "speed vs target-only (T = 1, wall clock, at R)",

@@ -28,6 +28,7 @@ from typing import Any, Union
 import numpy as np
 import torch
 
+from dspark.choices import VARIANT_NAMES
 from dspark.data.benchmarks import load_prompts, resolve_benchmarks, samples_per_benchmark
 from dspark.data.prompts import Conversation
 from dspark.evaluation.eval_plain import EvalState, batched_benchmarks, decode_fn_name, plain_benchmark
@@ -44,7 +45,6 @@ PathLike = Union[str, os.PathLike]
 # New tokens of the untimed warm-up decode before the first timed request (kernel selection,
 # allocator, lazy imports); 0: no warm-up. Read when an evaluation starts: a seam that tests replace.
 WARMUP_TOKENS = 8
-_VARIANT_LABELS = {"dspark": "DSpark", "dflash": "DFlash", "eagle3": "Eagle3"}
 
 
 # ---------------------------------------------------------------------------
@@ -72,7 +72,7 @@ def drafter_gamma(drafter: Any) -> int | None:
 
 def _default_label(drafter: Any) -> str:
     variant = getattr(getattr(drafter, "config", None), "variant", None)
-    return _VARIANT_LABELS.get(variant, str(variant)) if variant else "drafter"
+    return VARIANT_NAMES.get(variant, str(variant)) if variant else "drafter"
 
 
 def dist_info() -> tuple[int, int]:
