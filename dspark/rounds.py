@@ -5,7 +5,7 @@ arguments of ``dspark.fit_sts``.
 A round is a ``dspark.decoding.loop.RoundRecord``: the confidences c_1..c_γ of its drafted
 positions, the ℓ drafts verified (``proposed``) and the m accepted; the labels STS fits
 against, 1[first k accepted] where k ≤ ℓ, come from those two counts
-(``dspark.scheduling.calibration.prefix_labels``). Torch-free (numpy only).
+(``dspark.scheduling.calibration_metrics.prefix_labels``). Torch-free (numpy only).
 """
 
 from __future__ import annotations
@@ -33,31 +33,17 @@ def sts_inputs(results: Any) -> dict[str, np.ndarray]:
         "groups": int64 [N] the request of each round (0, 1, ... in the order given), so that
         ``fit_sts``'s held-out check deals whole requests to its folds}.
     """
+    from dspark.scheduling.calibration import round_arrays, rounds_with_confidences
+
     requests = [results] if hasattr(results, "rounds") else list(results)
-    conf: list[list[float]] = []
-    accepted: list[int] = []
-    proposed: list[int] = []
-    groups: list[int] = []
+    rows: list[dict[str, Any]] = []
     for index, result in enumerate(requests):
         rounds: Iterable[Any] = getattr(result, "rounds", None)
         if rounds is None:
             raise TypeError(f"results[{index}] is a {type(result).__name__}, not a DecodeResult (with .rounds)")
-        for r in rounds:
-            if r.confidences is None:
-                continue
-            conf.append([float(c) for c in r.confidences])
-            accepted.append(int(r.accepted))
-            proposed.append(int(r.proposed))
-            groups.append(index)
-    if not conf:
-        raise ValueError("no round has confidences: decode with a drafter that has a confidence head "
-                         "(a DSpark drafter; DFlash and Eagle3 drafters have none)")
-    widths = sorted({len(c) for c in conf})
-    if len(widths) != 1:
-        raise ValueError(f"rounds have confidences of lengths {widths}; calibrate one drafter (one γ) at a time")
-    return {
-        "conf": np.asarray(conf, dtype=np.float64),
-        "accepted": np.asarray(accepted, dtype=np.int64),
-        "proposed": np.asarray(proposed, dtype=np.int64),
-        "groups": np.asarray(groups, dtype=np.int64),
-    }
+        rows += [{"confidences": r.confidences, "accepted": r.accepted, "proposed": r.proposed, "group": index}
+                 for r in rounds]
+    with_conf = rounds_with_confidences(rows)  # one drafter's rounds that carry confidences
+    conf, accepted, proposed = round_arrays(with_conf)
+    return {"conf": conf, "accepted": accepted, "proposed": proposed,
+            "groups": np.asarray([r["group"] for r in with_conf], dtype=np.int64)}

@@ -9,10 +9,7 @@ a synthetic geometric acceptance process, and the simulated designs of bench/int
 (coverage)."""
 
 import copy
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -36,6 +33,7 @@ from dspark.scheduling.calibration_metrics import confidence_metrics, ece, ece_f
 from dspark.evaluation.intervals import add_intervals
 from dspark.io.jsonsafe import to_jsonable
 from dspark.evaluation.metrics import macro_average, macro_average_array, tau_pooled
+from helpers.paths import load_script
 from dspark.evaluation.report import build_report
 
 
@@ -473,12 +471,7 @@ def test_no_proportion_interval_leaves_zero_one_at_sparse_designs():
 
 @pytest.fixture(scope="module")
 def coverage_bench():
-    path = Path(__file__).resolve().parents[1] / "bench" / "interval_coverage.py"
-    spec = importlib.util.spec_from_file_location("interval_coverage", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench/interval_coverage.py")
 
 
 @pytest.mark.parametrize("design", ["sparse:4", "sparse:2", "sparse:8", "dense:2", "dense:4", "dense:8"])

@@ -4,23 +4,20 @@ requests (oracle: the hand-computed pooled τ ratio 8/7 of two small evaluations
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
 from dspark.config import apply_overrides, load_config
+from helpers.paths import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def study():
-    spec = importlib.util.spec_from_file_location("recipe_study", ROOT / "bench" / "recipe_study.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench/recipe_study.py")
 
 
 def _trained_config(study, tmp_path, monkeypatch, name):

@@ -292,25 +292,7 @@ def generate_self_prompts(
     """Up to ``settings.num_prompts`` user prompts written by ``model`` (a transformers causal LM)
     under its own chat template.
 
-    What the model wrote is, in this order:
-
-    1. dropped when it never ended the turn within ``max_new_tokens`` (``unfinished``);
-    2. stripped and filtered (:func:`filter_reason`): ``template_tokens`` (a special token or a
-       piece of the template's turn markup is left), ``too_short`` / ``too_long`` (characters),
-       ``no_letters``, ``repetitive`` (see :func:`is_repetitive`);
-    3. dropped as ``eval_overlap`` when it equals or near-duplicates an evaluation prompt
-       (:func:`evaluation_prompts`: the built-in evaluation sets and the benchmark files), so no
-       evaluation prompt reaches training or its held-out part;
-    4. dropped as ``eval_containment`` when it holds an evaluation prompt or is a piece of one
-       (``containment`` >= ``settings.containment``): a benchmark question wrapped in a sentence
-       of its own has a low Jaccard with the question;
-    5. dropped as ``source_overlap`` when it equals, near-duplicates, holds or is a piece of a
-       prompt of the training source it is appended to (``source_prompts``): a repeat adds no
-       fresh data;
-    6. deduplicated against the prompts kept so far: ``duplicate`` (same text after
-       ``normalize_text``) or ``near_duplicate`` (word 5-gram Jaccard >= ``near_duplicate_jaccard``).
-
-    The comparisons are those of ``dspark.data.near_duplicates``.
+    What the model wrote is kept or dropped by :func:`_drop_reason` (the reasons in order there).
 
     ``eval_prompts`` ({set name: texts}, default ``evaluation_prompts()``: the
     built-in evaluation sets) are never returned, nor near-duplicates of them,
@@ -369,7 +351,27 @@ def _drop_reason(
     turn: UserTurn, text: str, settings: SelfPromptSettings, template: UserTurnTemplate,
     eval_index: DuplicateIndex, source_index: DuplicateIndex, kept_index: DuplicateIndex,
 ) -> str | None:
-    """The first reason of ``DROP_REASONS`` that applies to a sampled turn, None to keep it."""
+    """The first reason of ``DROP_REASONS`` that applies to a sampled turn, None to keep it.
+
+    What a sampled turn is dropped for, in this order (the comparisons are those of
+    ``dspark.data.near_duplicates``):
+
+    1. dropped when it never ended the turn within ``max_new_tokens`` (``unfinished``);
+    2. stripped and filtered (:func:`filter_reason`): ``template_tokens`` (a special token or a
+       piece of the template's turn markup is left), ``too_short`` / ``too_long`` (characters),
+       ``no_letters``, ``repetitive`` (see :func:`is_repetitive`);
+    3. dropped as ``eval_overlap`` when it equals or near-duplicates an evaluation prompt
+       (:func:`evaluation_prompts`: the built-in evaluation sets and the benchmark files), so no
+       evaluation prompt reaches training or its held-out part;
+    4. dropped as ``eval_containment`` when it holds an evaluation prompt or is a piece of one
+       (``containment`` >= ``settings.containment``): a benchmark question wrapped in a sentence
+       of its own has a low Jaccard with the question;
+    5. dropped as ``source_overlap`` when it equals, near-duplicates, holds or is a piece of a
+       prompt of the training source it is appended to (``source_prompts``): a repeat adds no
+       fresh data;
+    6. deduplicated against the prompts kept so far: ``duplicate`` (same text after
+       ``normalize_text``) or ``near_duplicate`` (word 5-gram Jaccard >= ``near_duplicate_jaccard``).
+    """
     if not turn.ended:
         return "unfinished"
     reason = filter_reason(text, settings, template.markers)

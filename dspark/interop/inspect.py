@@ -150,11 +150,8 @@ def run_acceptance(folder: Path, target: Any, prompts: Sequence[Sequence[int]], 
     from dspark.decoding.loop import speculative_generate
     from dspark.modeling import load_drafter
     from dspark.modeling.checkpoint import read_config
-    from dspark.target import TargetModel
 
-    ids = overrides.get("target_layer_ids") or read_config(folder).target_layer_ids
-    if tuple(ids) != tuple(target.target_layer_ids):
-        target = TargetModel(target.model, ids, tokenizer=target.tokenizer)
+    target = target.with_layers(overrides.get("target_layer_ids") or read_config(folder).target_layer_ids)
     drafter = load_drafter(folder, target, dtype=target.dtype, device=target.device, **overrides).eval()
     eos = getattr(target.tokenizer, "eos_token_id", None) if target.tokenizer is not None else None
     rounds = accepted = 0

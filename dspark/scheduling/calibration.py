@@ -47,6 +47,7 @@ __all__ = [
     "split_rounds_by_request",
     "calibrate_rounds",
     "round_arrays",
+    "rounds_with_confidences",
     "save_sts_report",
 ]
 
@@ -277,7 +278,7 @@ def round_arrays(rounds: Sequence[Mapping[str, Any]]) -> tuple[np.ndarray, np.nd
     return conf, accepted, proposed
 
 
-def _rounds_with_confidences(rounds: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+def rounds_with_confidences(rounds: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     """The rows that carry confidences, all of one width (one drafter)."""
     with_conf = [r for r in rounds if r.get("confidences") is not None]
     if not with_conf:
@@ -334,7 +335,7 @@ def calibrate_rounds(
     the cross-fitted held-out predictions. ``bootstrap`` records
     resamples, seed and level. The rows are those the headline metrics
     were measured on (the test part, or the fit part when fit_fraction = 1)."""
-    fit, test = split_rounds_by_request(_rounds_with_confidences(rounds), fit_fraction, seed)
+    fit, test = split_rounds_by_request(rounds_with_confidences(rounds), fit_fraction, seed)
     conf, accepted, proposed = round_arrays(fit)
     temps, records = fit_sts_explained(conf, accepted, proposed, grid, n_bins, min_events, folds,
                                        _request_ids(fit), seed, resamples)

@@ -31,7 +31,7 @@ from dspark.evaluation.report import compare_reports
 from dspark.evaluation.metrics import BENCHMARKS
 from helpers.benchmarks import CharTokenizer, write_benchmarks
 from helpers.evaluation import GAMMA, FakeClock, fake_models, scripted_decoders
-from helpers.paths import REPO, SHARED
+from helpers.paths import REPO, SHARED, load_script
 
 ROOT = REPO
 SHARED = SHARED / "eval_datasets"
@@ -401,16 +401,7 @@ def test_smollm2_with_a_fresh_drafter_runs_all_nine_benchmarks(smollm2_target, t
 
 def load_builder():
     """eval_datasets/make_benchmarks.py is a script, not a package module: import it by path (once)."""
-    import importlib.util
-    import sys
-
-    name = "eval_datasets_build"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "eval_datasets" / "make_benchmarks.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses look their module up while the class is built
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return load_script("eval_datasets/make_benchmarks.py")
 
 
 # Rows shaped like the hub's (field names and values of the public datasets), one or two per source.

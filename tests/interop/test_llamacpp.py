@@ -22,6 +22,7 @@ from dspark.interop import llamacpp, llamacpp_client
 from dspark.interop.llamacpp import find_llama_server, server_command
 from dspark.interop.llamacpp_client import METRIC_ROUNDS, parse_completion, parse_metrics, request_body, tau_of
 from helpers.targets import smollm2_available, tiny_drafter_config
+from helpers.paths import load_script
 
 REAL_BUNDLED = llamacpp._bundled_server
 ROOT = Path(__file__).resolve().parents[2]
@@ -143,10 +144,7 @@ def test_a_wrong_explicit_path_or_env_var_is_an_error_not_a_fallback(no_server, 
 @pytest.fixture(scope="module")
 def builder():
     """bench/llamacpp_build.py, the builder behind `python bench/llamacpp.py --build`."""
-    spec = importlib.util.spec_from_file_location("llamacpp_build", ROOT / "bench" / "llamacpp_build.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench/llamacpp_build.py")
 
 
 def test_build_commands_configure_then_build_only_the_server(tmp_path, builder):
