@@ -5,14 +5,15 @@ The same requests (test prompts of the benchmarks, each with its own seed) are d
 - one at a time by ``dspark.decoding.loop.speculative_generate`` (the batch-1 evaluation loop) and
   ``target_generate`` (its target-only baseline);
 - by ``dspark.decoding.batched.speculative_batch_generate`` and ``target_batch_generate`` at every
-  R of ``--rows`` (R requests per forward, rows refilled as requests finish).
+  R of ``--rows`` (R requests per forward, rows refilled as requests finish, longest prompt first
+  as ``dspark eval`` admits them).
 
 It prints tokens/s of each, the ratio to the batch-1 loop of the same kind (measured in this
 process), τ (which must not depend on R: every request decodes the same tokens), the speedup
 over target-only decoding at the same R, and whether each request's tokens equal batch 1's.
 
     .venv/bin/python bench/batched_eval.py [--draft runs/demo/dspark_smollm2_135m/drafter] [--requests 32]
-        [--max-new-tokens 64] [--rows 1 2 4 8 16] [--temperature 1.0] [--threads 2] [--device cpu]
+        [--max-new-tokens 128] [--rows 1 2 4 8 16] [--temperature 1.0] [--threads 2] [--device cpu]
 
 Without ``--draft`` the drafter is freshly initialised (τ near 1: only the costs mean anything).
 Benchmark prompts come from ``$DSPARK_EVAL_DATA`` (test split), else the built-in prompts.
@@ -44,7 +45,7 @@ def prompts(tokenizer, count: int, seed: int) -> list[list[int]]:
         sources = dict(builtin_eval_sets())
     per = -(-count // len(sources))
     convs = [c for source in sources.values() for c in load_prompts(source, per, seed, "test")]
-    # interleave benchmarks so that every batch mixes lengths
+    # interleave benchmarks (the batched runs admit them longest first, as dspark eval does)
     convs = [convs[i] for i in sorted(range(len(convs)), key=lambda i: (i % per, i))][:count]
     return [render_prompt(tokenizer, c, enable_thinking=False) for c in convs]
 
@@ -53,7 +54,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--draft", default=None, help="a trained drafter folder (default: a fresh one)")
     ap.add_argument("--requests", type=int, default=32)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--threads", type=int, default=2)
@@ -64,7 +65,7 @@ def main() -> None:
 
     from dspark.build import load_models
     from dspark.config import load_config
-    from dspark.decoding.batched import BatchJob, speculative_batch_generate, target_batch_generate
+    from dspark.decoding.batched import BatchJob, longest_first, speculative_batch_generate, target_batch_generate
     from dspark.decoding.loop import speculative_generate, target_generate
     from dspark.evaluation.evaluate import default_eos_ids
     from dspark.seeds import derive_seed
@@ -117,7 +118,7 @@ def main() -> None:
                                                        f"{(tokens / spec1_s) / (base_tokens / base1_s):.2f}")
     print(f"| batch-1 loop | 1 | {tokens / spec1_s:.1f} | 1.00 | {tau1:.3f} | — | {' | '.join(base_cols)} |")
     for R in args.rows:
-        jobs = [BatchJob(p, seeds[i], i) for i, p in enumerate(ids)]
+        jobs = longest_first([BatchJob(p, seeds[i], i) for i, p in enumerate(ids)])  # as dspark eval admits them
         out, spec_s = timed(lambda: speculative_batch_generate(target, drafter, jobs, batch_size=R, **kw))
         got = {r.tag: r for r in out}
         same = sum(got[i].tokens == ref[i].tokens for i in range(len(ids)))

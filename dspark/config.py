@@ -37,7 +37,7 @@ class TargetConfig:
     device: str = "auto"  # "auto" (this rank's GPU if there is one, else cpu) | "cpu" | "cuda" | "cuda:N"
     attn_implementation: str = "sdpa"
     trust_remote_code: bool = False
-    # Few-row decoding products (1-32 rows) through oneDNN-packed weights (dspark.kernels.cpu_linear):
+    # Few-row decoding products (1-128 rows) through oneDNN-packed weights (dspark.kernels.cpu_linear):
     # "auto" (on a CPU in float32, and in bfloat16 where the CPU has native bf16)
     # | "onednn" (on a CPU, float32 or bfloat16) | "torch" (never)
     cpu_linear: str = "auto"

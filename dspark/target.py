@@ -171,7 +171,7 @@ class TargetModel(nn.Module):
         ``"sdpa"`` on CPU loads as ``dspark.kernels.attention``'s ``sdpa_gqa``: the same kernel and
         numbers, without the key/value head copies of a multi-token (verification) forward.
         ``cpu_linear`` (``"auto"`` | ``"onednn"`` | ``"torch"``, :func:`dspark.kernels.cpu_linear.resolve`):
-        whether the few-row products of decoding (1-32 rows) use oneDNN-packed weights; ``"auto"``
+        whether the few-row products of decoding (1-128 rows) use oneDNN-packed weights; ``"auto"``
         does on a CPU in float32. Prefill and training products are unchanged.
         """
         from transformers import AutoModelForCausalLM, AutoTokenizer

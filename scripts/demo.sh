@@ -70,11 +70,11 @@ case "$MODE" in
   long)
     OUT="$OUT-long"; EPOCHS=40; CAP_MIN=12  # held-out τ flattens after about 40 epochs (bench/README.md)
     SAMPLES=16; MAXNEW=64; SCHED_SAMPLES=4; SCHED_MAXNEW=64
-    SPS_B=1,2,3,4,5,6,8,10,12,16,20,24,32,33,40,48,64,80,128,256,320,512; SPS_REPEATS=20; SIM_R=1,4,8,16,64 ;;
+    SPS_B=1,2,3,4,5,6,8,10,12,16,20,24,32,40,48,64,80,128,129,256,320,512; SPS_REPEATS=20; SIM_R=1,4,8,16,64 ;;
   *)
     EPOCHS=20; CAP_MIN=5
     SAMPLES=8; MAXNEW=24; SCHED_SAMPLES=4; SCHED_MAXNEW=24
-    SPS_B=1,2,3,4,5,6,8,10,12,16,20,24,32,33,40,64,128; SPS_REPEATS=20; SIM_R=1,4,8 ;;
+    SPS_B=1,2,3,4,5,6,8,10,12,16,20,24,32,40,48,64,128; SPS_REPEATS=20; SIM_R=1,4,8 ;;
 esac
 DATA="$OUT/data"
 DS=config/dspark/dspark_smollm2_135m.py
@@ -152,8 +152,9 @@ fi
 DRAFT="$OUT/dspark_smollm2_135m/drafter"
 
 echo "== 3/8 the target's speed at B batch tokens (SPS table, dtype $DTYPE)"
-# B covers every size the batched serving loop forwards at R = 1, 4, 8 (R · (1 + max ℓ), γ = 4) and both sides
-# of a CPU's few-row kernel limit (32 | 33 rows): the clock interpolates between samples, never across a jump.
+# B covers every size the batched serving loop forwards at R = 1, 4, 8 (R · (1 + max ℓ), γ = 4) and, in long
+# mode, both sides of a CPU's few-row kernel limit (128 | 129 rows): the clock interpolates between samples,
+# never across a jump.
 stage profile-sps "$OUT/sps.json" dspark profile-sps --target smollm2-135m --dtype "$DTYPE" --draft "$DRAFT" \
   --batch-tokens "$SPS_B" --context-len 128 --warmup 1 --repeats "$SPS_REPEATS" --out "$OUT/sps.json"
 

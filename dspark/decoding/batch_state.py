@@ -2,7 +2,10 @@
 
 ``BatchKVCache``: one tensor per layer, [R, H_kv, S, d_h]. The columns a forward appends are
 shared by all rows, so the padding of short rows and the rejected drafts of every row become
-holes, masked from then on and dropped when the cache is compacted. Column order means nothing:
+holes, masked from then on and dropped when the cache is compacted. The columns live in a buffer
+with spare capacity (``ColumnLayer``), so a forward writes its new columns in place: appending by
+concatenation would copy the whole cache of every layer on every forward, which at R rows costs
+more than the attention that reads it. Column order means nothing:
 the mask compares per-row positions, so a freed row can take a new request's prompt in its first
 columns. The drafter's context (``DraftContext`` / ``Eagle3Context``, per-row lengths) is a
 dataclass of batch-first tensors: ``put_row``, ``select_rows`` and ``add_ctx_row`` write, keep
@@ -17,10 +20,127 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from transformers.cache_utils import DynamicLayer
 
-__all__ = ["BatchKVCache", "add_ctx_row", "put_row", "select_rows"]
+__all__ = ["BatchKVCache", "ColumnLayer", "add_ctx_row", "column_cache", "put_row", "select_rows"]
 
 _ATTENTION_KINDS = ("full_attention", "sliding_attention")
+
+
+class ColumnLayer(DynamicLayer):
+    """A transformers ``DynamicLayer`` whose K/V live in a buffer [R_cap, H_kv, S_cap, d_h] with
+    spare rows and columns; ``keys`` / ``values`` are views of its first R rows and S columns.
+
+    ``update`` writes a forward's new columns in place and ``add_row`` takes a spare row, so a
+    forward costs a write of its own columns, not a copy of the whole cache (a buffer that is
+    full is replaced by one half as large again). Every entry of the views is written before it
+    is read (a forward's keys, a prompt, or the zeros of ``add_row`` / ``widen``: a masked column
+    must hold a finite value, since attention weighs it by 0); the spare entries are never read."""
+
+    def store(self, keys: Tensor, values: Tensor, columns: int = 0, rows: int = 0) -> None:
+        """Hold ``keys`` / ``values`` [R, H, S, d] in a new buffer of at least ``rows`` rows and
+        ``columns`` columns."""
+        r, h, s, d = (int(n) for n in keys.shape)
+        self._spare = None
+        self._k = keys.new_empty(max(r, int(rows)), h, max(s, int(columns)), d)
+        self._v = values.new_empty(max(r, int(rows)), h, max(s, int(columns)), d)
+        self._k[:r, :, :s] = keys
+        self._v[:r, :, :s] = values
+        self.device, self.is_initialized = keys.device, True
+        self._use(r, s)
+
+    def _use(self, rows: int, columns: int) -> None:
+        self.keys, self.values = self._k[:rows, :, :columns], self._v[:rows, :, :columns]
+
+    @property
+    def capacity(self) -> tuple[int, int]:
+        """(rows, columns) the buffer holds."""
+        return int(self._k.shape[0]), int(self._k.shape[2])
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(rows, columns) in use."""
+        return int(self.keys.shape[0]), int(self.keys.shape[2])
+
+    def _reserve(self, rows: int, columns: int) -> None:
+        cap_rows, cap_columns = self.capacity
+        if rows > cap_rows or columns > cap_columns:
+            self.store(self.keys, self.values, columns + columns // 2 + 32 if columns > cap_columns else cap_columns,
+                       rows + rows // 2 + 1 if rows > cap_rows else cap_rows)
+
+    def add_row(self) -> None:
+        """Append a row of zeros."""
+        rows, columns = self.shape
+        self._reserve(rows + 1, columns)
+        self._k[rows, :, :columns] = 0
+        self._v[rows, :, :columns] = 0
+        self._use(rows + 1, columns)
+
+    def widen(self, extra: int) -> None:
+        """Append ``extra`` columns of zeros."""
+        rows, columns = self.shape
+        self._reserve(rows, columns + extra)
+        self._k[:rows, :, columns:columns + extra] = 0
+        self._v[:rows, :, columns:columns + extra] = 0
+        self._use(rows, columns + extra)
+
+    def select_rows(self, index: Tensor) -> None:
+        """Keep rows ``index`` (Long [R']), in that order, in the same buffer."""
+        keys, values = self.keys[index], self.values[index]  # copies: the buffer may be overwritten
+        self._k[: len(index), :, : keys.shape[2]] = keys
+        self._v[: len(index), :, : keys.shape[2]] = values
+        self._use(len(index), int(keys.shape[2]))
+
+    def gather_columns(self, order: Tensor) -> None:
+        """Keep columns ``order`` [R, width] of every row (``compact``), into a second buffer of the
+        same capacity (on a CPU the two swap at each compaction: freshly allocated memory is slow
+        to touch there); on a CPU row by row, since each row's columns are contiguous [H, d] slabs."""
+        rows, width = int(order.shape[0]), int(order.shape[1])
+        spare = getattr(self, "_spare", None)
+        if spare is None or spare[0].shape != self._k.shape:
+            spare = (self._k.new_empty(self._k.shape), self._v.new_empty(self._v.shape))
+        k, v = spare
+        if k.device.type == "cpu":  # whole [H, d] slabs per row: a few memcpy-like copies
+            for r in range(rows):
+                torch.index_select(self.keys[r], 1, order[r], out=k[r, :, :width])
+                torch.index_select(self.values[r], 1, order[r], out=v[r, :, :width])
+        else:  # one kernel per tensor on an accelerator
+            index = order[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
+            torch.gather(self.keys, 2, index, out=k[:rows, :, :width])
+            torch.gather(self.values, 2, index, out=v[:rows, :, :width])
+        # A CPU keeps the old buffer for the next compaction; an accelerator's caching allocator
+        # reuses freed memory by itself, so it holds no second copy of the cache.
+        self._spare = (self._k, self._v) if k.device.type == "cpu" else None
+        self._k, self._v = k, v
+        self._use(rows, width)
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        self.store(key_states[:, :, :0], value_states[:, :, :0])
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any
+               ) -> tuple[Tensor, Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        rows, columns = self.shape
+        new = int(key_states.shape[2])
+        self._reserve(rows, columns + new)
+        self._k[:rows, :, columns:columns + new] = key_states
+        self._v[:rows, :, columns:columns + new] = value_states
+        self._use(rows, columns + new)
+        return self.keys, self.values
+
+
+def column_cache(cache: Any, columns: int) -> Any:
+    """Turn the layers of a filled transformers ``DynamicCache`` into ``ColumnLayer``s with room for
+    ``columns`` columns (same keys and values), in place; returns ``cache``. Cropping still works: a
+    crop shortens the views and the next forward writes after them."""
+    layers = []
+    for layer in cache.layers:
+        column = ColumnLayer()
+        column.store(layer.keys, layer.values, columns)
+        layers.append(column)
+    cache.layers = layers
+    return cache
 
 
 # ---------------------------------------------------------------------------
@@ -77,6 +197,7 @@ class BatchKVCache:
         return self.valid.sum(dim=1)
 
     # -------------------------------------------------------------- rows
+    @torch.inference_mode()
     def add_row(self) -> int:
         """Append an empty row (no valid column); returns its index."""
         r = self.rows
@@ -84,11 +205,11 @@ class BatchKVCache:
         self.pos = torch.cat([self.pos, self.pos.new_zeros(1, self.columns)])
         self.next_pos = torch.cat([self.next_pos, self.next_pos.new_zeros(1)])
         for layer in self._layers():
-            if getattr(layer, "is_initialized", False) and layer.keys is not None and layer.keys.numel():
-                layer.keys = torch.cat([layer.keys, layer.keys.new_zeros(1, *layer.keys.shape[1:])])
-                layer.values = torch.cat([layer.values, layer.values.new_zeros(1, *layer.values.shape[1:])])
+            if getattr(layer, "is_initialized", False):
+                layer.add_row()
         return r
 
+    @torch.inference_mode()
     def write_row(self, row: int, single: Any) -> None:
         """Put the prompt cache of one request (a batch-1 ``DynamicCache`` of P tokens, positions
         0..P−1) into row ``row``, which forgets what it held."""
@@ -107,16 +228,13 @@ class BatchKVCache:
         self.next_pos[row] = length
 
     def _init_from(self, layers: Sequence[Any]) -> None:
-        """The per-layer tensors, [R, H_kv, 0, d_h], shaped after a request's prompt cache."""
-        from transformers.cache_utils import DynamicLayer
-
+        """The per-layer buffers (``ColumnLayer``), [R, H_kv, 0, d_h], shaped after a request's prompt cache."""
         rows = self.rows
         self.cache.layers = []
         for theirs in layers:
-            layer = DynamicLayer()
-            layer.lazy_initialization(theirs.keys, theirs.values)
-            layer.keys = theirs.keys.new_zeros(rows, theirs.keys.shape[1], 0, theirs.keys.shape[3])
-            layer.values = theirs.values.new_zeros(rows, theirs.values.shape[1], 0, theirs.values.shape[3])
+            layer = ColumnLayer()
+            layer.store(theirs.keys.new_zeros(rows, theirs.keys.shape[1], 0, theirs.keys.shape[3]),
+                        theirs.values.new_zeros(rows, theirs.values.shape[1], 0, theirs.values.shape[3]))
             self.cache.layers.append(layer)
 
     def _grow(self, extra: int) -> None:
@@ -124,16 +242,16 @@ class BatchKVCache:
         self.valid = torch.cat([self.valid, self.valid.new_zeros(self.rows, extra)], dim=1)
         self.pos = torch.cat([self.pos, self.pos.new_zeros(self.rows, extra)], dim=1)
         for layer in self._layers():
-            pad = layer.keys.new_zeros(*layer.keys.shape[:2], extra, layer.keys.shape[3])
-            layer.keys = torch.cat([layer.keys, pad], dim=2)
-            layer.values = torch.cat([layer.values, pad], dim=2)
+            layer.widen(extra)
 
+    @torch.inference_mode()
     def select(self, rows: Tensor) -> None:
         """Keep the rows ``rows`` (Long [R']), in that order."""
         self.valid, self.pos, self.next_pos = self.valid[rows], self.pos[rows], self.next_pos[rows]
         for layer in self._layers():
-            layer.keys, layer.values = layer.keys[rows], layer.values[rows]
+            layer.select_rows(rows)
 
+    @torch.inference_mode()
     def compact(self) -> None:
         """Move every row's valid columns to the front, in position order, and drop the columns no
         row uses (the holes of padding and rejected drafts)."""
@@ -145,13 +263,12 @@ class BatchKVCache:
         self.valid = self.valid.gather(1, order)
         self.pos = self.pos.gather(1, order)
         for layer in self._layers():
-            index = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
-            layer.keys, layer.values = layer.keys.gather(2, index), layer.values.gather(2, index)
+            layer.gather_columns(order)
 
     def maybe_compact(self, slack: int = 16) -> None:
         """Compact once the holes outnumber ``slack`` columns plus an eighth of the longest row: every
-        forward reads (and the cache's append copies) every column, holes included, so a few holes
-        cost less than the gather that removes them, many cost more."""
+        forward's attention reads every column, holes included, so a few holes cost less than the
+        gather that removes them, many cost more."""
         if not self.rows:
             return
         longest = int(self.lengths().max())

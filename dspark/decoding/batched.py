@@ -32,7 +32,7 @@ from dspark.decoding.verify import verify_draft
 from dspark.sampling import sample_token
 
 __all__ = ["BatchJob", "BatchRow", "SpeculativeBatch", "TargetBatch", "speculative_batch_generate",
-           "target_batch_generate", "auto_batch_size"]
+           "target_batch_generate", "auto_batch_size", "longest_first"]
 
 # ---------------------------------------------------------------------------
 # Requests and the speculative batch
@@ -133,6 +133,7 @@ class _Batch:
     def _add_row(self) -> None:
         """Grow whatever else the subclass keeps per row."""
 
+    @torch.inference_mode()
     def shrink(self) -> None:
         """Drop the free rows (when no request waits for them)."""
         keep = [i for i, r in enumerate(self.rows) if r is not None]
@@ -393,6 +394,16 @@ class BatchJob:
     prompt_ids: Sequence[int]
     seed: int | None
     tag: Any = None
+
+
+def longest_first(jobs: Iterable[BatchJob]) -> list[BatchJob]:
+    """``jobs`` in the order an evaluation admits them: longest prompt first (stable among equals).
+
+    Every row's attention reads as many cache columns as the batch's longest row holds, so rows of
+    similar lengths batched together waste the fewest reads; the batch starts at its widest and
+    narrows as the shorter prompts come in (compaction drops the columns nobody uses). Each request
+    decodes the same tokens in any order (it keeps its own generator), so only the speed changes."""
+    return sorted(jobs, key=lambda job: -len(job.prompt_ids))
 
 
 def _generator(device: torch.device, seed: int | None) -> torch.Generator | None:

@@ -34,8 +34,10 @@ from dspark.scheduling.sps_profile import SPSProfile, bootstrap_tables, load_pro
 PathLike = Union[str, os.PathLike]
 Rows = tuple[Sequence[Mapping[str, Any]], Sequence[Mapping[str, Any]]]
 
-__all__ = ["CLOCK_COLUMNS", "ClockDifference", "clock_difference", "serving_clock_difference", "clock_verdict", "forward_size", "forward_sizes",
-           "load_scheduled_evaluation", "request_clock_aggregates", "sps_ratio", "wall_ratio"]
+__all__ = ["CLOCK_COLUMNS", "ClockDifference", "clock_difference", "serving_clock_difference", "serving_wall_ratio",
+           "throughput_ratio_ci",
+           "clock_verdict", "forward_size", "forward_sizes", "load_scheduled_evaluation", "request_clock_aggregates",
+           "sps_ratio", "wall_ratio"]
 
 # The per-request sums, in this order, then one count of verification forwards per size B.
 CLOCK_COLUMNS = ("tokens", "wall_s", "baseline_tokens", "baseline_s", "other_s", "verify_s")
@@ -392,3 +394,57 @@ def serving_clock_difference(result: Any, profile: SPSProfile | PathLike, *, lev
                            request_lo=float(request_lo), request_hi=float(request_hi), v_requests=float(v_requests),
                            v_table=v_table, df=float(nu), requests=int(sum(len(g) for g in groups)),
                            level=float(level), verdict=clock_verdict(lo, hi))
+
+
+def serving_wall_ratio(result: Any, *, level: float = DEFAULT_LEVEL) -> tuple[float, float, float, int]:
+    """(estimate, lo, hi, requests): the batched serving run's wall-clock throughput over target-only
+    decoding of the same requests at the same R (``SimResult.wall_vs_target_only``), with its ``level``
+    interval over the requests.
+
+    Both decodes served the same jobs (same prompts, seeds and stop rule) and each request took its
+    share of every step it was live in (the step's seconds over its rows), so per request i
+
+        a_i = (tokens, W) of the speculative steps,  b_i = (tokens, W) of the target-only steps,
+
+    paired by the request's index, and the ratio is (Σ a_tokens / Σ a_W) / (Σ b_tokens / Σ b_W). Its
+    interval is the stratified delete-one jackknife over the requests (strata: the tag's benchmark), on
+    the log scale (a ratio of positive throughputs): deleting a request removes it from both decodes.
+    A request served by one decode only (the stop rule cut the other) counts zeros in the other.
+    Errors name what is missing: a run of another engine, or one without its target-only requests."""
+    if getattr(result, "engine", "per-request") != "batched" or not result.step_log:
+        raise ValueError("serving_wall_ratio needs a run of the batched engine with its step log "
+                         "(ServeSettings.engine='batched')")
+    if not result.target_only_requests:
+        raise ValueError("serving_wall_ratio needs the run's target-only requests (simulate(..., target_only=True) "
+                         "on the batched engine records them in SimResult.target_only_requests)")
+    steps = {int(row["step"]): row for row in result.step_log}
+    rows: dict[int, np.ndarray] = {}
+    for r in result.rounds:
+        row = rows.setdefault(int(r["request"]), np.zeros(4))
+        row[0] += float(r["emitted"])
+        row[1] += float(steps[int(r["step"])]["wall_s"]) / float(r["rows"])
+    for r in result.target_only_requests:
+        row = rows.setdefault(int(r["index"]), np.zeros(4))
+        row[2] += float(r["step_tokens"])
+        row[3] += float(r["step_s"])
+    tags = {int(r["index"]): r.get("tag") for r in [*result.requests, *result.target_only_requests]}
+    groups: dict[str, list[np.ndarray]] = {}
+    for index, row in sorted(rows.items()):
+        tag = tags.get(index)
+        groups.setdefault(str(tag[0]) if isinstance(tag, (list, tuple)) and tag else "all", []).append(row)
+    estimate, lo, hi = throughput_ratio_ci([np.stack(g) for g in groups.values()], level=level)
+    return estimate, lo, hi, len(rows)
+
+
+def throughput_ratio_ci(groups: Sequence[np.ndarray], *, level: float = DEFAULT_LEVEL) -> tuple[float, float, float]:
+    """(estimate, lo, hi) of (Σ a_tokens / Σ a_s) / (Σ b_tokens / Σ b_s) over per-request rows
+    [n_g, 4] = (a_tokens, a_s, b_tokens, b_s) of G strata: the stratified jackknife on the log scale
+    (``dspark.bootstrap.jackknife_ci``), each request deleted from both decodes at once."""
+
+    def ratio(sums: np.ndarray) -> np.ndarray:
+        total = sums.sum(axis=-2)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return (total[..., 0] / total[..., 1]) / (total[..., 2] / total[..., 3])
+
+    estimate, lo, hi = jackknife_ci(list(groups), ratio, level=level, scale="log")
+    return float(estimate), float(lo), float(hi)

@@ -91,7 +91,7 @@ def results_table(run: Mapping[str, Any] | str | os.PathLike) -> str:
                      fmt_ci(*metric((hot or {}).get("macro"), "speedup", "avg")), "–", "–", "–"])
     paired = {x["policy"]: x["paired"] for x in paired_rows(run)}
     at_r = {x["policy"]: fmt_ci(x["theta_ratio"], x["theta_ratio_ci"]) for x in all_rows if x["R"] == r}
-    wall_r = {x["policy"]: fmt_number(x.get("wall_ratio")) for x in all_rows if x["R"] == r}
+    wall_r = {x["policy"]: fmt_ci(x.get("wall_ratio"), x.get("wall_ratio_ci")) for x in all_rows if x["R"] == r}
     for x in sched:
         gamma = (run["sched"].get((x["policy"], 1)) or {}).get("gamma")
         p = paired.get(x["policy"])
@@ -182,11 +182,16 @@ def sched_row(run: Mapping[str, Any], policy: str, r: int, report: Mapping[str, 
         # the batched serving loop: Θ_sps / Θ_wall − 1 on the run's own steps (dspark.evaluation.clocks)
         cell = f"{fmt_ci(served['difference'], [served.get('lo'), served.get('hi')])} (rel.): {served.get('verdict', '–')}"
     return {"policy": policy, "R": r, "tau": tau, "tau_ci": tau_ci, "mean_ell": mean_ell,
-            "wall_ratio": sim.get("wall_vs_target_only"),
+            "wall_ratio": sim.get("wall_vs_target_only"), "wall_ratio_ci": _pair(sim.get("wall_vs_target_only_ci")),
             "tokens_per_s": a.get("tokens_per_s"), "baseline_tokens_per_s": a.get("baseline_tokens_per_s"),
             "speedup": speedup, "speedup_ci": speedup_ci, "decode_speedup": decode, "decode_speedup_ci": decode_ci,
             "theta": theta, "theta_target": theta0, "theta_ratio": ratio, "theta_ratio_ci": ratio_ci,
             "clock_difference": clocks, "clocks": cell, **_round_costs(report or {})}
+
+
+def _pair(value: Any) -> list[float] | None:
+    """An interval [lo, hi] read from a results file, or None."""
+    return list(value) if isinstance(value, Sequence) and not isinstance(value, str) and len(value) == 2 else None
 
 
 def _round_costs(report: Mapping[str, Any]) -> dict[str, float | None]:
@@ -248,7 +253,8 @@ def sched_section(run: Mapping[str, Any]) -> str:
               fmt_number(x["tokens_per_s"], 1), fmt_number(x["baseline_tokens_per_s"], 1),
               fmt_ci(x["speedup"], x["speedup_ci"]), fmt_ci(x["decode_speedup"], x["decode_speedup_ci"]),
               fmt_number(x["theta"], 1), fmt_number(x["theta_target"], 1), fmt_ci(x["theta_ratio"], x["theta_ratio_ci"]),
-              fmt_number(x.get("wall_ratio")), x["clocks"], fmt_number(x["draft_steps"]), fmt_number(x["verify_steps"])]
+              fmt_ci(x.get("wall_ratio"), x.get("wall_ratio_ci")), x["clocks"], fmt_number(x["draft_steps"]),
+              fmt_number(x["verify_steps"])]
              for x in rows]
     note = (
         "DSpark at T = 1 on the same prompts under each policy. **Wall clock** (R = 1, `dspark eval --policy "
@@ -263,7 +269,9 @@ def sched_section(run: Mapping[str, Any]) -> str:
         "decoding. The serving loop is batched (one drafter and one target forward per step for every live "
         "request, each forward padded to 1 + max ℓ_r and priced at that size), so the same steps are also timed "
         "on the wall clock: **Θ ratio (wall clock, batched)** is their tokens/s over target-only decoding of the "
-        "same requests at the same R, measured in the same process. Rows without a scheduled evaluation (R > 1) "
+        "same requests at the same R, measured in the same process, with its 95 % interval over the requests (each "
+        "takes its share of every step in both decodes and is left out of both at once: the stratified jackknife, "
+        "`dspark.evaluation.clocks.serving_wall_ratio`). Rows without a scheduled evaluation (R > 1) "
         "show the simulator's τ and mean ℓ. The Θ ratio's interval is the SPS table's own timing noise: the run's steps "
         "priced by 1000 tables of the profile's sweeps resampled jointly across B (every decision kept). "
         "**SPS vs wall clock**: at R > 1 (\"rel.\"), Θ_sps / Θ_wall − 1 on the serving loop's own steps, with "

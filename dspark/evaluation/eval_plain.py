@@ -192,19 +192,21 @@ def batched_benchmarks(
     state: EvalState, prompts: Mapping[str, list[Conversation]], journal: EvalJournal | None, done: Done
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Every benchmark's prompts ``rank::world`` through one batch of ``state.batch_size`` rows
-    (``dspark.decoding.batched``): the rows are refilled across benchmarks as requests finish.
+    (``dspark.decoding.batched``): the rows are refilled across benchmarks as requests finish, the
+    longest prompts first (``longest_first``).
 
     Without a baseline each request is committed to the journal as it finishes. With one, the
     pending requests go in waves of ``WAVE_ROWS`` · R: the wave decodes speculatively, then with the
     target alone at the same R, and its requests are committed; a kill loses at most the wave in
     flight. Requests ``done`` holds are read back, not decoded."""
-    from dspark.decoding.batched import BatchJob, speculative_batch_generate, target_batch_generate
+    from dspark.decoding.batched import BatchJob, longest_first, speculative_batch_generate, target_batch_generate
 
     keys = [(name, i) for name, convs in prompts.items() for i in range(state.rank, len(convs), state.world)]
     pending = [k for k in keys if k not in done.records]
     by_key: dict[tuple[str, int], tuple[dict[str, Any], list[dict[str, Any]]]] = {
         k: (done.records[k], done.rounds.get(k, [])) for k in keys if k in done.records}
     ids = {k: render_prompt(state.tokenizer, prompts[k[0]][k[1]], enable_thinking=False) for k in pending}
+    pending = [job.tag for job in longest_first(BatchJob(ids[k], None, k) for k in pending)]
     if pending:
         warm_once(state, ids[pending[0]])
     bar = tqdm(total=len(keys), initial=len(keys) - len(pending), desc=f"eval (R = {state.batch_size})",

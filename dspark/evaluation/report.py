@@ -366,11 +366,13 @@ def wall_clock_markdown(results: Sequence[SimResult]) -> str:
             r.throughput / r.target_only_throughput)
         wall = r.tokens / r.step_wall_s if r.step_wall_s > 0 else math.nan
         rows.append([r.policy, str(r.concurrency), str(c.get("requests", len(r.requests))), sps,
-                     fmt_number(wall / r.target_only_wall), fmt_number(wall, 1), fmt_number(r.target_only_wall, 1),
+                     fmt_ci(wall / r.target_only_wall, r.wall_ci),
+                     fmt_number(wall, 1), fmt_number(r.target_only_wall, 1),
                      diff, c.get("verdict", "–")])
     note = ("Batched engine: one drafter and one target forward per step for every live request. The SPS clock "
             "prices each forward at its padded size rows · (1 + max ℓ); the wall clock is the steps' measured "
-            "seconds (prefills excluded on both), against target-only decoding of the same requests at the same R. "
+            "seconds (prefills excluded on both), against target-only decoding of the same requests at the same R "
+            "(its interval over the requests, each left out of both decodes at once). "
             "Θ_sps / Θ_wall − 1: the same steps on the two clocks, its interval over the requests (stratified "
             "jackknife) and the table's timing noise; \"agree\" when it holds 0.")
     return markdown_table(header, rows) + "\n\n" + note + "\n"

@@ -185,7 +185,7 @@ def _open_simulation(config: Config, sps: Any, announce: Announce) -> _Simulatio
 def _simulate_cell(config: Config, run: _Simulation, spec: str, concurrency: int, announce: Announce) -> Any:
     """One (policy, R) cell served, with the SPS clock's interval (and, on the batched engine, the
     difference of its two clocks) where a profile is there."""
-    from dspark.evaluation.clocks import serving_clock_difference
+    from dspark.evaluation.clocks import serving_clock_difference, serving_wall_ratio
     from dspark.scheduling.simulator import DecodeSettings, ServeSettings, simulate_grid
     from dspark.scheduling.sps_profile import table_interval
 
@@ -200,6 +200,8 @@ def _simulate_cell(config: Config, run: _Simulation, spec: str, concurrency: int
         serving=ServeSettings(sps=run.sps, price_sps=cell_price, sts_temperatures=run.temps,
                               draft_overhead=s.draft_overhead, engine=s.engine),
         cycle=s.cycle, num_requests=s.num_requests or None, keys=run.keys, walls=run.walls)
+    if result.engine == "batched" and result.target_only_requests and result.step_log:
+        result.wall_ci = list(serving_wall_ratio(result)[1:3])
     if cell_profile is not None:
         result.table_ci = list(table_interval(result, cell_profile, seed=e.seed))
         if result.engine == "batched":

@@ -1,8 +1,9 @@
 """oneDNN pre-packed weights for the few-row products of CPU decoding (``target.cpu_linear``).
 
-A decoding step multiplies 1 row (target-only), 7 (a drafted block) or 8 (a verification forward)
-against every weight matrix, and on a CPU oneDNN with each weight packed once into its blocked
-layout streams the weights faster than ``F.linear`` (docs/configs.md, CPU decoding kernels).
+A decoding step multiplies 1 row (target-only), 7 (a drafted block), 8 (a verification forward) or
+R · 8 (a batched one of R requests) against every weight matrix, and on a CPU oneDNN with each weight
+packed once into its blocked layout multiplies them faster than ``F.linear`` (docs/configs.md, CPU
+decoding kernels; bench/studies.md measures the row limit).
 :func:`pack_linears` turns on that path for every ``nn.Linear`` of a module (they become
 :class:`PackedLinear`, same parameters and state dict) and :func:`register` for a bare weight (an
 LM head used through :func:`dspark.kernels.lm_head.vocab_logits`). :func:`linear` then takes it for
@@ -27,9 +28,10 @@ from torch import Tensor, nn
 __all__ = ["FEW_ROWS", "PackedLinear", "applies", "available", "can_pack", "is_registered", "linear", "pack_linears",
            "register", "resolve", "suspended", "unpack_linears", "unregister"]
 
-# Up to this many rows the packed kernel is used; above it (prefill, training batches)
-# F.linear (bench/README.md; bench/studies.md on where the limit should sit).
-FEW_ROWS = 32
+# Up to this many rows the packed kernel is used (a batched verification of up to 25 requests at
+# γ = 4, a short prompt's prefill); above it (long prefills, training batches) F.linear. On a 2-core
+# AVX2 CPU the packed kernel measured faster at every size up to 256 rows (bench/studies.md).
+FEW_ROWS = 128
 # The batch size oneDNN packs for: a verification forward's γ + 1 = 8 rows. The same
 # packed weight serves 1..FEW_ROWS rows.
 _PACK_ROWS = 8

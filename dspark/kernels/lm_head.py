@@ -29,7 +29,7 @@ def vocab_logits(hidden: Tensor, weight: Tensor, *, contiguous: bool = True) -> 
     fp32 copy to add the Markov biases to) saves one [rows, V] copy. Same values.
 
     A weight registered with :mod:`dspark.kernels.cpu_linear` (``target.cpu_linear``) takes its
-    oneDNN-packed kernel for 1..32 rows instead (contiguous logits).
+    oneDNN-packed kernel for 1..``cpu_linear.FEW_ROWS`` rows instead (contiguous logits).
     """
     if cpu_linear.is_registered(weight) and cpu_linear.applies(hidden, weight):
         return cpu_linear.linear(hidden, weight)  # a oneDNN-packed weight (dspark.kernels.cpu_linear)

@@ -166,8 +166,10 @@ def target_only_wall(target: Any, jobs: Iterable[Any], *, decoding: Any, rows: i
                      stop_after_finished: int | None = None) -> dict[str, Any]:
     """Target-only decoding of ``jobs`` (objects with prompt_ids, seed, tag) with ``rows`` rows on the
     wall clock: {"tokens", "step_wall_s" (the steps, prefills excluded), "throughput", "steps",
-    "requests": [{"tag", "tokens", "timings", "finished_by_eos"} per admitted request, the timings its
-    prefill and shares]}.
+    "requests": [{"index", "tag", "tokens", "step_tokens", "step_s", "timings", "finished_by_eos"} per
+    admitted request, in admission order: step_tokens the tokens its steps made (x_0 is drawn at its
+    prefill), step_s its share of the steps' wall clock (each step's seconds over its rows), the timings
+    its prefill and those shares]}.
     Stops as ``run_batched`` does (every job finished, or ``stop_after_finished`` of them)."""
     device = torch.device(getattr(target, "device", "cpu"))
     batch = TargetBatch(target, max_new_tokens=decoding.max_new_tokens, temperature=decoding.temperature,
@@ -196,5 +198,12 @@ def target_only_wall(target: Any, jobs: Iterable[Any], *, decoding: Any, rows: i
         steps += 1
         finished += len(done)
     return {"tokens": tokens, "step_wall_s": wall, "throughput": tokens / wall if wall > 0 else math.nan,
-            "steps": steps, "requests": [{"tag": r.tag, "tokens": len(r.tokens), "timings": r.result().timings,
-                                          "finished_by_eos": r.result().finished_by_eos} for r in admitted]}
+            "steps": steps, "requests": [_target_only_request(i, r) for i, r in enumerate(admitted)]}
+
+
+def _target_only_request(index: int, request: BatchRow) -> dict[str, Any]:
+    out = request.result()
+    step_s = sum(v for k, v in out.timings.items() if k not in ("prefill", "total"))
+    return {"index": index, "tag": request.tag, "tokens": len(out.tokens), "step_tokens": max(len(out.tokens) - 1, 0),
+            "step_s": step_s,
+            "timings": out.timings, "finished_by_eos": out.finished_by_eos}

@@ -51,7 +51,11 @@ class SimResult:
       verify_s, what "measured" multiplies overhead_s by (1 otherwise, and when nothing was verified).
     engine: "per-request" or "batched" (``ServeSettings.engine``); step_wall_s: the wall clock of the steps
       (prefills excluded; batched engine); target_only_wall: tokens/s of target-only decoding of the same
-      requests at the same R on the wall clock (batched engine, when measured; NaN otherwise); clocks: the
+      requests at the same R on the wall clock (batched engine, when measured; NaN otherwise);
+      target_only_requests: that decode's requests (index, tag, step_tokens, step_s: the tokens its steps
+      made and its share of their seconds), paired with ``requests`` by index; wall_ci: the 95 % interval
+      of wall_vs_target_only over the requests (``dspark.evaluation.clocks.serving_wall_ratio``), when
+      computed; clocks: the
       SPS clock against the wall clock on this run's steps (``dspark.evaluation.clocks.serving_clock_difference``
       as a dict), when a profile was given.
     table_ci: the 95 % interval of vs_target_only over the SPS table's own timing noise
@@ -93,6 +97,8 @@ class SimResult:
     engine: str = "per-request"
     step_wall_s: float = 0.0
     target_only_wall: float = math.nan
+    target_only_requests: list[dict[str, Any]] = field(default_factory=list)
+    wall_ci: list[float] | None = None
     clocks: dict[str, Any] | None = None
     table_ci: list[float] | None = None
     requests: list[dict[str, Any]] = field(default_factory=list)
@@ -229,5 +235,6 @@ class SimResult:
             "target_only_wall": self.target_only_wall,
             "wall_vs_target_only": (self.tokens / self.step_wall_s / self.target_only_wall
                                     if self.step_wall_s > 0 else math.nan),
+            "wall_vs_target_only_ci": self.wall_ci,
             "clocks": self.clocks,
         }

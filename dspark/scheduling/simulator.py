@@ -96,20 +96,28 @@ def simulate(
     result = run_requests(target, drafter, jobs, decoding=decoding, serving=serving, stop_after_finished=stop,
                           on_step=on_step)
     if serving.engine == "batched" and target_only:
-        result.target_only_wall = target_only_wall_throughput(
-            target, prompts, keys, decoding=decoding, rows=serving.concurrency, cycle=cycle, stop=stop)
+        set_target_only(result, target_only_wall_throughput(
+            target, prompts, keys, decoding=decoding, rows=serving.concurrency, cycle=cycle, stop=stop))
     return result
 
 
+def set_target_only(result: SimResult, wall: dict[str, Any]) -> None:
+    """Record target-only decoding of the run's requests (``target_only_wall``'s dict) in ``result``:
+    its tokens/s and each request's tokens and share of the steps, paired with the run's by index."""
+    result.target_only_wall = float(wall["throughput"])
+    keep = ("index", "tag", "step_tokens", "step_s")
+    result.target_only_requests = [{k: r[k] for k in keep} for r in wall["requests"]]
+
+
 def target_only_wall_throughput(target: Any, prompts: list[list[int]], keys: Sequence[tuple[str, int]] | None, *,
-                                decoding: DecodeSettings, rows: int, cycle: bool, stop: int | None) -> float:
-    """Tokens/s of target-only decoding of ``simulate``'s requests (the same jobs, seeds and stop rule)
-    with ``rows`` rows on the wall clock (``dspark.scheduling.batched_serving.target_only_wall``)."""
+                                decoding: DecodeSettings, rows: int, cycle: bool, stop: int | None) -> dict[str, Any]:
+    """Target-only decoding of ``simulate``'s requests (the same jobs, seeds and stop rule) with ``rows``
+    rows on the wall clock: ``dspark.scheduling.batched_serving.target_only_wall``'s dict."""
     from dspark.scheduling.batched_serving import target_only_wall
 
     job = _job_maker(prompts, keys, decoding.seed)
     jobs: Iterable[Job] = (job(i) for i in itertools.count()) if cycle else [job(i) for i in range(len(prompts))]
-    return float(target_only_wall(target, jobs, decoding=decoding, rows=rows, stop_after_finished=stop)["throughput"])
+    return target_only_wall(target, jobs, decoding=decoding, rows=rows, stop_after_finished=stop)
 
 
 def _job_maker(prompts: list[list[int]], keys: Sequence[tuple[str, int]] | None, seed: int) -> Callable[[int], Job]:
@@ -148,8 +156,9 @@ def simulate_grid(
     (SPS table, STS temperatures, draft overhead). Each cell makes a fresh policy and uses the
     same seed, so every cell serves the same requests with the same random streams.
     ``keys``: the prompts' (benchmark, index) keys, as ``simulate`` takes them.
-    ``progress`` is called with each finished result. ``walls``: R -> target-only tokens/s on the wall
-    clock (batched engine), filled as each R is timed and reused (pass one dict to share it across calls)."""
+    ``progress`` is called with each finished result. ``walls``: R -> target-only decoding on the wall
+    clock (batched engine; ``{"throughput", "requests"}`` as ``set_target_only`` reads it), filled as each
+    R is timed and reused (pass one dict to share it across calls)."""
     serving = dataclasses.replace(serving, sps=sps_table(serving.sps), price_sps=sps_table(serving.price_sps))
     results = []
     walls = {} if walls is None else walls
@@ -159,8 +168,9 @@ def simulate_grid(
             result = simulate(target, drafter, prompts, decoding=decoding, serving=cell, cycle=cycle,
                               num_requests=num_requests, keys=keys, target_only=concurrency not in walls)
             if serving.engine == "batched":
-                walls.setdefault(concurrency, result.target_only_wall)
-                result.target_only_wall = walls[concurrency]
+                walls.setdefault(concurrency, {"throughput": result.target_only_wall,
+                                               "requests": result.target_only_requests})
+                set_target_only(result, walls[concurrency])
             results.append(result)
             if progress is not None:
                 progress(result)

@@ -229,7 +229,9 @@ def profile_sps_runs(
     """Time the verification forward at every B of ``batch_tokens`` (docs/scheduling.md, "SPS profiling").
 
     ``rows=R``: every B as R rows of B / R tokens, each continuing its own cache: the forwards of the
-    batched serving loop at R live requests (``dspark.scheduling.batched_serving``), q = 1 + max ℓ per row.
+    batched serving loop at R live requests (``dspark.scheduling.batched_serving``), q = 1 + max ℓ per row,
+    on that loop's own cache layout (``dspark.decoding.batch_state.ColumnLayer``: a forward writes its new
+    columns in place, where a plain cache would copy the whole cache to append them).
     ``progress(done, repeats)`` is called after each timed sweep."""
     sizes = _sizes_to_measure(batch_tokens, context_len, warmup, repeats, tokens_per_request, rows)
     fixed_rows = rows
@@ -248,6 +250,10 @@ def profile_sps_runs(
         caches[rows] = target.new_cache()
         if context_len > 0:
             target(ids(rows, context_len), past_key_values=caches[rows], use_cache=True, logits_to_keep=1)
+        if fixed_rows is not None and hasattr(caches[rows], "layers"):  # the batched engine's own cache
+            from dspark.decoding.batch_state import column_cache  # (a transformers Cache): columns written in place
+
+            column_cache(caches[rows], context_len + max(b // fixed_rows for b in sizes))
     timed: dict[int, list[float]] = {b: [] for b in sizes}
     for sweep in range(warmup + repeats):
         for b in (sizes if sweep % 2 == 0 else sizes[::-1]):

@@ -3,7 +3,9 @@ batch-1 decoding gives it with the same seed, the batch is lossless, and the per
 exactly each row's sequence.
 
 Oracles: ``dspark.decoding.loop`` at batch 1 (same seeds), the target's exact joint distribution of
-the first tokens (enumerated on a tiny vocabulary) and a fresh prefill of each row's tokens.
+the first tokens (enumerated on a tiny vocabulary), a fresh prefill of each row's tokens, and, for
+the in-place cache (``dspark.decoding.batch_state.ColumnLayer``), plain tensors concatenated,
+indexed and gathered.
 """
 
 from __future__ import annotations
@@ -11,8 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspark.decoding.batched import BatchJob, SpeculativeBatch, TargetBatch, speculative_batch_generate, \
-    target_batch_generate
+from dspark.decoding.batch_state import ColumnLayer, column_cache
+from dspark.decoding.batched import BatchJob, SpeculativeBatch, TargetBatch, longest_first, \
+    speculative_batch_generate, target_batch_generate
 from dspark.decoding.loop import speculative_generate, target_generate
 from dspark.modeling.vocab import DraftVocab
 from dspark.sampling import uniforms
@@ -253,3 +256,54 @@ def test_eager_attention_gets_an_additive_mask_and_the_same_tokens():
     batch = SpeculativeBatch(target, drafter, max_new_tokens=4)
     assert not batch.kv._boolean_mask
     _same(_batched(target, drafter, prompts, T=1.0, R=3, n=25), _batch1(target, drafter, prompts, T=1.0, n=25))
+
+
+def test_the_in_place_cache_layer_holds_what_concatenation_would():
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(2, 3, 5, 4, generator=g), torch.randn(2, 3, 5, 4, generator=g)
+    layer = ColumnLayer()
+    layer.store(k, v)
+    assert layer.capacity == (2, 5)
+    for step in range(6):  # appends past the capacity grow the buffer by half again
+        new_k, new_v = torch.randn(2, 3, 3, 4, generator=g), torch.randn(2, 3, 3, 4, generator=g)
+        got_k, got_v = layer.update(new_k, new_v)
+        k, v = torch.cat([k, new_k], dim=2), torch.cat([v, new_v], dim=2)
+        assert torch.equal(got_k, k) and torch.equal(got_v, v) and layer.get_seq_length() == k.shape[2]
+    assert layer.capacity[1] >= k.shape[2]
+    layer.add_row()  # a row of zeros, in a spare row
+    k, v = torch.cat([k, torch.zeros_like(k[:1])]), torch.cat([v, torch.zeros_like(v[:1])])
+    assert torch.equal(layer.keys, k) and torch.equal(layer.values, v)
+    layer.widen(2)
+    k = torch.cat([k, torch.zeros(3, 3, 2, 4)], dim=2)
+    assert torch.equal(layer.keys, k)
+    index = torch.tensor([2, 0])
+    layer.select_rows(index)
+    k, v = k[index], v[index]
+    assert torch.equal(layer.keys, k)
+    for width in (7, 5):  # the second compaction writes into the first one's old buffer
+        order = torch.stack([torch.randperm(k.shape[2], generator=g)[:width] for _ in range(2)])
+        layer.gather_columns(order)
+        k = torch.stack([k[r][:, order[r]] for r in range(2)])
+        assert torch.equal(layer.keys, k) and layer.keys.shape[2] == width
+
+
+def test_a_column_cache_continues_and_crops_like_a_plain_one():
+    target = make_tiny_target("llama")
+    ids = torch.randint(0, target.vocab_size - 1, (3, 10), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        plain, column = target.new_cache(), target.new_cache()
+        target(ids, past_key_values=plain, use_cache=True)
+        target(ids, past_key_values=column, use_cache=True)
+        column_cache(column, 12)
+        x = torch.randint(0, target.vocab_size - 1, (3, 4), generator=torch.Generator().manual_seed(2))
+        for _ in range(3):  # past the room it was given, and back after each crop
+            a = target(x, past_key_values=plain, use_cache=True).logits
+            b = target(x, past_key_values=column, use_cache=True).logits
+            assert torch.equal(a, b)
+            target.crop_cache(plain, 10)
+            target.crop_cache(column, 10)
+
+
+def test_longest_first_orders_jobs_by_prompt_length_and_keeps_ties_in_order():
+    jobs = [BatchJob([1] * n, i, i) for i, n in enumerate([3, 9, 3, 12, 9])]
+    assert [j.tag for j in longest_first(jobs)] == [3, 1, 4, 0, 2]

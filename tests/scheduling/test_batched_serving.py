@@ -1,9 +1,10 @@
 """The serving loop on the batched decoder (dspark.scheduling.batched_serving) and its two clocks
-(dspark.evaluation.clocks.serving_clock_difference).
+(dspark.evaluation.clocks.serving_clock_difference, serving_wall_ratio).
 
 Oracles: the per-request engine on the same jobs (every request decodes the same rounds), the SPS
-clock's step prices computed by hand from the step log, and the clocks' difference written out from
-its definition on a made-up run."""
+clock's step prices computed by hand from the step log, the clocks' difference and the wall-clock
+ratio written out from their definitions on a made-up run, and the ratio's interval's coverage of a
+known truth on simulated requests at the demo's serving design."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import statistics
 import numpy as np
 import pytest
 
-from dspark.evaluation.clocks import serving_clock_difference
+from dspark.evaluation.clocks import serving_clock_difference, serving_wall_ratio, throughput_ratio_ci
 from dspark.evaluation.report import results_markdown
 from dspark.scheduling.algorithm1 import SPSTable
 from dspark.scheduling.simulator import DecodeSettings, ServeSettings, SimResult, simulate
@@ -130,6 +131,66 @@ def test_the_clocks_difference_is_the_formula_by_hand():
     t1 = 12.706205  # Student's t, 0.975 quantile, 1 degree of freedom
     assert diff(shares[0] + shares[1] + shares[2]) == pytest.approx(got.difference)
     assert (got.hi - got.lo) / 2 == pytest.approx(t1 * math.sqrt(var), rel=1e-6)
+
+
+def _with_target_only(result: SimResult) -> SimResult:
+    result.target_only_requests = [{"index": 0, "tag": ("a", 0), "step_tokens": 6, "step_s": 0.060},
+                                   {"index": 1, "tag": ("b", 0), "step_tokens": 3, "step_s": 0.040},
+                                   {"index": 2, "tag": ("a", 1), "step_tokens": 4, "step_s": 0.030}]
+    return result
+
+
+def test_the_wall_ratio_is_the_formula_by_hand_and_leaves_each_request_out_of_both_decodes():
+    got, lo, hi, requests = serving_wall_ratio(_with_target_only(_made_up_run()))
+    # per request: (speculative tokens, its share of the steps' seconds, target-only tokens, seconds)
+    rows = {0: np.array([2 + 3, 0.030 / 2 + 0.050 / 2, 6, 0.060]),
+            1: np.array([1 + 2 + 1, 0.030 / 2 + 0.050 / 2 + 0.028 / 2, 3, 0.040]),
+            2: np.array([1 + 2, 0.028 / 2 + 0.020, 4, 0.030])}
+
+    def ratio(t):
+        return (t[0] / t[1]) / (t[2] / t[3])
+
+    assert requests == 3
+    assert got == pytest.approx(ratio(rows[0] + rows[1] + rows[2]))
+    assert got == pytest.approx((12 / 0.128) / (13 / 0.130))
+    # benchmark a holds requests 0 and 2: deleting one doubles the other; b (one request) adds nothing
+    logs = [math.log(ratio(rows[2] * 2 + rows[1])), math.log(ratio(rows[0] * 2 + rows[1]))]
+    mean = sum(logs) / 2
+    half = 12.706205 * math.sqrt((2 - 1) / 2 * sum((x - mean) ** 2 for x in logs))
+    assert lo == pytest.approx(got * math.exp(-half), rel=1e-6)
+    assert hi == pytest.approx(got * math.exp(half), rel=1e-6)
+    # a request only one decode served counts zeros in the other
+    cut = _with_target_only(_made_up_run())
+    cut.target_only_requests = cut.target_only_requests[:2]
+    assert serving_wall_ratio(cut)[0] == pytest.approx((12 / 0.128) / (9 / 0.100))
+    with pytest.raises(ValueError, match="target-only requests"):
+        serving_wall_ratio(_made_up_run())
+
+
+@pytest.mark.parametrize("per_benchmark", [4, 8])
+def test_the_wall_ratio_interval_covers_at_the_serving_design(per_benchmark):
+    # The demo's serving design: 9 benchmarks × 4 prompts (8 in its long mode) decoded by both engines at
+    # R rows. Request i of benchmark g: speculative tokens n_i, seconds n_i · s_g · e^{u_i + ε_i}; target-
+    # only the same n_i tokens in n_i · c · e^{u_i + δ_i} (u_i shared: a long context slows both). The
+    # truth is the ratio of expected sums; 2000 simulated runs, coverage within [0.93, 0.985].
+    rng = np.random.default_rng(11)
+    speed = np.linspace(0.8, 1.3, 9)  # s_g: where speculation pays more or less
+
+    def draw(n):
+        tokens = rng.integers(8, 40, size=(9, n)).astype(float)
+        u = rng.normal(0, 0.4, size=(9, n))
+        spec = tokens * speed[:, None] * np.exp(u + rng.normal(0, 0.25, size=(9, n)))
+        base = tokens * np.exp(u + rng.normal(0, 0.15, size=(9, n)))
+        return np.stack([tokens, spec, tokens, base], axis=-1)  # [9, n, 4]
+
+    big = draw(20_000).sum(axis=(0, 1))
+    truth = (big[0] / big[1]) / (big[2] / big[3])
+    covered = 0
+    for _ in range(2000):
+        rows = draw(per_benchmark)
+        _, lo, hi = throughput_ratio_ci(list(rows))
+        covered += lo <= truth <= hi
+    assert 0.93 <= covered / 2000 <= 0.985, covered / 2000
 
 
 def test_timing_noise_of_the_table_widens_the_interval_and_the_table_says_which_clock_is_faster():
