@@ -117,6 +117,15 @@ class ColumnLayer(DynamicLayer):
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         self.store(key_states[:, :, :0], value_states[:, :, :0])
 
+    def batch_select_indices(self, indices: Tensor) -> None:
+        """transformers' row selection, on the buffer (``select_rows``)."""
+        self.select_rows(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """transformers' row repetition, into a new buffer."""
+        self.store(self.keys.repeat_interleave(repeats, dim=0), self.values.repeat_interleave(repeats, dim=0),
+                   self.capacity[1])
+
     def update(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any
                ) -> tuple[Tensor, Tensor]:
         if not self.is_initialized:

@@ -280,6 +280,10 @@ def test_the_in_place_cache_layer_holds_what_concatenation_would():
     layer.select_rows(index)
     k, v = k[index], v[index]
     assert torch.equal(layer.keys, k)
+    layer.batch_select_indices(torch.tensor([1, 0]))  # transformers' own row selection stays on the buffer
+    k = k[[1, 0]]
+    assert torch.equal(layer.keys, k) and layer.update(k[:, :, :1], k[:, :, :1])[0].shape[2] == k.shape[2] + 1
+    layer.crop(-1)
     for width in (7, 5):  # the second compaction writes into the first one's old buffer
         order = torch.stack([torch.randperm(k.shape[2], generator=g)[:width] for _ in range(2)])
         layer.gather_columns(order)
