@@ -35,9 +35,8 @@ PathLike = Union[str, os.PathLike]
 Rows = tuple[Sequence[Mapping[str, Any]], Sequence[Mapping[str, Any]]]
 
 __all__ = ["CLOCK_COLUMNS", "ClockDifference", "clock_difference", "serving_clock_difference", "serving_wall_ratio",
-           "throughput_ratio_ci",
-           "clock_verdict", "forward_size", "forward_sizes", "load_scheduled_evaluation", "request_clock_aggregates",
-           "sps_ratio", "wall_ratio"]
+           "throughput_ratio_ci", "clock_verdict", "forward_size", "forward_sizes", "load_scheduled_evaluation",
+           "request_clock_aggregates", "sps_ratio", "wall_ratio"]
 
 # The per-request sums, in this order, then one count of verification forwards per size B.
 CLOCK_COLUMNS = ("tokens", "wall_s", "baseline_tokens", "baseline_s", "other_s", "verify_s")
@@ -312,6 +311,14 @@ def _table_variance(total: np.ndarray, sizes: Sequence[int], tables: Iterable[SP
 def _serving_groups(result: Any) -> tuple[list[np.ndarray], list[int]]:
     """Per benchmark (the tag's first field; one group without tags), each request's shares of the
     run's steps: float64 [n_b, 4 + k] = (tokens, W, O, V, counts per forward size); and the sizes."""
+    sums, sizes = _request_step_sums(result)
+    tags = {index: result.requests[index].get("tag") for index in sums}
+    return _benchmark_groups(sums, tags), sizes
+
+
+def _request_step_sums(result: Any) -> tuple[dict[int, np.ndarray], list[int]]:
+    """Request index -> its shares of the run's steps, float64 [4 + k] = (tokens, W, O, V, counts per
+    forward size: each step's seconds and count over its rows); and the forward sizes."""
     steps = {int(row["step"]): row for row in result.step_log}
     sizes = sorted({int(row["priced_tokens"]) for row in result.step_log})
     col = {b: 4 + i for i, b in enumerate(sizes)}
@@ -325,12 +332,17 @@ def _serving_groups(result: Any) -> tuple[list[np.ndarray], list[int]]:
         row[2] += float(step["overhead_s"]) / rows
         row[3] += float(step["verify_s"]) / rows
         row[col[int(step["priced_tokens"])]] += 1.0 / rows
+    return sums, sizes
+
+
+def _benchmark_groups(rows: Mapping[int, np.ndarray], tags: Mapping[int, Any]) -> list[np.ndarray]:
+    """Per-request rows stacked per benchmark (the tag's first field; "all" without a tag), in
+    request order within each."""
     groups: dict[str, list[np.ndarray]] = {}
-    for index, row in sums.items():
-        tag = result.requests[index].get("tag")
-        name = str(tag[0]) if isinstance(tag, (list, tuple)) and tag else "all"
-        groups.setdefault(name, []).append(row)
-    return [np.stack(v) for v in groups.values()], sizes
+    for index, row in rows.items():
+        tag = tags.get(index)
+        groups.setdefault(str(tag[0]) if isinstance(tag, (list, tuple)) and tag else "all", []).append(row)
+    return [np.stack(v) for v in groups.values()]
 
 
 def _serving_sps_over_wall(sums: np.ndarray, speeds: np.ndarray) -> np.ndarray:
@@ -417,34 +429,22 @@ def serving_wall_ratio(result: Any, *, level: float = DEFAULT_LEVEL) -> tuple[fl
     if not result.target_only_requests:
         raise ValueError("serving_wall_ratio needs the run's target-only requests (simulate(..., target_only=True) "
                          "on the batched engine records them in SimResult.target_only_requests)")
-    steps = {int(row["step"]): row for row in result.step_log}
-    rows: dict[int, np.ndarray] = {}
-    for r in result.rounds:
-        row = rows.setdefault(int(r["request"]), np.zeros(4))
-        row[0] += float(r["emitted"])
-        row[1] += float(steps[int(r["step"])]["wall_s"]) / float(r["rows"])
+    shares, _ = _request_step_sums(result)
+    rows = {index: np.array([s[0], s[1], 0.0, 0.0]) for index, s in shares.items()}
     for r in result.target_only_requests:
         row = rows.setdefault(int(r["index"]), np.zeros(4))
         row[2] += float(r["step_tokens"])
         row[3] += float(r["step_s"])
     tags = {int(r["index"]): r.get("tag") for r in [*result.requests, *result.target_only_requests]}
-    groups: dict[str, list[np.ndarray]] = {}
-    for index, row in sorted(rows.items()):
-        tag = tags.get(index)
-        groups.setdefault(str(tag[0]) if isinstance(tag, (list, tuple)) and tag else "all", []).append(row)
-    estimate, lo, hi = throughput_ratio_ci([np.stack(g) for g in groups.values()], level=level)
+    estimate, lo, hi = throughput_ratio_ci(_benchmark_groups(dict(sorted(rows.items())), tags), level=level)
     return estimate, lo, hi, len(rows)
 
 
 def throughput_ratio_ci(groups: Sequence[np.ndarray], *, level: float = DEFAULT_LEVEL) -> tuple[float, float, float]:
     """(estimate, lo, hi) of (Σ a_tokens / Σ a_s) / (Σ b_tokens / Σ b_s) over per-request rows
-    [n_g, 4] = (a_tokens, a_s, b_tokens, b_s) of G strata: the stratified jackknife on the log scale
-    (``dspark.bootstrap.jackknife_ci``), each request deleted from both decodes at once."""
-
-    def ratio(sums: np.ndarray) -> np.ndarray:
-        total = sums.sum(axis=-2)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            return (total[..., 0] / total[..., 1]) / (total[..., 2] / total[..., 3])
-
-    estimate, lo, hi = jackknife_ci(list(groups), ratio, level=level, scale="log")
+    [n_g, 4] = (a_tokens, a_s, b_tokens, b_s) of G strata (``wall_ratio``'s first four columns): the
+    stratified jackknife on the log scale (``dspark.bootstrap.jackknife_ci``), each request deleted
+    from both decodes at once."""
+    estimate, lo, hi = jackknife_ci(list(groups), lambda sums: wall_ratio(sums.sum(axis=-2)), level=level,
+                                    scale="log")
     return float(estimate), float(lo), float(hi)

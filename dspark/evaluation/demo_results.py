@@ -182,16 +182,11 @@ def sched_row(run: Mapping[str, Any], policy: str, r: int, report: Mapping[str, 
         # the batched serving loop: Θ_sps / Θ_wall − 1 on the run's own steps (dspark.evaluation.clocks)
         cell = f"{fmt_ci(served['difference'], [served.get('lo'), served.get('hi')])} (rel.): {served.get('verdict', '–')}"
     return {"policy": policy, "R": r, "tau": tau, "tau_ci": tau_ci, "mean_ell": mean_ell,
-            "wall_ratio": sim.get("wall_vs_target_only"), "wall_ratio_ci": _pair(sim.get("wall_vs_target_only_ci")),
+            "wall_ratio": sim.get("wall_vs_target_only"), "wall_ratio_ci": sim.get("wall_vs_target_only_ci"),
             "tokens_per_s": a.get("tokens_per_s"), "baseline_tokens_per_s": a.get("baseline_tokens_per_s"),
             "speedup": speedup, "speedup_ci": speedup_ci, "decode_speedup": decode, "decode_speedup_ci": decode_ci,
             "theta": theta, "theta_target": theta0, "theta_ratio": ratio, "theta_ratio_ci": ratio_ci,
             "clock_difference": clocks, "clocks": cell, **_round_costs(report or {})}
-
-
-def _pair(value: Any) -> list[float] | None:
-    """An interval [lo, hi] read from a results file, or None."""
-    return list(value) if isinstance(value, Sequence) and not isinstance(value, str) and len(value) == 2 else None
 
 
 def _round_costs(report: Mapping[str, Any]) -> dict[str, float | None]:
