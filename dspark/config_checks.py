@@ -61,7 +61,7 @@ def validate(config: Any) -> None:
     rows = config.eval.batch_size
     if rows != "auto" and (isinstance(rows, str) or rows < 1):
         raise ValueError(f"eval.batch_size={rows!r} must be an integer >= 1 (requests decoded together) or 'auto' "
-                         "(the largest R the SPS table says pays)")
+                         "(the largest R that still pays, measured on the device)")
     overhead = config.serve.draft_overhead
     if isinstance(overhead, str) and overhead != "measured" or not isinstance(overhead, str) and overhead < 0:
         raise ValueError(f"serve.draft_overhead={overhead!r} must be a number >= 0 (a fraction of the step) "

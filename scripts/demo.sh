@@ -159,13 +159,13 @@ stage profile-sps "$OUT/sps.json" dspark profile-sps --target smollm2-135m --dty
   --batch-tokens "$SPS_B" --context-len 128 --warmup 1 --repeats "$SPS_REPEATS" --out "$OUT/sps.json"
 
 echo "== 4/8 evaluation on the $SPLIT prompts, T = 1 and greedy ($SAMPLES prompts per benchmark, $MAXNEW new tokens)"
-# --batch-size auto: the largest R the SPS table of stage 3 says still pays (dspark.decoding.batched.auto_batch_size);
+# --batch-size auto: the largest R that still pays, timed on the engine's own forward (dspark.decoding.batch_size);
 # every request decodes the tokens it decodes alone, so τ does not depend on R.
 for temp in 1.0 0.0; do
   for name in "${NAMES[@]}"; do
     stage "eval-T$temp-${name%%_*}" "$OUT/eval-T$temp/$name/report.md" \
       dspark eval "${EVAL_ARGS[@]}" --num-samples "$SAMPLES" --max-new-tokens "$MAXNEW" \
-      --draft "$OUT/$name/drafter" --temperature "$temp" --label "${name%%_*}" --sps "$OUT/sps.json" --batch-size auto \
+      --draft "$OUT/$name/drafter" --temperature "$temp" --label "${name%%_*}" --batch-size auto \
       --out "$OUT/eval-T$temp/$name"
   done
   dspark compare "${NAMES[@]/#/$OUT/eval-T$temp/}" --out "$OUT/report-T$temp.md" >/dev/null

@@ -157,9 +157,9 @@ def brute_force(records, rounds, resamples, seed, metric):
         rec, rows = [], []
         for n in names:
             mine = [x for x in records if x["benchmark"] == n]
-            for copy, i in enumerate(draws[n][r]):
-                rec.append(dict(mine[i], request=(mine[i]["request"], copy)))
-                rows += [dict(x, request=(x["request"], copy)) for x in rounds
+            for dup, i in enumerate(draws[n][r]):
+                rec.append(dict(mine[i], request=(mine[i]["request"], dup)))
+                rows += [dict(x, request=(x["request"], dup)) for x in rounds
                          if x["benchmark"] == n and x["request"] == mine[i]["request"]]
         values.append(metric(rec, rows))
     return np.percentile(values, [2.5, 97.5])

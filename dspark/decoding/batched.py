@@ -25,9 +25,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dspark.decoding.batch_size import auto_batch_size
 from dspark.decoding.batch_state import BatchKVCache, add_ctx_row, put_row, select_rows
 from dspark.decoding.checks import check_drafter, check_generate_args, check_prompt_ids, checked_verify_length
 from dspark.decoding.loop import DecodeResult, PhaseClock, RoundRecord, _first_eos
+from dspark.decoding.prefill_store import PrefillStore
 from dspark.decoding.verify import verify_draft
 from dspark.sampling import sample_token
 
@@ -72,12 +74,14 @@ class _Batch:
     Timing: one ``PhaseClock`` for the batch (prefill, draft, verify, accept, bookkeeping). Each
     request's ``timings`` hold its own prefill and its share of every batched phase (a step's
     seconds over the rows it served), so the shares of all requests add up to the batch's wall
-    clock and Σ tokens / Σ wall_s over the requests is the batch's throughput."""
+    clock and Σ tokens / Σ wall_s over the requests is the batch's throughput. A prefill taken from a
+    ``PrefillStore`` is charged the seconds its forward took when it ran (not the batch's clock)."""
 
     def __init__(self, target: Any, *, max_new_tokens: int, temperature: float = 1.0,
-                 eos_token_ids: Iterable[int] = ()) -> None:
+                 eos_token_ids: Iterable[int] = (), prefills: PrefillStore | None = None) -> None:
         check_generate_args(max_new_tokens, temperature)
         self.target = target
+        self.prefills = prefills  # prompt prefills kept for reuse (dspark.decoding.prefill_store)
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
         self.eos = frozenset(int(t) for t in eos_token_ids)
         self.kv = BatchKVCache(target)
@@ -97,17 +101,26 @@ class _Batch:
         return [i for i, r in enumerate(self.rows) if r is None]
 
     def _prefill(self, prompt_ids: Sequence[int], request: BatchRow) -> Any:
-        """Prefill one request alone (batch 1: the same forward as ``dspark.decoding.loop``) and draw x_0."""
+        """Prefill one request alone (batch 1: the same forward as ``dspark.decoding.loop``) and draw x_0.
+        With a ``PrefillStore`` the prompt's kept prefill is taken instead of the forward, and the
+        request is charged the seconds that forward took; a new prefill is offered to the store."""
         from transformers import DynamicCache
 
         start = time.perf_counter()
+        kept = None if self.prefills is None else self.prefills.get(self.target, prompt_ids)
         with self.clock("prefill"):
-            single = DynamicCache()
-            ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=self.device)
-            out = self.target(ids, past_key_values=single, use_cache=True, logits_to_keep=1)
+            if kept is None:
+                single = DynamicCache()
+                ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=self.device)
+                out = self.target(ids, past_key_values=single, use_cache=True, logits_to_keep=1)
+            else:
+                single, out = kept.cache, kept.out
             anchor = sample_token(out.logits[:, -1], self.temperature, request.generator)  # [1]
             request.tokens.append(int(anchor))
-        request.timings["prefill"] = time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        if kept is None and self.prefills is not None:
+            self.prefills.put(self.target, prompt_ids, single, out, seconds)
+        request.timings["prefill"] = seconds if kept is None else kept.seconds
         return single, out, anchor
 
     def _checked_prompt(self, prompt_ids: Any, name: str = "prompt_ids",
@@ -194,8 +207,9 @@ class SpeculativeBatch(_Batch):
     """
 
     def __init__(self, target: Any, drafter: Any, *, max_new_tokens: int, temperature: float = 1.0,
-                 eos_token_ids: Iterable[int] = ()) -> None:
-        super().__init__(target, max_new_tokens=max_new_tokens, temperature=temperature, eos_token_ids=eos_token_ids)
+                 eos_token_ids: Iterable[int] = (), prefills: PrefillStore | None = None) -> None:
+        super().__init__(target, max_new_tokens=max_new_tokens, temperature=temperature, eos_token_ids=eos_token_ids,
+                         prefills=prefills)
         check_drafter(drafter, target)
         self.drafter = drafter
         self.ctx = drafter.new_context(0, target.device, capacity=1)
@@ -413,22 +427,24 @@ def _generator(device: torch.device, seed: int | None) -> torch.Generator | None
 @torch.inference_mode()
 def speculative_batch_generate(target: Any, drafter: Any, jobs: Iterable[BatchJob], *, batch_size: int,
                                max_new_tokens: int, temperature: float = 1.0, eos_token_ids: Iterable[int] = (),
-                               on_finish: Any = None) -> list[BatchRow]:
+                               on_finish: Any = None, prefills: PrefillStore | None = None) -> list[BatchRow]:
     """Speculative decoding of ``jobs`` with at most ``batch_size`` rows, every round verifying all
     γ drafts of every row; rows are refilled from ``jobs`` as requests finish. Returns the
     requests in the order they finished; ``on_finish(request)`` is called as each does. The
-    drafter (against the target) and every job's prompt are checked before any forward."""
+    drafter (against the target) and every job's prompt are checked before any forward.
+    ``prefills``: prompt prefills to take and keep (``dspark.decoding.prefill_store``)."""
     batch = SpeculativeBatch(target, drafter, max_new_tokens=max_new_tokens, temperature=temperature,
-                             eos_token_ids=eos_token_ids)
+                             eos_token_ids=eos_token_ids, prefills=prefills)
     return _drive(batch, jobs, batch_size, on_finish, lambda: (batch.draft(), batch.verify())[1])
 
 
 @torch.inference_mode()
 def target_batch_generate(target: Any, jobs: Iterable[BatchJob], *, batch_size: int, max_new_tokens: int,
                           temperature: float = 1.0, eos_token_ids: Iterable[int] = (),
-                          on_finish: Any = None) -> list[BatchRow]:
+                          on_finish: Any = None, prefills: PrefillStore | None = None) -> list[BatchRow]:
     """Target-only decoding of ``jobs`` with at most ``batch_size`` rows (as ``speculative_batch_generate``)."""
-    batch = TargetBatch(target, max_new_tokens=max_new_tokens, temperature=temperature, eos_token_ids=eos_token_ids)
+    batch = TargetBatch(target, max_new_tokens=max_new_tokens, temperature=temperature, eos_token_ids=eos_token_ids,
+                        prefills=prefills)
     return _drive(batch, jobs, batch_size, on_finish, batch.step)
 
 
@@ -461,39 +477,3 @@ def _drive(batch: _Batch, jobs: Iterable[BatchJob], batch_size: int, on_finish: 
             return done
         for request in step():
             finish(request)
-
-
-# ---------------------------------------------------------------------------
-# How many rows
-# ---------------------------------------------------------------------------
-
-DEFAULT_ROWS = {"cpu": 8, "cuda": 64}  # auto_batch_size without an SPS table
-MIN_GAIN = 1.1  # a doubling of R must raise the round throughput by at least this factor
-
-
-def auto_batch_size(sps: Any, gamma: int, device: torch.device | str = "cpu", *, max_rows: int = 128,
-                    requests: int | None = None) -> int:
-    """The default number of rows: the largest R in 1, 2, 4, ... ≤ ``max_rows`` such that each doubling
-    up to it raises the throughput of full rounds, R · SPS(R · (1 + γ)) on the SPS table ``sps`` (every
-    row verifying x_0 and γ drafts), by at least ``MIN_GAIN`` (10 %): the point past which more rows
-    only make each round slower. A table that stops before R · (1 + γ) ends the search there. Without a
-    table: ``DEFAULT_ROWS`` of the device type. Never more than ``requests`` (when given)."""
-    kind = torch.device(device).type
-    if sps is None:
-        rows = DEFAULT_ROWS.get(kind, 8)
-    else:
-        def throughput(r: int) -> float:
-            tokens = r * (1 + gamma)
-            if tokens > sps.max_batch_tokens:
-                return math.nan
-            return r * float(sps(tokens))
-
-        rows = 1
-        while rows * 2 <= max_rows:
-            now, doubled = throughput(rows), throughput(rows * 2)
-            if not (math.isfinite(doubled) and doubled >= MIN_GAIN * now):
-                break
-            rows *= 2
-    if requests is not None:
-        rows = max(1, min(rows, requests))
-    return rows

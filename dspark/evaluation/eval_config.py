@@ -5,7 +5,7 @@ and the ``evaluate`` call it makes.
                             config is stored in the report and, as config.json, next to it.
 - ``check_eval_inputs``     the benchmark files, the policy and the drafter folder, read before loading.
 - ``check_config_folder``   refuses an output folder of another config, then writes config.json.
-- ``resolve_batch_size``    ``eval.batch_size`` as a number ("auto": from the SPS table).
+- ``resolve_batch_size``    ``eval.batch_size`` as ``evaluate`` takes it (an int, or "auto": measured).
 """
 
 from __future__ import annotations
@@ -15,9 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dspark.evaluation.evaluate import DecodeSettings, PathLike, ServeSettings, dist_info, drafter_gamma, evaluate
+from dspark.evaluation.evaluate import DecodeSettings, PathLike, ServeSettings, dist_info, evaluate
 from dspark.io.atomic import atomic_write_text
-from dspark.scheduling.simulator import sps_table
 
 
 def evaluate_from_config(target: Any, drafter: Any, config: Any, **overrides: Any) -> dict[str, Any]:
@@ -42,11 +41,10 @@ def evaluate_from_config(target: Any, drafter: Any, config: Any, **overrides: An
     options: dict[str, Any] = dict(
         names=names, num_samples=e.num_samples or None, split=e.split,
         decoding=DecodeSettings(max_new_tokens=e.max_new_tokens, temperature=e.temperature, seed=e.seed),
-        # without a policy the SPS table only sets the automatic batch size
         serving=ServeSettings(policy=policy, sps=(s.sps or None) if policy else None, concurrency=s.concurrency,
                               sts_temperatures=s.sts or None, engine=s.engine),
         baseline=e.baseline, label=e.label or None, out_dir=config.path(e.out, "eval"), run_config=config,
-        batch_size=resolve_batch_size(e.batch_size, s.sps or None, drafter, target),
+        batch_size=resolve_batch_size(e.batch_size),
     )
     options.update(overrides)
     if options["out_dir"] is not None and dist_info()[0] == 0 and options.get("resume") is not False:
@@ -55,14 +53,10 @@ def evaluate_from_config(target: Any, drafter: Any, config: Any, **overrides: An
     return report
 
 
-def resolve_batch_size(value: int | str, sps: Any, drafter: Any, target: Any) -> int:
-    """``eval.batch_size`` as a number: an int as given; "auto" by ``dspark.decoding.batched.auto_batch_size``
-    (the SPS table of ``sps`` when given, else the device's default)."""
-    if value != "auto":
-        return int(value)
-    from dspark.decoding.batched import auto_batch_size
-
-    return auto_batch_size(sps_table(sps), drafter_gamma(drafter) or 1, getattr(target, "device", "cpu"))
+def resolve_batch_size(value: int | str) -> int | str:
+    """``eval.batch_size`` as ``evaluate`` takes it: an int as given, "auto" as is (measured on the device
+    once the prompts are known: ``dspark.decoding.batch_size.measured_batch_size``)."""
+    return value if value == "auto" else int(value)
 
 
 def check_eval_inputs(config: Any) -> None:

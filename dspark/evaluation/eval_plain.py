@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 from dspark.data.prompts import Conversation
 from dspark.data.render import render_prompt
 from dspark.decoding.loop import speculative_generate, target_generate
+from dspark.decoding.prefill_store import PrefillStore
 from dspark.evaluation.journal import Done, EvalJournal
 from dspark.evaluation.metrics import round_tau
 from dspark.scheduling.simulator import DecodeSettings, ServeSettings
@@ -50,6 +51,7 @@ class EvalState:
     progress: bool  # progress bars (rank 0 only)
     warm: bool  # the untimed warm-up decode ran (or none was asked for)
     batch_size: int = 1  # requests decoded together without a policy (dspark.decoding.batched)
+    batch_size_auto: dict[str, float] | None = None  # "auto": R -> round throughput measured to choose it
     warmup_tokens: int = 0  # new tokens of the untimed warm-up decode (dspark.evaluation.evaluate.WARMUP_TOKENS)
 
     @property
@@ -198,7 +200,9 @@ def batched_benchmarks(
     Without a baseline each request is committed to the journal as it finishes. With one, the
     pending requests go in waves of ``WAVE_ROWS`` · R: the wave decodes speculatively, then with the
     target alone at the same R, and its requests are committed; a kill loses at most the wave in
-    flight. Requests ``done`` holds are read back, not decoded."""
+    flight. The target-only decode starts from the prompt prefills of the speculative one (the same
+    forward; ``dspark.decoding.prefill_store``), charged the seconds they took there. Requests
+    ``done`` holds are read back, not decoded."""
     from dspark.decoding.batched import BatchJob, longest_first, speculative_batch_generate, target_batch_generate
 
     keys = [(name, i) for name, convs in prompts.items() for i in range(state.rank, len(convs), state.world)]
@@ -229,9 +233,12 @@ def batched_benchmarks(
             if not state.baseline:
                 _commit(journal, record, request_rounds, bar)
 
-        speculative_batch_generate(state.target, state.drafter, jobs, batch_size=rows, on_finish=spec_done, **kwargs)
+        # the wave's prompt prefills, kept for its target-only decode (dspark.decoding.prefill_store)
+        prefills = PrefillStore() if state.baseline else None
+        speculative_batch_generate(state.target, state.drafter, jobs, batch_size=rows, on_finish=spec_done,
+                                   prefills=prefills, **kwargs)
         if state.baseline:
-            for request in target_batch_generate(state.target, jobs, batch_size=rows, **kwargs):
+            for request in target_batch_generate(state.target, jobs, batch_size=rows, prefills=prefills, **kwargs):
                 base = request.result()
                 finished[request.tag][0].update(
                     baseline_tokens=len(base.tokens), baseline_wall_s=base.timings["total"],

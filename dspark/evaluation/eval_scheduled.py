@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from dspark.data.prompts import Conversation
 from dspark.data.render import render_prompt
+from dspark.decoding.prefill_store import PrefillStore
 from dspark.evaluation.eval_plain import EvalState, request_record, round_row, run_baseline, warm_once
 from dspark.evaluation.journal import Done, EvalJournal
 from dspark.scheduling.simulator import Job, SimResult, run_requests
@@ -40,20 +41,21 @@ def scheduled_benchmark(
     if prompts:
         warm_once(state, prompts[0])
     jobs = [Job(p, request_seed(state.decoding.seed, name, i), (name, i)) for p, i in zip(prompts, mine)]
-    sim = _serve(state, jobs, desc=name)
+    prefills = PrefillStore()  # the prompts' prefills, shared by the policy's decode and target-only decoding
+    sim = _serve(state, jobs, desc=name, prefills=prefills)
     rounds = [{**round_row(*row["tag"], row["round"], row["proposed"], row["accepted"], row["confidences"],
                             row["eos_accepted"]),
                "step": row["step"], "batch_tokens": row["batch_tokens"], "drafted": row["drafted"]}
               for row in sim.rounds]
     rounds.sort(key=lambda r: (r["request"], r["round"]))
-    records = _scheduled_records(state, sim, jobs, rounds, journal)
+    records = _scheduled_records(state, sim, jobs, rounds, journal, prefills)
     summary = sim.summary()
     if journal is not None:
         journal.append_served(name, summary)
     return records, rounds, summary
 
 
-def _serve(state: EvalState, jobs: list[Job], desc: str) -> SimResult:
+def _serve(state: EvalState, jobs: list[Job], desc: str, prefills: PrefillStore | None = None) -> SimResult:
     """Every job to completion (the slots drain at the end), ``concurrency`` at a time, with a fresh policy."""
     bar = tqdm(total=len(jobs), desc=desc, unit="req", disable=not state.progress, dynamic_ncols=True)
 
@@ -63,19 +65,21 @@ def _serve(state: EvalState, jobs: list[Job], desc: str) -> SimResult:
             bar.set_postfix(tau=f"{result.tau:.2f}", refresh=False)
 
     sim = run_requests(state.target, state.drafter, jobs, decoding=state.decoding, serving=state.serving,
-                       on_step=on_step)
+                       on_step=on_step, prefills=prefills)
     bar.update(len(jobs) - bar.n)
     bar.close()
     return sim
 
 
 def _scheduled_records(state: EvalState, sim: SimResult, jobs: list[Job], rounds: list[dict[str, Any]],
-                       journal: EvalJournal | None) -> list[dict[str, Any]]:
+                       journal: EvalJournal | None, prefills: PrefillStore | None = None) -> list[dict[str, Any]]:
     """One record per served job, then its baseline decode; each appended to the journal with its
     rounds once its baseline is done. A request's wall_s is the time of its own phases (prefill,
     draft, verify, ...), not the time it waited while the other live requests were stepped; on the
     batched engine, its prefill and its share of every step it was live in, and its baseline is
-    target-only decoding of the same jobs at the same R (shares likewise)."""
+    target-only decoding of the same jobs at the same R (shares likewise), which starts from the
+    prompt prefills of the policy's decode (``prefills``: the same forwards, charged the seconds they
+    took there)."""
     by_request: dict[int, list[dict[str, Any]]] = {}
     for row in rounds:
         by_request.setdefault(row["request"], []).append(row)
@@ -83,7 +87,8 @@ def _scheduled_records(state: EvalState, sim: SimResult, jobs: list[Job], rounds
     if state.baseline and state.serving.engine == "batched":
         from dspark.scheduling.batched_serving import target_only_wall
 
-        base = target_only_wall(state.target, jobs, decoding=state.decoding, rows=state.serving.concurrency)
+        base = target_only_wall(state.target, jobs, decoding=state.decoding, rows=state.serving.concurrency,
+                                prefills=prefills)
         batched = {tuple(r["tag"]): r for r in base["requests"]}
     records = []
     for info, job in zip(sim.requests, jobs):

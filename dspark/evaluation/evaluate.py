@@ -104,7 +104,7 @@ def evaluate(
     run_config: Any = None,
     progress: bool = True,
     resume: bool | None = None,
-    batch_size: int = 1,
+    batch_size: int | str = 1,
 ) -> dict[str, Any]:
     """Evaluate a drafter on the benchmarks; returns the report (see the module docstring).
 
@@ -138,15 +138,24 @@ def evaluate(
             target forward per round for all, rows refilled as requests finish; the target-only
             baseline at the same R). Every request decodes the tokens it decodes alone, so
             rounds.jsonl and τ do not depend on it; tokens/s and the speedup are those at R.
+            "auto": measured on the device before decoding
+            (``dspark.decoding.batch_size.measured_batch_size``; report["config"]["batch_size_auto"]
+            holds the round throughput measured at each R tried); a resumed folder keeps the R it
+            started with.
     """
     state = _open_evaluation(target, drafter, tokenizer, decoding, serving, baseline, progress)
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be an int >= 1 (requests decoded together), got {batch_size!r}")
-    state.batch_size = batch_size if state.serving.policy is None else 1
+    if batch_size != "auto" and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
+        raise ValueError(f"batch_size must be an int >= 1 (requests decoded together) or 'auto', got {batch_size!r}")
     files, skipped = resolve_benchmarks(benchmarks, names)
     counts = samples_per_benchmark(list(files), num_samples)
     started = time.perf_counter()
     prompts = {name: load_prompts(source, counts[name], state.decoding.seed, split) for name, source in files.items()}
+    if state.serving.policy is not None:
+        state.batch_size = 1
+    elif batch_size == "auto":
+        state.batch_size, state.batch_size_auto = _auto_batch_size(state, prompts, out_dir, resume)
+    else:
+        state.batch_size = batch_size
     settings = _settings(state, label or _default_label(drafter), files, counts, split, skipped, run_config)
     journal, done = None, Done()
     if out_dir is not None:
@@ -269,6 +278,42 @@ def _decode_benchmarks(
     return records, rounds, served
 
 
+def _auto_batch_size(state: EvalState, prompts: Mapping[str, list[Conversation]], out_dir: PathLike | None,
+                     resume: bool | None) -> tuple[int, dict[str, float]]:
+    """``batch_size="auto"``: the R recorded in ``out_dir``'s settings when the run continues one, else
+    ``measured_batch_size`` on every prompt's rendered length (rank 0 measures, the others take its R).
+    Returns (R, {str(R): round throughput measured})."""
+    if out_dir is not None and resume is not False:
+        recorded = _recorded_batch_size(Path(out_dir))
+        if recorded is not None:
+            return recorded
+    from dspark.data.render import render_prompt
+    from dspark.decoding.batch_size import measured_batch_size
+
+    chosen: list[Any] = [None]
+    if state.rank == 0:
+        lengths = [len(render_prompt(state.tokenizer, c, enable_thinking=False)) for convs in prompts.values()
+                   for c in convs]
+        rows, measured = measured_batch_size(state.target, lengths, drafter_gamma(state.drafter) or 1,
+                                             state.decoding.max_new_tokens, seed=state.decoding.seed)
+        chosen[0] = (rows, {str(r): v for r, v in sorted(measured.items())})
+    if state.world > 1:
+        torch.distributed.broadcast_object_list(chosen, src=0)
+    return chosen[0]
+
+
+def _recorded_batch_size(folder: Path) -> tuple[int, dict[str, float]] | None:
+    """(R, its measurements) of an automatic batch size in ``folder/settings.json``, or None."""
+    try:
+        config = json.loads((folder / SETTINGS).read_text(encoding="utf-8"))["config"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    rows, measured = config.get("batch_size"), config.get("batch_size_auto")
+    if isinstance(rows, int) and not isinstance(rows, bool) and rows >= 1 and isinstance(measured, dict):
+        return rows, measured
+    return None
+
+
 def _gather(records: list, rounds: list, served: dict, world: int) -> tuple[list, list, dict]:
     gathered: list[Any] = [None] * world
     torch.distributed.all_gather_object(gathered, (records, rounds, served))
@@ -305,6 +350,8 @@ def _run_settings(state: EvalState, gamma: int, files: Mapping[str, Path | list[
         "gamma": gamma,
         "baseline": state.baseline,
         "batch_size": state.batch_size,  # requests per forward (speeds are those at this R; τ does not depend on it)
+        # "auto": R -> round throughput (rows / s of R rows × (1 + γ) tokens) measured to choose it
+        "batch_size_auto": state.batch_size_auto,
         # the report's name for the verification-length policy (report.md prints it as "scheduler = ...")
         "scheduler": None if s.policy is None else f"{policy_label(s.policy)} (serving loop, R = {s.concurrency})",
         "concurrency": s.concurrency if s.policy is not None else None,

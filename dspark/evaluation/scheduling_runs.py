@@ -28,6 +28,7 @@ import torch
 
 from dspark.config import Config
 from dspark.io.atomic import atomic_write_text
+from dspark.scheduling.sps_profile import expected_longest
 
 Announce = Callable[[str], None]
 
@@ -133,10 +134,18 @@ class _Simulation:
     walls: dict[int, float] = dataclasses.field(default_factory=dict)
     # R -> the batched loop's own forwards, R rows of 1..γ+1 tokens, profiled here
     layouts: dict[int, Any] = dataclasses.field(default_factory=dict)
+    # every cell decodes the same prompts: each is prefilled once (no clock counts prefills)
+    prefills: Any = dataclasses.field(default_factory=lambda: _prefill_store())
 
     @property
     def gamma(self) -> int:
         return self.drafter.config.block_size
+
+
+def _prefill_store() -> Any:
+    from dspark.decoding.prefill_store import PrefillStore
+
+    return PrefillStore()
 
 
 def _simulation_policies(config: Config) -> tuple[Any, list[str]]:
@@ -199,7 +208,7 @@ def _simulate_cell(config: Config, run: _Simulation, spec: str, concurrency: int
                                 eos_token_ids=run.eos),
         serving=ServeSettings(sps=run.sps, price_sps=cell_price, sts_temperatures=run.temps,
                               draft_overhead=s.draft_overhead, engine=s.engine),
-        cycle=s.cycle, num_requests=s.num_requests or None, keys=run.keys, walls=run.walls)
+        cycle=s.cycle, num_requests=s.num_requests or None, keys=run.keys, walls=run.walls, prefills=run.prefills)
     if result.engine == "batched" and result.target_only_requests and result.step_log:
         result.wall_ci = list(serving_wall_ratio(result)[1:3])
     if cell_profile is not None:
@@ -246,17 +255,6 @@ def _layout_profile(target: Any, prompts: Sequence[Sequence[int]], rows: int, ga
     announce(f"SPS clock at R = {rows} (batched engine): the forwards of {rows} rows × 1..{gamma + 1} "
              f"tokens after {context} cached, profiled here ({LAYOUT_REPEATS} sweeps)")
     return profile
-
-
-def expected_longest(lengths: Sequence[int], rows: int) -> float:
-    """E[max] of ``rows`` lengths drawn without replacement from ``lengths`` (all of them when there are
-    fewer): Σ_k L_(k) · C(k − 1, R − 1) / C(N, R) over the sorted lengths L_(1) ≤ ... ≤ L_(N)."""
-    ordered = sorted(int(n) for n in lengths)
-    n, r = len(ordered), min(int(rows), len(ordered))
-    if n == 0 or r < 1:
-        raise ValueError("expected_longest needs at least one length and rows >= 1")
-    total = math.comb(n, r)
-    return sum(ordered[k - 1] * math.comb(k - 1, r - 1) for k in range(r, n + 1)) / total
 
 
 def _simulation_prompts(config: Config,

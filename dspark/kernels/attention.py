@@ -12,6 +12,14 @@ GQA kernels differ by backend), for one query token (transformers already packs 
 with dropout, a soft-cap or a position bias. `TargetModel.from_pretrained` uses it on CPU
 in place of ``sdpa``: it shortens a few-token verification forward (``bench/decode_round.py``),
 with identical outputs.
+
+A verification forward of several rows (the batched decoder's R rows of 1 + ℓ tokens) packs
+the g query heads that share a key/value head into one head of g·q query rows
+([B, H, q, D] -> [B, H_kv, g·q, D], the mask repeated per head), so that the kernel reads each
+key/value block once for all g heads instead of once per head. The result is the same
+attention (each query row still sees only its own mask row). It pays when the packed rows are
+few (g·q <= ``PACKED_ROWS``) and there are enough (row, key/value head) pairs to keep every
+thread busy (B·H_kv >= 2 · threads); bench/studies.md has the measurements.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from torch import Tensor
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 NAME = "sdpa_gqa"
+PACKED_ROWS = 32  # at most this many query rows g·q per key/value head in the packed layout
 
 
 def sdpa_gqa_attention(
@@ -51,11 +60,39 @@ def sdpa_gqa_attention(
     if plain:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
+    if attention_mask is not None and _pack_heads(query, key, groups):
+        return _packed_attention(query, key, value, attention_mask, scaling, groups), None
     out = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=attention_mask, scale=scaling,
         is_causal=bool(attention_mask is None and causal), enable_gqa=True,
     )
     return out.transpose(1, 2).contiguous(), None
+
+
+def _pack_heads(query: Tensor, key: Tensor, groups: int) -> bool:
+    """Whether the packed layout pays for this forward (module docstring)."""
+    batch, kv_heads = query.shape[0], key.shape[1]
+    return groups * query.shape[2] <= PACKED_ROWS and batch * kv_heads >= 2 * torch.get_num_threads()
+
+
+def _packed_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, scaling: float | None,
+                      groups: int) -> Tensor:
+    """Masked attention with the g query heads of each key/value head packed as g·q query rows.
+
+    query [B, H, q, D], key/value [B, H_kv, kv, D], mask [B, 1 or H, q, kv] (bool or additive)
+    -> [B, q, H, D]. Query head h = j·g + i belongs to key/value head j (transformers' repeat_kv
+    order), so [B, H, q, D] viewed as [B, H_kv, g·q, D] lists head j's g query heads one after the
+    other, and its mask rows are the head's own mask rows in the same order."""
+    batch, heads, q_len, dim = query.shape
+    kv_heads, kv_len = key.shape[1], key.shape[2]
+    packed_query = query.reshape(batch, kv_heads, groups * q_len, dim)
+    if mask.shape[1] == 1:
+        packed_mask = mask.unsqueeze(2).expand(batch, 1, groups, q_len, kv_len).reshape(batch, 1, groups * q_len, kv_len)
+    else:
+        packed_mask = mask.expand(batch, heads, q_len, kv_len).reshape(batch, kv_heads, groups * q_len, kv_len)
+    out = torch.nn.functional.scaled_dot_product_attention(packed_query, key, value, attn_mask=packed_mask,
+                                                           scale=scaling)
+    return out.view(batch, heads, q_len, dim).transpose(1, 2).contiguous()
 
 
 def register() -> str:

@@ -35,7 +35,8 @@ def _generator(device: torch.device, seed: int) -> torch.Generator:
 
 @torch.inference_mode()
 def run_batched(target: Any, drafter: Any, jobs: Iterable[Any], *, decoding: Any, serving: Any,
-                stop_after_finished: int | None = None, on_step: Callable[[Any], None] | None = None) -> Any:
+                stop_after_finished: int | None = None, on_step: Callable[[Any], None] | None = None,
+                prefills: Any = None) -> Any:
     """``run_requests`` on the batched decoder (module docstring); arguments and result as there.
     The result's ``engine`` is "batched"; ``step_wall_s`` holds the wall clock of the steps."""
     policy, sps, temps, clock, overhead_mode, eos, device = _start_run(serving, decoding, target)
@@ -44,7 +45,7 @@ def run_batched(target: Any, drafter: Any, jobs: Iterable[Any], *, decoding: Any
                            target_step_s=math.nan if sps is None else 1.0 / speed_at(sps, 1),
                            target_only_throughput=math.nan if sps is None else rows * speed_at(sps, rows))
     batch = SpeculativeBatch(target, drafter, max_new_tokens=decoding.max_new_tokens,
-                             temperature=decoding.temperature, eos_token_ids=eos)
+                             temperature=decoding.temperature, eos_token_ids=eos, prefills=prefills)
     index_of: dict[int, int] = {}  # id(BatchRow) -> request index
     pending = iter(jobs)
     exhausted = False
@@ -163,17 +164,18 @@ def _step(batch: SpeculativeBatch, policy: Any, temps: np.ndarray | None, sps: A
 
 @torch.inference_mode()
 def target_only_wall(target: Any, jobs: Iterable[Any], *, decoding: Any, rows: int,
-                     stop_after_finished: int | None = None) -> dict[str, Any]:
+                     stop_after_finished: int | None = None, prefills: Any = None) -> dict[str, Any]:
     """Target-only decoding of ``jobs`` (objects with prompt_ids, seed, tag) with ``rows`` rows on the
     wall clock: {"tokens", "step_wall_s" (the steps, prefills excluded), "throughput", "steps",
     "requests": [{"index", "tag", "tokens", "step_tokens", "step_s", "timings", "finished_by_eos"} per
     admitted request, in admission order: step_tokens the tokens its steps made (x_0 is drawn at its
     prefill), step_s its share of the steps' wall clock (each step's seconds over its rows), the timings
     its prefill and those shares]}.
-    Stops as ``run_batched`` does (every job finished, or ``stop_after_finished`` of them)."""
+    Stops as ``run_batched`` does (every job finished, or ``stop_after_finished`` of them). ``prefills``:
+    a ``PrefillStore`` to take prompt prefills from and keep them in, as ``run_batched``."""
     device = torch.device(getattr(target, "device", "cpu"))
     batch = TargetBatch(target, max_new_tokens=decoding.max_new_tokens, temperature=decoding.temperature,
-                        eos_token_ids=list(decoding.eos_token_ids or ()))
+                        eos_token_ids=list(decoding.eos_token_ids or ()), prefills=prefills)
     pending, admitted, exhausted, finished = iter(jobs), [], False, 0
     tokens = steps = 0
     wall = 0.0

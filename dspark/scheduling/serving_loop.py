@@ -56,6 +56,7 @@ def run_requests(
     serving: ServeSettings,
     stop_after_finished: int | None = None,
     on_step: Callable[[SimResult], None] | None = None,
+    prefills: Any = None,
 ) -> SimResult:
     """Serve ``jobs`` with ``serving.concurrency`` slots under ``serving.policy``: the stepping loop.
 
@@ -70,13 +71,15 @@ def run_requests(
     without ``serving.sps``), finished requests leave.
     Stops when ``jobs`` is exhausted and every request has finished, or as
     soon as ``stop_after_finished`` requests have finished (for an endless
-    ``jobs`` iterator). ``on_step`` is called with the result after each step.
+    ``jobs`` iterator). ``on_step`` is called with the result after each step. ``prefills``: a
+    ``dspark.decoding.prefill_store.PrefillStore`` the batched engine takes prompt prefills from and
+    keeps them in (the per-request engine prefills every request).
     """
     if serving.engine == "batched":
         from dspark.scheduling.batched_serving import run_batched
 
         return run_batched(target, drafter, jobs, decoding=decoding, serving=serving,
-                           stop_after_finished=stop_after_finished, on_step=on_step)
+                           stop_after_finished=stop_after_finished, on_step=on_step, prefills=prefills)
     policy, sps, temps, clock, overhead, eos, device = _start_run(serving, decoding, target)
     concurrency = serving.concurrency
 

@@ -51,6 +51,7 @@ def simulate(
     keys: Sequence[tuple[str, int]] | None = None,
     on_step: Callable[[SimResult], None] | None = None,
     target_only: bool = True,
+    prefills: Any = None,
 ) -> SimResult:
     """Simulate serving ``prompts`` (token-id lists) at concurrency R = ``serving.concurrency``
     under ``serving.policy``, on the clock of ``serving.sps`` (required).
@@ -65,7 +66,8 @@ def simulate(
     them it draws from ``job_seed(decoding.seed, i)`` and is tagged i mod N.
     See ``run_requests`` for one step and docs/scheduling.md for the model. With the batched engine
     (``serving.engine``) and ``target_only``, target-only decoding of the same requests at the same R
-    is timed too (``SimResult.target_only_wall``).
+    is timed too (``SimResult.target_only_wall``). ``prefills``: a ``PrefillStore`` both decodes take
+    prompt prefills from and keep them in (``run_requests``).
     """
     if not prompts:
         raise ValueError("prompts is empty; give at least one prompt (a list of token ids)")
@@ -94,10 +96,11 @@ def simulate(
         stop = None
         jobs = [job(i) for i in range(len(prompts))]
     result = run_requests(target, drafter, jobs, decoding=decoding, serving=serving, stop_after_finished=stop,
-                          on_step=on_step)
+                          on_step=on_step, prefills=prefills)
     if serving.engine == "batched" and target_only:
         set_target_only(result, target_only_wall_throughput(
-            target, prompts, keys, decoding=decoding, rows=serving.concurrency, cycle=cycle, stop=stop))
+            target, prompts, keys, decoding=decoding, rows=serving.concurrency, cycle=cycle, stop=stop,
+            prefills=prefills))
     return result
 
 
@@ -110,14 +113,15 @@ def set_target_only(result: SimResult, wall: dict[str, Any]) -> None:
 
 
 def target_only_wall_throughput(target: Any, prompts: list[list[int]], keys: Sequence[tuple[str, int]] | None, *,
-                                decoding: DecodeSettings, rows: int, cycle: bool, stop: int | None) -> dict[str, Any]:
+                                decoding: DecodeSettings, rows: int, cycle: bool, stop: int | None,
+                                prefills: Any = None) -> dict[str, Any]:
     """Target-only decoding of ``simulate``'s requests (the same jobs, seeds and stop rule) with ``rows``
     rows on the wall clock: ``dspark.scheduling.batched_serving.target_only_wall``'s dict."""
     from dspark.scheduling.batched_serving import target_only_wall
 
     job = _job_maker(prompts, keys, decoding.seed)
     jobs: Iterable[Job] = (job(i) for i in itertools.count()) if cycle else [job(i) for i in range(len(prompts))]
-    return target_only_wall(target, jobs, decoding=decoding, rows=rows, stop_after_finished=stop)
+    return target_only_wall(target, jobs, decoding=decoding, rows=rows, stop_after_finished=stop, prefills=prefills)
 
 
 def _job_maker(prompts: list[list[int]], keys: Sequence[tuple[str, int]] | None, seed: int) -> Callable[[int], Job]:
@@ -151,6 +155,7 @@ def simulate_grid(
     keys: Sequence[tuple[str, int]] | None = None,
     progress: Callable[[SimResult], None] | None = None,
     walls: dict[int, float] | None = None,
+    prefills: Any = None,
 ) -> list[SimResult]:
     """``simulate`` for every (policy, concurrency) pair of the grid, ``serving`` giving the rest
     (SPS table, STS temperatures, draft overhead). Each cell makes a fresh policy and uses the
@@ -158,7 +163,9 @@ def simulate_grid(
     ``keys``: the prompts' (benchmark, index) keys, as ``simulate`` takes them.
     ``progress`` is called with each finished result. ``walls``: R -> target-only decoding on the wall
     clock (batched engine; ``{"throughput", "requests"}`` as ``set_target_only`` reads it), filled as each
-    R is timed and reused (pass one dict to share it across calls)."""
+    R is timed and reused (pass one dict to share it across calls). ``prefills``: one
+    ``dspark.decoding.prefill_store.PrefillStore`` for every cell (a prompt is prefilled once; the
+    clocks leave prefills out, so no number changes)."""
     serving = dataclasses.replace(serving, sps=sps_table(serving.sps), price_sps=sps_table(serving.price_sps))
     results = []
     walls = {} if walls is None else walls
@@ -166,7 +173,8 @@ def simulate_grid(
         for concurrency in concurrencies:
             cell = dataclasses.replace(serving, policy=spec, concurrency=concurrency)
             result = simulate(target, drafter, prompts, decoding=decoding, serving=cell, cycle=cycle,
-                              num_requests=num_requests, keys=keys, target_only=concurrency not in walls)
+                              num_requests=num_requests, keys=keys, target_only=concurrency not in walls,
+                              prefills=prefills)
             if serving.engine == "batched":
                 walls.setdefault(concurrency, {"throughput": result.target_only_wall,
                                                "requests": result.target_only_requests})

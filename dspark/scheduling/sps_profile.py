@@ -13,6 +13,7 @@ every timing. The method and why: docs/scheduling.md, "SPS profiling".
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -28,8 +29,8 @@ import torch
 
 from dspark.scheduling.algorithm1 import SPSTable
 
-__all__ = ["DEFAULT_BATCH_TOKENS", "SPSProfile", "bootstrap_tables", "load_profile", "median_interval", "profile_path",
-           "profile_sps", "profile_sps_runs", "table_interval"]
+__all__ = ["DEFAULT_BATCH_TOKENS", "SPSProfile", "bootstrap_tables", "expected_longest", "load_profile",
+           "median_interval", "profile_path", "profile_sps", "profile_sps_runs", "table_interval"]
 
 DEFAULT_BATCH_TOKENS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
@@ -225,13 +226,17 @@ def profile_sps_runs(
     seed: int = 0,
     progress: Callable[[int, int], None] | None = None,
     rows: int | None = None,
+    context: Any = None,
 ) -> SPSProfile:
     """Time the verification forward at every B of ``batch_tokens`` (docs/scheduling.md, "SPS profiling").
 
     ``rows=R``: every B as R rows of B / R tokens, each continuing its own cache: the forwards of the
     batched serving loop at R live requests (``dspark.scheduling.batched_serving``), q = 1 + max ℓ per row,
     on that loop's own cache layout (``dspark.decoding.batch_state.ColumnLayer``: a forward writes its new
-    columns in place, where a plain cache would copy the whole cache to append them).
+    columns in place, where a plain cache would copy the whole cache to append them). ``context`` (with
+    ``rows``): a batch-1 cache of at least ``context_len`` positions; every row starts from a copy of its
+    first ``context_len`` instead of a prefill of its own (a forward's time does not depend on what the
+    cache holds), so that profiles at several R share one prefill.
     ``progress(done, repeats)`` is called after each timed sweep."""
     sizes = _sizes_to_measure(batch_tokens, context_len, warmup, repeats, tokens_per_request, rows)
     fixed_rows = rows
@@ -247,9 +252,19 @@ def profile_sps_runs(
               else (b // tokens_per_request, tokens_per_request) for b in sizes}  # B -> (rows, tokens per row)
     caches: dict[int, Any] = {}  # rows -> a cache holding context_len tokens per row
     for rows in sorted({r for r, _ in layout.values()}):
-        caches[rows] = target.new_cache()
-        if context_len > 0:
-            target(ids(rows, context_len), past_key_values=caches[rows], use_cache=True, logits_to_keep=1)
+        if context is not None and fixed_rows is not None:
+            caches[rows] = copy.deepcopy(context)
+            target.crop_cache(caches[rows], context_len)
+            caches[rows].batch_repeat_interleave(rows)
+        else:
+            caches[rows] = target.new_cache()
+        if context_len > 0 and (context is None or fixed_rows is None):
+            # With fixed rows, one row is prefilled and copied to the others: a forward's time does not
+            # depend on what the cache holds, and R prefills of the context would cost R times as much.
+            fill = 1 if fixed_rows is not None and hasattr(caches[rows], "batch_repeat_interleave") else rows
+            target(ids(fill, context_len), past_key_values=caches[rows], use_cache=True, logits_to_keep=1)
+            if fill != rows:
+                caches[rows].batch_repeat_interleave(rows)
         if fixed_rows is not None and hasattr(caches[rows], "layers"):  # the batched engine's own cache
             from dspark.decoding.batch_state import column_cache  # (a transformers Cache): columns written in place
 
@@ -277,6 +292,17 @@ def profile_sps_runs(
         threads=torch.get_num_threads(),
         rows=fixed_rows,
     )
+
+
+def expected_longest(lengths: Sequence[int], rows: int) -> float:
+    """E[max] of ``rows`` lengths drawn without replacement from ``lengths`` (all of them when there are
+    fewer): Σ_k L_(k) · C(k − 1, R − 1) / C(N, R) over the sorted lengths L_(1) ≤ ... ≤ L_(N)."""
+    ordered = sorted(int(n) for n in lengths)
+    n, r = len(ordered), min(int(rows), len(ordered))
+    if n == 0 or r < 1:
+        raise ValueError("expected_longest needs at least one length and rows >= 1")
+    total = math.comb(n, r)
+    return sum(ordered[k - 1] * math.comb(k - 1, r - 1) for k in range(r, n + 1)) / total
 
 
 def profile_sps(target: Any, batch_tokens: Sequence[int] = DEFAULT_BATCH_TOKENS, **settings: Any) -> SPSTable:

@@ -569,7 +569,7 @@ def test_prompts_given_in_memory_draw_the_same_seeded_subset_as_their_file(tmp_p
 
 def test_the_automatic_batch_size_is_the_last_doubling_that_raises_round_throughput_by_a_tenth():
     """auto_batch_size on hand-made tables: throughput of full rounds R · SPS(R (1 + γ)), γ = 3."""
-    from dspark.decoding.batched import auto_batch_size
+    from dspark.decoding.batch_size import auto_batch_size
     from dspark.scheduling.algorithm1 import SPSTable
 
     flat = SPSTable([1, 512], [20.0, 20.0], 512)  # verification free up to 512 tokens: every doubling pays
@@ -580,4 +580,4 @@ def test_the_automatic_batch_size_is_the_last_doubling_that_raises_round_through
     assert auto_batch_size(table, 3) == 4
     assert auto_batch_size(SPSTable([1, 4], [20.0, 20.0], 4), 3) == 1  # R = 2 would leave the table
     assert auto_batch_size(None, 3, "cpu") == 8 and auto_batch_size(None, 3, "cuda") == 64
-    assert eval_config.resolve_batch_size(5, None, None, None) == 5
+    assert eval_config.resolve_batch_size(5) == 5 and eval_config.resolve_batch_size("auto") == "auto"

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from dspark.kernels.attention import NAME, register, sdpa_gqa_attention
+from dspark.kernels.attention import NAME, PACKED_ROWS, _pack_heads, _packed_attention, register, sdpa_gqa_attention
 from dspark.target import TargetModel
 from tests.helpers.targets import build_tiny_model
 
@@ -42,6 +42,45 @@ def test_masked_grouped_heads_match_float64(q_len):
     out, weights = sdpa_gqa_attention(_Module(H // H_kv), query, key, value, allowed, scaling=D ** -0.5)
     assert weights is None and out.shape == (B, q_len, H, D)
     torch.testing.assert_close(out.double(), _reference(query, key, value, allowed, D ** -0.5), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize("additive", [False, True])
+def test_packed_heads_match_float64(per_head, additive):
+    """The packed layout (g query heads of a key/value head as g·q rows) against the float64
+    oracle: ragged rows (a padded column, a row that sees less), a mask shared by the heads or one
+    per head, boolean or additive."""
+    g = torch.Generator().manual_seed(7)
+    B, H, H_kv, q_len, kv, D = 3, 6, 2, 4, 13, 8
+    query = torch.randn(B, H, q_len, D, generator=g)
+    key, value = torch.randn(B, H_kv, kv, D, generator=g), torch.randn(B, H_kv, kv, D, generator=g)
+    past = kv - q_len
+    allowed = (torch.arange(kv)[None, :] <= past + torch.arange(q_len)[:, None]).expand(B, H if per_head else 1,
+                                                                                       q_len, kv).clone()
+    allowed[1, ..., 0] = False
+    allowed[2, ..., past - 3 : past] = False
+    if per_head:
+        allowed[0, 3, :, 1] = False  # one head of one row sees one column less
+    mask = allowed if not additive else torch.zeros(allowed.shape).masked_fill(~allowed, -math.inf)
+    out = _packed_attention(query, key, value, mask, D ** -0.5, H // H_kv)
+    assert out.shape == (B, q_len, H, D)
+    torch.testing.assert_close(out.double(), _reference(query, key, value, allowed, D ** -0.5), atol=1e-5, rtol=1e-5)
+
+
+def test_packing_is_chosen_for_few_rows_over_many_heads(monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    key = torch.zeros(8, 3, 10, 4)
+    assert _pack_heads(torch.zeros(8, 9, 5, 4), key, 3)  # 15 packed rows, 24 (row, head) pairs
+    assert not _pack_heads(torch.zeros(8, 9, PACKED_ROWS // 3 + 1, 4), key, 3)  # too many packed rows
+    assert not _pack_heads(torch.zeros(1, 9, 5, 4), key[:1], 3)  # 3 pairs for 2 threads
+    # through the registered function: the packed branch gives the plain branch's numbers
+    g = torch.Generator().manual_seed(3)
+    query, k, v = torch.randn(8, 9, 5, 4, generator=g), torch.randn(8, 3, 10, 4, generator=g), torch.randn(8, 3, 10, 4, generator=g)
+    allowed = torch.ones(8, 1, 5, 10, dtype=torch.bool).tril(diagonal=5)
+    packed, _ = sdpa_gqa_attention(_Module(3), query, k, v, allowed, scaling=0.5)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 64)
+    plain, _ = sdpa_gqa_attention(_Module(3), query, k, v, allowed, scaling=0.5)
+    torch.testing.assert_close(packed, plain, atol=1e-6, rtol=1e-6)
 
 
 def test_unmasked_square_is_causal():

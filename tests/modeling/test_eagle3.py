@@ -20,7 +20,7 @@ from dspark.config import Config, eagle3_of, load_config, set_values, standard_e
 from dspark.data.dataset import RenderedSource
 from dspark.decoding.loop import speculative_generate, target_generate
 from dspark.training.eagle3_loss import Eagle3LossModule, checkpointed_eagle3_loss, eagle3_loss, supervision_mask
-from dspark.modeling import DrafterConfig, Eagle3Drafter, load_drafter, save_drafter
+from dspark.modeling import Eagle3Drafter, load_drafter, save_drafter
 from dspark.modeling.eagle3 import Eagle3Layer
 from dspark.build import build_drafter
 from helpers.eagle3 import tiny_eagle3
