@@ -4,7 +4,7 @@
 #   2 train      DSpark, DFlash and Eagle3 with the same budget (Eagle3: draft vocabulary first)
 #   3 profile    the target's steps/s at B batch tokens (SPS table), in the evaluation dtype
 #   4 eval       all three on the test prompts of the nine benchmarks, T = 1 and greedy, each against
-#                target-only decoding; R requests per forward (the largest R the SPS table says pays)
+#                target-only decoding; R requests per forward (the largest R that still pays, timed first)
 #   5 calibrate  STS on the T = 1 round logs of DSpark on the dev prompts (fit / check split by request)
 #   6 schedule   DSpark under each verification policy of POLICIES at R = 1 on the test prompts: wall
 #                clock against target-only, and the SPS clock of the same requests

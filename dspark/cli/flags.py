@@ -50,8 +50,8 @@ FLAGS: dict[str, Flag] = {
     "--engine": Flag("the serving loop: batched (one drafter and one target forward per step for every live "
                      "request, timed on the wall clock too) or per-request (each request verified on its own)"),
     "--batch-size": Flag("requests decoded together (one drafter and one target forward per round for all; "
-                         "each request decodes the tokens it would alone); auto: the largest the SPS table "
-                         "says pays, else 8 on a CPU, 64 on a GPU; 1: one at a time"),
+                         "each request decodes the tokens it would alone); auto: the largest that still pays, "
+                         "timed on the device before decoding; 1: one at a time"),
     "--no-baseline": Flag("skip target-only decoding (no speedup figures)", kind="false"),
     "--label": Flag("row label in the report tables"),
     "--policy": Flag("verification-length policy: eval decodes through the serving loop under one "

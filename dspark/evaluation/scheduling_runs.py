@@ -134,18 +134,10 @@ class _Simulation:
     walls: dict[int, float] = dataclasses.field(default_factory=dict)
     # R -> the batched loop's own forwards, R rows of 1..γ+1 tokens, profiled here
     layouts: dict[int, Any] = dataclasses.field(default_factory=dict)
-    # every cell decodes the same prompts: each is prefilled once (no clock counts prefills)
-    prefills: Any = dataclasses.field(default_factory=lambda: _prefill_store())
 
     @property
     def gamma(self) -> int:
         return self.drafter.config.block_size
-
-
-def _prefill_store() -> Any:
-    from dspark.decoding.prefill_store import PrefillStore
-
-    return PrefillStore()
 
 
 def _simulation_policies(config: Config) -> tuple[Any, list[str]]:
@@ -208,7 +200,7 @@ def _simulate_cell(config: Config, run: _Simulation, spec: str, concurrency: int
                                 eos_token_ids=run.eos),
         serving=ServeSettings(sps=run.sps, price_sps=cell_price, sts_temperatures=run.temps,
                               draft_overhead=s.draft_overhead, engine=s.engine),
-        cycle=s.cycle, num_requests=s.num_requests or None, keys=run.keys, walls=run.walls, prefills=run.prefills)
+        cycle=s.cycle, num_requests=s.num_requests or None, keys=run.keys, walls=run.walls)
     if result.engine == "batched" and result.target_only_requests and result.step_log:
         result.wall_ci = list(serving_wall_ratio(result)[1:3])
     if cell_profile is not None:

@@ -51,7 +51,6 @@ def simulate(
     keys: Sequence[tuple[str, int]] | None = None,
     on_step: Callable[[SimResult], None] | None = None,
     target_only: bool = True,
-    prefills: Any = None,
 ) -> SimResult:
     """Simulate serving ``prompts`` (token-id lists) at concurrency R = ``serving.concurrency``
     under ``serving.policy``, on the clock of ``serving.sps`` (required).
@@ -66,8 +65,7 @@ def simulate(
     them it draws from ``job_seed(decoding.seed, i)`` and is tagged i mod N.
     See ``run_requests`` for one step and docs/scheduling.md for the model. With the batched engine
     (``serving.engine``) and ``target_only``, target-only decoding of the same requests at the same R
-    is timed too (``SimResult.target_only_wall``). ``prefills``: a ``PrefillStore`` both decodes take
-    prompt prefills from and keep them in (``run_requests``).
+    is timed too (``SimResult.target_only_wall``).
     """
     if not prompts:
         raise ValueError("prompts is empty; give at least one prompt (a list of token ids)")
@@ -96,11 +94,10 @@ def simulate(
         stop = None
         jobs = [job(i) for i in range(len(prompts))]
     result = run_requests(target, drafter, jobs, decoding=decoding, serving=serving, stop_after_finished=stop,
-                          on_step=on_step, prefills=prefills)
+                          on_step=on_step)
     if serving.engine == "batched" and target_only:
         set_target_only(result, target_only_wall_throughput(
-            target, prompts, keys, decoding=decoding, rows=serving.concurrency, cycle=cycle, stop=stop,
-            prefills=prefills))
+            target, prompts, keys, decoding=decoding, rows=serving.concurrency, cycle=cycle, stop=stop))
     return result
 
 
@@ -113,15 +110,14 @@ def set_target_only(result: SimResult, wall: dict[str, Any]) -> None:
 
 
 def target_only_wall_throughput(target: Any, prompts: list[list[int]], keys: Sequence[tuple[str, int]] | None, *,
-                                decoding: DecodeSettings, rows: int, cycle: bool, stop: int | None,
-                                prefills: Any = None) -> dict[str, Any]:
+                                decoding: DecodeSettings, rows: int, cycle: bool, stop: int | None) -> dict[str, Any]:
     """Target-only decoding of ``simulate``'s requests (the same jobs, seeds and stop rule) with ``rows``
     rows on the wall clock: ``dspark.scheduling.batched_serving.target_only_wall``'s dict."""
     from dspark.scheduling.batched_serving import target_only_wall
 
     job = _job_maker(prompts, keys, decoding.seed)
     jobs: Iterable[Job] = (job(i) for i in itertools.count()) if cycle else [job(i) for i in range(len(prompts))]
-    return target_only_wall(target, jobs, decoding=decoding, rows=rows, stop_after_finished=stop, prefills=prefills)
+    return target_only_wall(target, jobs, decoding=decoding, rows=rows, stop_after_finished=stop)
 
 
 def _job_maker(prompts: list[list[int]], keys: Sequence[tuple[str, int]] | None, seed: int) -> Callable[[int], Job]:
@@ -155,7 +151,6 @@ def simulate_grid(
     keys: Sequence[tuple[str, int]] | None = None,
     progress: Callable[[SimResult], None] | None = None,
     walls: dict[int, float] | None = None,
-    prefills: Any = None,
 ) -> list[SimResult]:
     """``simulate`` for every (policy, concurrency) pair of the grid, ``serving`` giving the rest
     (SPS table, STS temperatures, draft overhead). Each cell makes a fresh policy and uses the
@@ -163,9 +158,7 @@ def simulate_grid(
     ``keys``: the prompts' (benchmark, index) keys, as ``simulate`` takes them.
     ``progress`` is called with each finished result. ``walls``: R -> target-only decoding on the wall
     clock (batched engine; ``{"throughput", "requests"}`` as ``set_target_only`` reads it), filled as each
-    R is timed and reused (pass one dict to share it across calls). ``prefills``: one
-    ``dspark.decoding.prefill_store.PrefillStore`` for every cell (a prompt is prefilled once; the
-    clocks leave prefills out, so no number changes)."""
+    R is timed and reused (pass one dict to share it across calls)."""
     serving = dataclasses.replace(serving, sps=sps_table(serving.sps), price_sps=sps_table(serving.price_sps))
     results = []
     walls = {} if walls is None else walls
@@ -173,8 +166,7 @@ def simulate_grid(
         for concurrency in concurrencies:
             cell = dataclasses.replace(serving, policy=spec, concurrency=concurrency)
             result = simulate(target, drafter, prompts, decoding=decoding, serving=cell, cycle=cycle,
-                              num_requests=num_requests, keys=keys, target_only=concurrency not in walls,
-                              prefills=prefills)
+                              num_requests=num_requests, keys=keys, target_only=concurrency not in walls)
             if serving.engine == "batched":
                 walls.setdefault(concurrency, {"throughput": result.target_only_wall,
                                                "requests": result.target_only_requests})
