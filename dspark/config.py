@@ -191,7 +191,7 @@ class EvalConfig:
     # requests decoded together, one drafter and one target forward per round for all of them
     # (dspark.decoding.batched; every request decodes the tokens it would alone). "auto": the largest
     # R in 1, 2, 4, ... whose every doubling raised the throughput of full rounds by 10 %, timed on the
-    # device before decoding (dspark.decoding.batch_size.measured_batch_size). 1 = one at a time.
+    # device before decoding (dspark.scheduling.batch_size.measured_batch_size). 1 = one at a time.
     batch_size: int | str = "auto"
 
 

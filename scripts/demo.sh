@@ -159,7 +159,7 @@ stage profile-sps "$OUT/sps.json" dspark profile-sps --target smollm2-135m --dty
   --batch-tokens "$SPS_B" --context-len 128 --warmup 1 --repeats "$SPS_REPEATS" --out "$OUT/sps.json"
 
 echo "== 4/8 evaluation on the $SPLIT prompts, T = 1 and greedy ($SAMPLES prompts per benchmark, $MAXNEW new tokens)"
-# --batch-size auto: the largest R that still pays, timed on the engine's own forward (dspark.decoding.batch_size);
+# --batch-size auto: the largest R that still pays, timed on the engine's own forward (dspark.scheduling.batch_size);
 # every request decodes the tokens it decodes alone, so τ does not depend on R.
 for temp in 1.0 0.0; do
   for name in "${NAMES[@]}"; do

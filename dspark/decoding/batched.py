@@ -25,7 +25,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dspark.decoding.batch_size import auto_batch_size
 from dspark.decoding.batch_state import BatchKVCache, add_ctx_row, put_row, select_rows
 from dspark.decoding.checks import check_drafter, check_generate_args, check_prompt_ids, checked_verify_length
 from dspark.decoding.loop import DecodeResult, PhaseClock, RoundRecord, _first_eos
@@ -34,7 +33,7 @@ from dspark.decoding.verify import verify_draft
 from dspark.sampling import sample_token
 
 __all__ = ["BatchJob", "BatchRow", "SpeculativeBatch", "TargetBatch", "speculative_batch_generate",
-           "target_batch_generate", "auto_batch_size", "longest_first"]
+           "target_batch_generate", "longest_first"]
 
 # ---------------------------------------------------------------------------
 # Requests and the speculative batch

@@ -55,7 +55,7 @@ def evaluate_from_config(target: Any, drafter: Any, config: Any, **overrides: An
 
 def resolve_batch_size(value: int | str) -> int | str:
     """``eval.batch_size`` as ``evaluate`` takes it: an int as given, "auto" as is (measured on the device
-    once the prompts are known: ``dspark.decoding.batch_size.measured_batch_size``)."""
+    once the prompts are known: ``dspark.scheduling.batch_size.measured_batch_size``)."""
     return value if value == "auto" else int(value)
 
 

@@ -139,7 +139,7 @@ def evaluate(
             baseline at the same R). Every request decodes the tokens it decodes alone, so
             rounds.jsonl and τ do not depend on it; tokens/s and the speedup are those at R.
             "auto": measured on the device before decoding
-            (``dspark.decoding.batch_size.measured_batch_size``; report["config"]["batch_size_auto"]
+            (``dspark.scheduling.batch_size.measured_batch_size``; report["config"]["batch_size_auto"]
             holds the round throughput measured at each R tried); a resumed folder keeps the R it
             started with.
     """
@@ -288,7 +288,7 @@ def _auto_batch_size(state: EvalState, prompts: Mapping[str, list[Conversation]]
         if recorded is not None:
             return recorded
     from dspark.data.render import render_prompt
-    from dspark.decoding.batch_size import measured_batch_size
+    from dspark.scheduling.batch_size import measured_batch_size
 
     chosen: list[Any] = [None]
     if state.rank == 0:

@@ -569,7 +569,7 @@ def test_prompts_given_in_memory_draw_the_same_seeded_subset_as_their_file(tmp_p
 
 def test_the_automatic_batch_size_is_the_last_doubling_that_raises_round_throughput_by_a_tenth():
     """auto_batch_size on hand-made tables: throughput of full rounds R · SPS(R (1 + γ)), γ = 3."""
-    from dspark.decoding.batch_size import auto_batch_size
+    from dspark.scheduling.batch_size import auto_batch_size
     from dspark.scheduling.algorithm1 import SPSTable
 
     flat = SPSTable([1, 512], [20.0, 20.0], 512)  # verification free up to 512 tokens: every doubling pays

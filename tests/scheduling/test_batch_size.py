@@ -1,4 +1,4 @@
-"""dspark.decoding.batch_size: how many rows `--batch-size auto` decodes together, and evaluate's use of it."""
+"""dspark.scheduling.batch_size: how many rows `--batch-size auto` decodes together, and evaluate's use of it."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import dspark.decoding.batch_size as batch_size
+import dspark.scheduling.batch_size as batch_size
 import dspark.evaluation.evaluate as ev
-from dspark.decoding.batch_size import measured_batch_size, pick_rows
+from dspark.scheduling.batch_size import measured_batch_size, pick_rows
 from dspark.scheduling.sps_profile import expected_longest, profile_sps_runs
 from helpers.benchmarks import CharTokenizer, write_benchmarks
 from helpers.decoding import random_drafter
@@ -85,7 +85,7 @@ def test_a_real_measurement_on_a_tiny_target_picks_a_power_of_two(family):
 def test_profiles_from_a_shared_context_time_the_same_shapes_as_their_own_prefill():
     """``context``: every row starts from the shared cache's first context_len columns; the timed
     forwards are R rows of B / R tokens after exactly context_len columns, as with a prefill."""
-    from dspark.decoding.batch_size import _shared_context
+    from dspark.scheduling.batch_size import _shared_context
 
     target = make_tiny_target("llama", vocab_size=128)
     shared = _shared_context(target, 11, seed=0)
