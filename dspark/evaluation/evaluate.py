@@ -144,18 +144,12 @@ def evaluate(
             started with.
     """
     state = _open_evaluation(target, drafter, tokenizer, decoding, serving, baseline, progress)
-    if batch_size != "auto" and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
-        raise ValueError(f"batch_size must be an int >= 1 (requests decoded together) or 'auto', got {batch_size!r}")
+    _check_batch_size(batch_size)
     files, skipped = resolve_benchmarks(benchmarks, names)
     counts = samples_per_benchmark(list(files), num_samples)
     started = time.perf_counter()
     prompts = {name: load_prompts(source, counts[name], state.decoding.seed, split) for name, source in files.items()}
-    if state.serving.policy is not None:
-        state.batch_size = 1
-    elif batch_size == "auto":
-        state.batch_size, state.batch_size_auto = _auto_batch_size(state, prompts, out_dir, resume)
-    else:
-        state.batch_size = batch_size
+    _set_batch_size(state, batch_size, prompts, out_dir, resume)
     settings = _settings(state, label or _default_label(drafter), files, counts, split, skipped, run_config)
     journal, done = None, Done()
     if out_dir is not None:
@@ -276,6 +270,22 @@ def _decode_benchmarks(
     if state.world > 1:
         records, rounds, served = _gather(records, rounds, served, state.world)
     return records, rounds, served
+
+
+def _check_batch_size(batch_size: Any) -> None:
+    if batch_size != "auto" and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
+        raise ValueError(f"batch_size must be an int >= 1 (requests decoded together) or 'auto', got {batch_size!r}")
+
+
+def _set_batch_size(state: EvalState, batch_size: int | str, prompts: Mapping[str, list[Conversation]],
+                    out_dir: PathLike | None, resume: bool | None) -> None:
+    """``state.batch_size``: 1 under a policy (the serving loop sets its own R), else as given or "auto"."""
+    if state.serving.policy is not None:
+        state.batch_size = 1
+    elif batch_size == "auto":
+        state.batch_size, state.batch_size_auto = _auto_batch_size(state, prompts, out_dir, resume)
+    else:
+        state.batch_size = int(batch_size)
 
 
 def _auto_batch_size(state: EvalState, prompts: Mapping[str, list[Conversation]], out_dir: PathLike | None,

@@ -54,18 +54,24 @@ def test_measured_batch_size_times_r_rows_of_one_plus_gamma_over_the_expected_lo
         measured_batch_size(object(), [], 3, 20)
 
 
+def _record_forwards(target) -> list:
+    """Make ``target`` record (input shape, cached length before the forward) of every forward."""
+    seen = []
+    forward = target.forward
+
+    def spy(x, past_key_values=None, **kwargs):
+        seen.append((tuple(x.shape), past_key_values.get_seq_length()))
+        return forward(x, past_key_values=past_key_values, **kwargs)
+
+    target.forward = spy
+    return seen
+
+
 def test_the_profile_fills_r_rows_from_one_prefilled_row_and_times_r_rows():
     """With fixed rows the context is one row's prefill copied to every row: the timed forwards
     continue a cache of R rows of context_len columns (the engine's column cache)."""
     target = make_tiny_target("llama", vocab_size=128)
-    widths = []
-    forward = target.forward
-
-    def spy(x, past_key_values=None, **kwargs):
-        widths.append((tuple(x.shape), past_key_values.get_seq_length()))
-        return forward(x, past_key_values=past_key_values, **kwargs)
-
-    target.forward = spy
+    widths = _record_forwards(target)
     profile = profile_sps_runs(target, [3, 6], context_len=7, warmup=0, repeats=1, rows=3)
     assert profile.rows == 3 and profile.batch_tokens == [3, 6]
     assert widths[0] == ((1, 7), 0)  # one row prefilled
@@ -90,14 +96,7 @@ def test_profiles_from_a_shared_context_time_the_same_shapes_as_their_own_prefil
     target = make_tiny_target("llama", vocab_size=128)
     shared = _shared_context(target, 11, seed=0)
     assert shared.get_seq_length() == 11
-    seen = []
-    forward = target.forward
-
-    def spy(x, past_key_values=None, **kwargs):
-        seen.append((tuple(x.shape), past_key_values.get_seq_length()))
-        return forward(x, past_key_values=past_key_values, **kwargs)
-
-    target.forward = spy
+    seen = _record_forwards(target)
     profile_sps_runs(target, [4, 8], context_len=6, warmup=0, repeats=1, rows=4, context=shared)
     assert sorted(seen) == [((4, 1), 6), ((4, 2), 6)]  # no prefill: the rows came from the shared cache
     assert shared.get_seq_length() == 11  # the shared cache itself is untouched
