@@ -84,10 +84,13 @@ def summary_short(run: Mapping[str, Any]) -> str:
     for x in sched_rows(run):
         lines.append(f"{x['policy']:>12} R={x['R']}: τ {fmt_ci(x['tau'], x['tau_ci'])}, mean ℓ {fmt_number(x['mean_ell'])}, "
                      f"wall speedup {fmt_ci(x['speedup'], x['speedup_ci'])}, decode-only {fmt_ci(x['decode_speedup'], x['decode_speedup_ci'])}, "
+                     f"batched wall Θ ratio {fmt_ci(x.get('wall_ratio'), x.get('wall_ratio_ci'))}, "
                      f"SPS-clock Θ ratio {fmt_ci(x['theta_ratio'], x['theta_ratio_ci'])}{'' if x['clocks'] == '–' else ' (' + x['clocks'] + ')'}"
                      f", draft/round {fmt_number(x['draft_steps'])} steps")
-    if run["sched"] or run["simulate"]:
+    if run["sched"]:
         lines.append("(R = 1: wall clock of dspark eval --policy; R > 1: the simulator's SPS clock)")
+    elif run["simulate"]:
+        lines.append("(every R: the batched serving loop of dspark simulate, on the SPS clock and on the wall clock)")
     for x in paired_rows(run):
         if x["paired"] is not None:
             speed = fmt_ratio(x["paired"].speedup)
@@ -99,7 +102,8 @@ def summary_short(run: Mapping[str, Any]) -> str:
         lines.append("minutes per stage: " + ", ".join(f"{k} {float(v) / 60:.1f}" for k, v in run["timings"].items())
                      + f"; total {sum(float(v) for v in run['timings'].values()) / 60:.1f}")
     lines.append(f"files in {run['dir']}: data/, <drafter>/drafter/, eval-T*/<drafter>/ (report.md, rounds.jsonl), "
-                 "sps.json, sts.json, sched/<policy>-R1/, simulate/ (figure8.png); README.md lists each")
+                 f"sps.json, sts.json, {'sched/<policy>-R1/, ' if run['sched'] else ''}simulate/ (figure8.png); "
+                 "README.md lists each")
     return "\n".join(lines)
 
 

@@ -60,15 +60,17 @@ def _requests(report: Mapping[str, Any]) -> str:
 def results_table(run: Mapping[str, Any] | str | os.PathLike) -> str:
     """The results table of a demo run (a folder, or ``load_run``'s dict): the README's table.
 
-    Each row says how many requests its intervals rest on (requests at T = 1 for a drafter, the
-    scheduled evaluation's for a policy; the paired ratio uses the requests both policies decoded).
-    One row per drafter evaluated at T = 1 (every draft verified): its macro-average τ at T = 1
-    and greedily, with half the 95 % interval over requests, and its wall-clock speed against
-    target-only decoding. One row per verification policy of the scheduled evaluations (DSpark,
-    T = 1, R = 1): τ, wall-clock speed, that speed over static γ's on the same requests (paired
-    bootstrap: estimate and 95 % interval), and, from the simulator, the throughput against
-    target-only decoding at the smallest R > 1 on the SPS clock. A last row: target-only decoding.
-    "" when the folder has neither evaluations nor scheduled evaluations."""
+    Each row says how many requests its intervals rest on (requests at T = 1 for a drafter, those of
+    the scheduled evaluation or of the serving cell for a policy; the paired ratio uses the requests
+    both policies decoded). One row per drafter evaluated at T = 1 (every draft verified): its
+    macro-average τ at T = 1 and greedily, with its 95 % interval over requests, and its wall-clock
+    speed against target-only decoding. One row per verification policy at R = 1 (DSpark, T = 1),
+    from its scheduled evaluation, else from the serving simulation's cell at R = 1 (the loop's
+    steps, prefills excluded): τ, wall-clock speed against target-only decoding, that speed over
+    static γ's on the same requests (paired jackknife: estimate and 95 % interval), and, from the
+    simulator, the throughput against target-only decoding at the smallest R > 1 on the SPS clock
+    and on the wall clock. A last row: target-only decoding. "" when the folder has neither
+    evaluations nor policy rows."""
     if not isinstance(run, Mapping):
         run = load_run(run)
     evals = {name: {temp: report for (temp, n), report in run["evals"].items() if n == name}
@@ -92,8 +94,9 @@ def results_table(run: Mapping[str, Any] | str | os.PathLike) -> str:
     paired = {x["policy"]: x["paired"] for x in paired_rows(run)}
     at_r = {x["policy"]: fmt_ci(x["theta_ratio"], x["theta_ratio_ci"]) for x in all_rows if x["R"] == r}
     wall_r = {x["policy"]: fmt_ci(x.get("wall_ratio"), x.get("wall_ratio_ci")) for x in all_rows if x["R"] == r}
+    served_gamma = ((run["simulate"] or {}).get("config") or {}).get("gamma") if isinstance(run["simulate"], Mapping) else None
     for x in sched:
-        gamma = (run["sched"].get((x["policy"], 1)) or {}).get("gamma")
+        gamma = (run["sched"].get((x["policy"], 1)) or {}).get("gamma") or served_gamma
         p = paired.get(x["policy"])
         if x["policy"] == PAIRED_BASELINE:
             vs = "1 (baseline)"
@@ -101,9 +104,11 @@ def results_table(run: Mapping[str, Any] | str | os.PathLike) -> str:
             vs = fmt_ratio(p.speedup)
         else:
             vs = "–"
-        sched_report = run["sched"].get((x["policy"], 1)) or {}
-        rows.append([f"DSpark, {_policy_name(x['policy'], gamma)}", _requests(sched_report), "1",
-                     fmt_ci(x["tau"], x["tau_ci"]), "–", fmt_ci(x["speedup"], x["speedup_ci"]), vs,
+        # the scheduled evaluation's speed (prefills included), else the serving loop's steps at R = 1
+        speed = ((x["speedup"], x["speedup_ci"]) if (x["policy"], 1) in run["sched"]
+                 else (x.get("wall_ratio"), x.get("wall_ratio_ci")))
+        rows.append([f"DSpark, {_policy_name(x['policy'], gamma)}", x["requests"], "1",
+                     fmt_ci(x["tau"], x["tau_ci"]), "–", fmt_ci(*speed), vs,
                      at_r.get(x["policy"], "–"), wall_r.get(x["policy"], "–")])
     rows.append(["target-only decoding", "–", "–", "1", "1", "1", "–", "1", "1"])
     header = [h.replace("{r}", str(r) if r else "> 1") for h in RESULTS_HEADER]
@@ -168,6 +173,7 @@ def sched_row(run: Mapping[str, Any], policy: str, r: int, report: Mapping[str, 
     sim = simulated or {}
     if report is None:
         tau, mean_ell = sim.get("tau"), sim.get("mean_ell")
+        tau_ci = sim.get("tau_ci") if isinstance(sim.get("tau_ci"), Sequence) else None
     theta, theta0 = sim.get("throughput"), _target_only_theta(run, r)
     speedup, speedup_ci = metric(a, "speedup")
     decode, decode_ci = metric(a, "decode_speedup")
@@ -183,10 +189,30 @@ def sched_row(run: Mapping[str, Any], policy: str, r: int, report: Mapping[str, 
         cell = f"{fmt_ci(served['difference'], [served.get('lo'), served.get('hi')])} (rel.): {served.get('verdict', '–')}"
     return {"policy": policy, "R": r, "tau": tau, "tau_ci": tau_ci, "mean_ell": mean_ell,
             "wall_ratio": sim.get("wall_vs_target_only"), "wall_ratio_ci": sim.get("wall_vs_target_only_ci"),
-            "tokens_per_s": a.get("tokens_per_s"), "baseline_tokens_per_s": a.get("baseline_tokens_per_s"),
+            "tokens_per_s": a.get("tokens_per_s") if report is not None else sim.get("wall_throughput"),
+            "baseline_tokens_per_s": (a.get("baseline_tokens_per_s") if report is not None
+                                      else sim.get("target_only_wall")),
             "speedup": speedup, "speedup_ci": speedup_ci, "decode_speedup": decode, "decode_speedup_ci": decode_ci,
             "theta": theta, "theta_target": theta0, "theta_ratio": ratio, "theta_ratio_ci": ratio_ci,
-            "clock_difference": clocks, "clocks": cell, **_round_costs(report or {})}
+            "clock_difference": clocks, "clocks": cell,
+            "requests": _requests(report) if report is not None else _served_requests(sim),
+            **(_round_costs(report) if report is not None else _served_round_costs(sim, r))}
+
+
+def _served_requests(sim: Mapping[str, Any]) -> str:
+    n = sim.get("requests_finished")
+    return str(int(n)) if isinstance(n, (int, float)) else "–"
+
+
+def _served_round_costs(sim: Mapping[str, Any], r: int) -> dict[str, float | None]:
+    """Draft and verify seconds per round of a serving cell at R = 1 over its target-only decode's
+    seconds per token (one token a step); None at R > 1, where a step serves several rounds."""
+    rounds, drafted, base = sim.get("request_steps"), sim.get("drafted_rounds"), sim.get("target_only_wall")
+    ok = r == 1 and all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in (rounds, base))
+    if not ok:
+        return {"draft_steps": None, "verify_steps": None}
+    draft = float(sim.get("draft_s", math.nan)) / drafted * base if drafted else None
+    return {"draft_steps": draft, "verify_steps": float(sim.get("verify_s", math.nan)) / rounds * base}
 
 
 def _round_costs(report: Mapping[str, Any]) -> dict[str, float | None]:
@@ -229,8 +255,11 @@ def paired_section(run: Mapping[str, Any], baseline: str = PAIRED_BASELINE) -> s
                       str(p.common)])
     header = ["policy (R = 1)", f"speedup vs {baseline} (paired) [95 %]", f"τ vs {baseline} (paired) [95 %]",
               "speedup verdict", "common requests"]
-    note = (f"Speedup vs {baseline} (paired): the policy's wall-clock speedup over {baseline}'s, each against its "
-            "own target-only decodes, pooled over the requests both evaluated; its 95 % interval takes those "
+    own = ("each against its own target-only decodes" if (baseline, 1) in run["sched"] else
+           "both against the same target-only decode at R = 1 in the serving simulation, so the ratio of their "
+           "wall-clock throughputs")
+    note = (f"Speedup vs {baseline} (paired): the policy's wall-clock speedup over {baseline}'s, {own}, "
+            "pooled over the requests both evaluated; its 95 % interval takes those "
             "requests jointly (the jackknife leaves a request out of both policies at once, within each benchmark), "
             "so the request-to-request variation both policies share cancels. An interval that excludes 1 separates "
             "the two policies even where their own intervals above overlap.")
@@ -251,31 +280,43 @@ def sched_section(run: Mapping[str, Any]) -> str:
               fmt_ci(x.get("wall_ratio"), x.get("wall_ratio_ci")), x["clocks"], fmt_number(x["draft_steps"]),
               fmt_number(x["verify_steps"])]
              for x in rows]
+    scheduled = any(r == 1 for _, r in run["sched"])
+    wall = (
+        "**Wall clock** (R = 1, `dspark eval --policy POLICY`, folders `sched/`): tokens/s of the speculative "
+        "decode against target-only decoding of the same prompts, measured in the same process; τ, mean ℓ and the "
+        "per-round costs come from it. Draft / verify per round: seconds per round over the target-only seconds per "
+        "decode step (prefills excluded)" if scheduled else
+        "**Wall clock**: every row, R = 1 included, from the serving loop below (`dspark simulate`, folder "
+        "`simulate/`, column Θ ratio (wall clock, batched)); τ with its 95 % interval over the requests, and mean ℓ, "
+        "from its rounds. Draft / verify per round (R = 1): seconds per round over the seconds per token of "
+        "target-only decoding of the same requests (prefills excluded)")
+    same_decode = (
+        "at R = 1, the scheduled evaluation's own requests timed by both clocks (the same "
+        "decode, the same tokens): the SPS clock's ratio to target-only decoding (its verification forwards "
+        "priced by the measured table, every other phase as measured, `dspark.evaluation.clocks`) minus the "
+        "wall clock's decode-only speedup, with the 95 % interval of that paired difference over requests and "
+        "the table's timing noise" if scheduled else "at R = 1 the same")
     note = (
-        "DSpark at T = 1 on the same prompts under each policy. **Wall clock** (R = 1, `dspark eval --policy "
-        "POLICY`, folders `sched/`): tokens/s of the speculative decode against target-only decoding of the same "
-        "prompts, measured in the same process; τ, mean ℓ and the per-round costs come from it. Draft / verify per "
-        "round: seconds per round over the target-only seconds per decode step (prefills excluded); a round costs "
+        f"DSpark at T = 1 on the same prompts under each policy. {wall}; a round costs "
         "about draft + verify target steps and yields τ tokens, so the drafting cost is what keeps a policy that "
         "verifies nothing (ℓ = 0) below target-only speed. **SPS clock** (`dspark simulate`, folder `simulate/`): "
         "R requests live at every step (the prompts are cycled), each step charged 1 / SPS(B) for its "
         "B = Σ(1 + ℓ_r) tokens at the profile's measured medians (the policies decide on the noise-aware table, "
-        "whose rises within the timing noise are flattened) plus every other phase measured in it (drafting, acceptance, cache and context bookkeeping, the policy's decision; the demo runs it with `--draft-overhead measured`), put on the table's time scale by the ratio of the table's price of the run's verification forwards to their measured seconds, against R·SPS(R) for target-only "
+        "whose rises within the timing noise are flattened) plus every other phase measured in it (drafting, "
+        "acceptance, cache and context bookkeeping, the policy's decision; the demo runs it with "
+        "`--draft-overhead measured`), put on the table's time scale by the ratio of the table's price of the run's "
+        "verification forwards to their measured seconds, against R·SPS(R) for target-only "
         "decoding. The serving loop is batched (one drafter and one target forward per step for every live "
         "request, each forward padded to 1 + max ℓ_r and priced at that size), so the same steps are also timed "
         "on the wall clock: **Θ ratio (wall clock, batched)** is their tokens/s over target-only decoding of the "
         "same requests at the same R, measured in the same process, with its 95 % interval over the requests (each "
         "takes its share of every step in both decodes and is left out of both at once: the stratified jackknife, "
-        "`dspark.evaluation.clocks.serving_wall_ratio`). Rows without a scheduled evaluation (R > 1) "
+        "`dspark.evaluation.clocks.serving_wall_ratio`). Rows without a scheduled evaluation "
         "show the simulator's τ and mean ℓ. The Θ ratio's interval is the SPS table's own timing noise: the run's steps "
         "priced by 1000 tables of the profile's sweeps resampled jointly across B (every decision kept). "
         "**SPS vs wall clock**: at R > 1 (\"rel.\"), Θ_sps / Θ_wall − 1 on the serving loop's own steps, with "
-        "its interval over the requests (each takes its share of every step) and the table's noise; at R = 1, "
-        "the scheduled evaluation's own requests timed by both clocks (the same "
-        "decode, the same tokens): the SPS clock's ratio to target-only decoding (its verification forwards "
-        "priced by the measured table, every other phase as measured, `dspark.evaluation.clocks`) minus the "
-        "wall clock's decode-only speedup, with the 95 % interval of that paired difference over requests and "
-        "the table's timing noise; \"agree\" means the interval holds 0.")
+        f"its interval over the requests (each takes its share of every step) and the table's noise; {same_decode}; "
+        "\"agree\" means the interval holds 0.")
     paired = paired_section(run)
     return "\n".join([markdown_table(header, cells), "", note] + (["", paired] if paired else []))
 

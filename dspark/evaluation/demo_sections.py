@@ -209,7 +209,7 @@ def calibration_section(run: Mapping[str, Any]) -> str:
             for k, t in enumerate(sts["temperatures"])]
     fitted = sts.get("fitted_on") or []
     fit_splits = sorted({str(f.get("split")) for f in fitted if isinstance(f, Mapping)})
-    scored = sorted({split_of(r) for r in run["sched"].values()})
+    scored = sorted({split_of(r) for r in run["sched"].values()} or _served_split(run))
     where = (f"the {', '.join(fit_splits)} split" if fit_splits else "round logs of unrecorded split")
     if fit_splits == ["dev"] and scored and "dev" not in scored and "all" not in scored:
         disjoint = (f"The policies below are scored on the {', '.join(scored)} split: prompts the fit never saw "
@@ -235,14 +235,38 @@ def calibration_section(run: Mapping[str, Any]) -> str:
     ])
 
 
+def _served_split(run: Mapping[str, Any]) -> set[str]:
+    """The split the serving simulation decoded (its results.json config), as a set; empty without one."""
+    config = run["simulate"].get("config") if isinstance(run["simulate"], Mapping) else None
+    return {str(config["split"])} if isinstance(config, Mapping) and config.get("split") else set()
+
+
 def _scored_calibration(run: Mapping[str, Any]) -> tuple[list[Any], list[Any], str]:
     """ECE of a_k per position on the rounds of the static γ scheduled evaluation (every draft verified,
-    the policies' prompts), raw and with the STS temperatures; empty lists without it."""
+    the policies' prompts), raw and with the STS temperatures; without it, on the rounds of the serving
+    simulation's static γ cell at R = 1 (the same requests); empty lists without either."""
     report = run["sched"].get((PAIRED_BASELINE, 1))
+    if report is None and _served_split(run):
+        return _served_calibration(run)
     pooled = (report or {}).get("all") or {}
     raw = [c.get("ece") for c in pooled.get("confidence") or []]
     calibrated = [c.get("ece") for c in pooled.get("confidence_calibrated") or []]
     return raw, calibrated, f"{split_of(report)} split, static γ" if report else "scored rounds"
+
+
+def _served_calibration(run: Mapping[str, Any]) -> tuple[list[Any], list[Any], str]:
+    from dspark.evaluation.metrics import confidence_quality
+    from dspark.io.jsonl import read_jsonl
+
+    rounds, _ = read_jsonl(run["dir"] / "simulate" / "rounds.jsonl")
+    mine = [r for r in rounds if r.get("policy") == PAIRED_BASELINE and int(r.get("concurrency", 0)) == 1]
+    temps = (run["sts"] or {}).get("temperatures") if isinstance(run["sts"], Mapping) else None
+    if not mine:
+        return [], [], "scored rounds"
+    args = ([r.get("confidences") for r in mine], [int(r["accepted"]) for r in mine], [int(r["proposed"]) for r in mine])
+    raw = [c.get("ece") for c in confidence_quality(*args) or []]
+    calibrated = [c.get("ece") for c in (confidence_quality(*args, temps) or [])] if temps else []
+    return raw, calibrated, f"{'/'.join(sorted(_served_split(run)))} split, static γ, R = 1"
 
 
 def _at(values: Sequence[Any], k: int) -> Any:

@@ -11,6 +11,9 @@ difference (the jackknife of a statistic of paired samples deletes the pairs).
 - ``paired_ratio``              the ratios of two evaluation folders (report.json, requests.jsonl,
                                 rounds.jsonl as ``dspark eval`` writes them)
 - ``paired_ratio_from_records`` the same from their request and round rows (tests, hand checks)
+- ``serving_paired_ratio``      the same for two cells of ``dspark simulate`` at one R (the batched
+                                serving loop's wall clock: each request's share of the steps it was live in)
+- ``serving_tau``               τ of one such cell with its interval over the requests
 - ``PairedRatio``               the result: speedup and τ ratios (``Interval``), request counts
 - ``verdict``                   "above 1" / "below 1" / "includes 1" of an interval
 """
@@ -31,7 +34,8 @@ from dspark.evaluation.intervals import request_aggregates
 
 PathLike = Union[str, os.PathLike]
 
-__all__ = ["PairedRatio", "load_evaluation", "paired_ratio", "paired_ratio_from_records", "verdict"]
+__all__ = ["PairedRatio", "load_evaluation", "paired_ratio", "paired_ratio_from_records", "serving_paired_ratio",
+           "serving_tau", "verdict"]
 
 
 @dataclass(frozen=True)
@@ -175,3 +179,94 @@ def paired_ratio(report_a_dir: PathLike, report_b_dir: PathLike, *, level: float
     report_b, records_b, rounds_b = load_evaluation(report_b_dir)
     return paired_ratio_from_records(records_a, rounds_a, records_b, rounds_b, gamma_a=int(report_a["gamma"]),
                                      gamma_b=int(report_b["gamma"]), level=level)
+
+
+# ------------------------------------------------------------------ serving cells
+def _serving_rows(result: Any) -> dict[int, np.ndarray]:
+    """Request index -> float64 [4] = (tokens, W, Σ τ, rounds) of a batched serving run: the tokens its
+    steps emitted and its share of their wall seconds (the requests' ``step_tokens`` and ``step_s``, as
+    ``dspark.scheduling.batched_serving`` records them), then its rounds' τ (``round_tau``) and their count."""
+    from dspark.evaluation.metrics import round_tau
+
+    if any("step_s" not in r for r in result.requests):
+        raise ValueError(f"{result.policy} at R = {result.concurrency}: a paired serving comparison needs each "
+                         "request's share of the steps (step_tokens, step_s), which the batched engine records "
+                         "(ServeSettings.engine='batched')")
+    rows = {int(r["index"]): np.array([float(r["step_tokens"]), float(r["step_s"]), 0.0, 0.0])
+            for r in result.requests}
+    for r in result.rounds:
+        row = rows[int(r["request"])]
+        row[2] += round_tau(r)
+        row[3] += 1.0
+    return rows
+
+
+def _serving_tags(*results: Any) -> dict[int, Any]:
+    return {int(r["index"]): r.get("tag") for result in results for r in result.requests}
+
+
+def serving_tau(result: Any, *, level: float = DEFAULT_LEVEL) -> Interval:
+    """τ of a batched serving run (``SimResult``: rounds and step log) pooled over its rounds, with its
+    ``level`` interval over the requests: the stratified jackknife on the log scale, strata the tags'
+    benchmarks, clipped at 1 (``dspark.evaluation.intervals``' estimator for an evaluation's τ)."""
+    from dspark.evaluation.clocks import _benchmark_groups
+    from dspark.evaluation.intervals import TAU_SUPPORT
+
+    rows = {i: row[2:] for i, row in sorted(_serving_rows(result).items()) if row[3] > 0}
+    if not rows:
+        raise ValueError(f"{result.policy} at R = {result.concurrency} has no rounds: nothing to take τ of")
+    groups = _benchmark_groups(rows, _serving_tags(result))
+    return Interval(*jackknife_ci(groups, _tau_ratio_single, level=level, scale="log", support=TAU_SUPPORT))
+
+
+def serving_paired_ratio(result_a: Any, result_b: Any, *, level: float = DEFAULT_LEVEL) -> PairedRatio:
+    """``PairedRatio`` of serving run A over run B: two cells of one ``dspark simulate`` grid at the same
+    R (the same jobs: prompts, seeds and stop rule), paired by the request's admission index.
+
+        speedup = (Σ_i tokens_A,i / Σ_i W_A,i) / (Σ_i tokens_B,i / Σ_i W_B,i),  τ = τ_A / τ_B
+
+    W_i: request i's share of the wall seconds of the steps it was live in (prefills excluded). Both
+    runs are measured against the same target-only decode of the grid at R, so the ratio of their
+    speedups is the ratio of their wall throughputs. A request one run served and the other did not
+    (the stop rule cut it) counts zeros in the other. Interval: the stratified jackknife over the
+    requests (strata: benchmarks) on the log scale, each request deleted from both runs at once."""
+    from dspark.evaluation.clocks import _benchmark_groups
+
+    if int(result_a.concurrency) != int(result_b.concurrency):
+        raise ValueError(f"{result_a.policy} ran at R = {result_a.concurrency} and {result_b.policy} at R = "
+                         f"{result_b.concurrency}: pair two cells of the same R")
+    a, b = _serving_rows(result_a), _serving_rows(result_b)
+    tags_a, tags_b = _serving_tags(result_a), _serving_tags(result_b)
+    clash = next((i for i in a if i in b and i in tags_a and i in tags_b
+                  and _tag_key(tags_a[i]) != _tag_key(tags_b[i])), None)
+    if clash is not None:
+        raise ValueError(f"request {clash} is {tags_a[clash]} in {result_a.policy}'s run and {tags_b[clash]} in "
+                         f"{result_b.policy}'s: the two runs did not serve the same jobs (same prompts and seed)")
+    rows = {i: np.concatenate([a.get(i, np.zeros(4)), b.get(i, np.zeros(4))]) for i in sorted(set(a) | set(b))}
+    groups = _benchmark_groups(rows, {**tags_b, **tags_a})
+
+    def interval(statistic: Any) -> Interval:
+        return Interval(*jackknife_ci(groups, statistic, level=level, scale="log"))
+
+    return PairedRatio(speedup=interval(_wall_ratio), tau=interval(_serving_tau_ratio),
+                       common=len(set(a) & set(b)), only_a=len(set(a) - set(b)), only_b=len(set(b) - set(a)),
+                       level=float(level))
+
+
+def _tag_key(tag: Any) -> Any:
+    return tuple(tag) if isinstance(tag, (list, tuple)) else tag
+
+
+def _tau_ratio_single(s: np.ndarray) -> np.ndarray:
+    s = s.sum(axis=-2)  # [..., 2]: (Σ τ, rounds)
+    return s[..., 0] / s[..., 1]
+
+
+def _wall_ratio(s: np.ndarray) -> np.ndarray:
+    s = s.sum(axis=-2)  # [..., 8]: A's (tokens, W, Σ τ, rounds), then B's
+    return (s[..., 0] / s[..., 1]) / (s[..., 4] / s[..., 5])
+
+
+def _serving_tau_ratio(s: np.ndarray) -> np.ndarray:
+    s = s.sum(axis=-2)
+    return (s[..., 2] / s[..., 3]) / (s[..., 6] / s[..., 7])

@@ -88,6 +88,8 @@ def simulate(config: Config, *, progress: Callable[[Any], None] | None = None,
     results.json/.md, rounds.jsonl, the plots and config.json to `serve.out` (default
     <run_dir>/simulate). Returns the results and the folder.
 
+    Cells are served R by R (every policy at one R, then the next R), so the cells compared at one R run
+    close together; each batched cell is paired with the first policy's at its R (``pair_cells``).
     Resumes cell by cell: config.json is written before any model is loaded, each finished
     (policy, R) cell appends its rounds to rounds.jsonl and then its result to cells.jsonl
     (fsynced; the cells line commits the cell), and a rerun on the folder serves only the
@@ -100,19 +102,41 @@ def simulate(config: Config, *, progress: Callable[[Any], None] | None = None,
     out = config.path(config.serve.out, "simulate")
     done = _open_cells(out, config, resume)
     run = _open_simulation(config, sps, announce)
-    results = []
-    for spec in policies:
-        for concurrency in config.serve.concurrencies:
-            if (spec, int(concurrency)) in done:
-                result = done[(spec, int(concurrency))]
+    cells: dict[tuple[str, int], Any] = {}
+    for concurrency in config.serve.concurrencies:  # R by R: the cells paired at one R are served together
+        for spec in policies:
+            key = (spec, int(concurrency))
+            if key in done:
+                cells[key] = done[key]
             else:
-                result = _simulate_cell(config, run, spec, concurrency, announce)
-                _append_cell(out, spec, result)
-            results.append(result)
+                cells[key] = _simulate_cell(config, run, spec, concurrency, announce)
+                _append_cell(out, spec, cells[key])
             if progress is not None:
-                progress(result)
+                progress(cells[key])
+    results = [cells[(spec, int(r))] for spec in policies for r in config.serve.concurrencies]
+    pair_cells(results, policies[0])
     out = write_results(out, results, _simulation_summary(config, run, policies))
     return results, out
+
+
+def pair_cells(results: Sequence[Any], baseline: str) -> None:
+    """Give every batched serving cell of a grid its τ interval and its wall-clock throughput and τ over
+    the cell of policy ``baseline`` at the same R (``SimResult.tau_ci`` and ``.paired``;
+    ``dspark.evaluation.paired.serving_tau``, ``serving_paired_ratio``). Cells of the per-request
+    engine, or without a baseline cell at their R, keep None."""
+    from dspark.evaluation.paired import serving_paired_ratio, serving_tau
+
+    bases = {int(r.concurrency): r for r in results if r.policy == baseline}
+    for result in results:
+        if result.engine != "batched" or not result.rounds or any("step_s" not in r for r in result.requests):
+            continue
+        tau = serving_tau(result)
+        result.tau_ci = [tau.lo, tau.hi]
+        base = bases.get(int(result.concurrency))
+        if base is None or base is result or any("step_s" not in r for r in base.requests):
+            continue
+        p = serving_paired_ratio(result, base)
+        result.paired = {"baseline": baseline, "speedup": list(p.speedup), "tau": list(p.tau), "common": p.common}
 
 
 @dataclasses.dataclass
@@ -226,7 +250,8 @@ def _simulation_summary(config: Config, run: _Simulation, policies: list[str]) -
         "price_sps": run.price.to_dict(),
         "sts_temperatures": None if run.temps is None else [float(t) for t in run.temps], "policies": policies,
         "concurrencies": list(s.concurrencies), "benchmarks": {n: len(v) for n, v in run.sets.items()},
-        "num_prompts": len(run.prompts), "max_new_tokens": s.max_new_tokens, "temperature": e.temperature,
+        "num_prompts": len(run.prompts), "split": e.split, "max_new_tokens": s.max_new_tokens,
+        "temperature": e.temperature,
         "seed": e.seed, "cycle": s.cycle, "num_requests": s.num_requests or None,
         "draft_overhead": s.draft_overhead, "eos_token_ids": run.eos, "engine": s.engine,
         # the batched engine's clock: R -> the table of its own forwards (R rows × 1..γ+1 tokens)

@@ -88,9 +88,23 @@ def run_batched(target: Any, drafter: Any, jobs: Iterable[Any], *, decoding: Any
             result.requests[index_of[id(request)]].update(tokens=len(request.tokens), rounds=len(request.rounds),
                                                            timings=dict(request.result().timings))
     result.wall_s = time.perf_counter() - started
+    _record_step_shares(result)
     if sps is not None and clock == MEASURED:
         on_table_scale(result)
     return result
+
+
+def _record_step_shares(result: Any) -> None:
+    """Every request's ``step_tokens`` (the tokens its rounds emitted) and ``step_s`` (its share of the wall
+    seconds of the steps it was live in: each step's seconds over its rows), as ``target_only_wall`` records
+    them: what pairs two runs of the same jobs request by request (``dspark.evaluation.paired``)."""
+    wall = {int(step["step"]): float(step["wall_s"]) for step in result.step_log}
+    for request in result.requests:
+        request["step_tokens"], request["step_s"] = 0, 0.0
+    for row in result.rounds:
+        request = result.requests[int(row["request"])]
+        request["step_tokens"] += int(row["emitted"])
+        request["step_s"] += wall[int(row["step"])] / float(row["rows"])
 
 
 def _step(batch: SpeculativeBatch, policy: Any, temps: np.ndarray | None, sps: Any, overhead_mode: Any,

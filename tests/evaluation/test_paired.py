@@ -14,7 +14,9 @@ import pytest
 from dspark.bootstrap import jackknife_ci
 from dspark.cli.main import main
 from dspark.evaluation.compare import compare_reports
-from dspark.evaluation.paired import paired_ratio, paired_ratio_from_records, verdict
+from dspark.evaluation.paired import (paired_ratio, paired_ratio_from_records, serving_paired_ratio, serving_tau,
+                                     verdict)
+from dspark.scheduling.results import SimResult
 from dspark.evaluation.report import build_report
 from dspark.evaluation.demo_page import summary_markdown, summary_short
 from dspark.evaluation.demo_runs import load_run
@@ -64,6 +66,75 @@ def test_the_ratios_and_their_jackknife_intervals_by_hand():
     assert (p.common, p.only_a, p.only_b, p.level) == (3, 0, 0, 0.95)
     t_half = 0.816497  # t at 0.75, 2 degrees of freedom: a 50 % interval
     assert tuple(_hand_case(level=0.5).tau) == pytest.approx(_jackknife_by_hand(8 / 7, [5 / 4, 4 / 5, 14 / 9], t_half))
+
+
+def _cell(policy, shares, accepted, concurrency=1, benchmarks=None):
+    """A batched serving cell: request i made shares[i] = (tokens, seconds of its steps) and its rounds accepted
+    accepted[i] drafts each (no EOS)."""
+    benchmarks = benchmarks or ["gsm8k"] * len(shares)
+    requests = [{"index": i, "tag": [b, i], "step_tokens": t, "step_s": w} for i, ((t, w), b) in
+                enumerate(zip(shares, benchmarks))]
+    rounds = [{"request": i, "step": 0, "accepted": m, "eos_accepted": False, "proposed": 3}
+              for i, ms in enumerate(accepted) for m in ms]
+    return SimResult(policy=policy, concurrency=concurrency, engine="batched", requests=requests, rounds=rounds)
+
+
+def test_serving_cells_pair_request_by_request_as_evaluations_do():
+    # The hand case above as two serving cells: A's and B's tokens and step seconds per request, and the same
+    # rounds. Both cells share one target-only decode, so the ratio of their speedups is that of their throughputs:
+    # (40 / 11) / (40 / 5) = 5/11, and without request 0, 1, 2: 4/9, 3/7, 1/2 (as above).
+    a = _cell("a", [(10, 2.0), (10, 4.0), (20, 5.0)], [[1, 0], [3], [0]])
+    b = _cell("b", [(10, 1.0), (10, 2.0), (20, 2.0)], [[0], [1], [1, 1]])
+    p = serving_paired_ratio(a, b)
+    assert tuple(p.speedup) == pytest.approx(_jackknife_by_hand(5 / 11, [4 / 9, 3 / 7, 1 / 2], T2))
+    assert tuple(p.tau) == pytest.approx(_jackknife_by_hand(8 / 7, [5 / 4, 4 / 5, 14 / 9], T2))
+    assert (p.common, p.only_a, p.only_b) == (3, 0, 0)
+    # τ of A alone: 8 / 4 rounds = 2; without request 0, 1, 2: 5/2, 4/3, 7/3 (log-scale jackknife, clipped at 1).
+    estimate, lo, hi = _jackknife_by_hand(2.0, [5 / 2, 4 / 3, 7 / 3], T2)
+    assert lo < 1 and tuple(serving_tau(a)) == pytest.approx((estimate, 1.0, hi))
+    # A request only B served (its stop rule admitted one more) counts zeros in A.
+    extra = _cell("b", [(10, 1.0), (10, 2.0), (20, 2.0), (8, 1.0)], [[0], [1], [1, 1], [0]])
+    q = serving_paired_ratio(a, extra)
+    assert (q.common, q.only_a, q.only_b) == (3, 0, 1)
+    assert q.speedup.estimate == pytest.approx((40 / 11) / (48 / 6))
+
+
+def test_serving_pairs_are_refused_across_r_other_jobs_or_without_step_shares():
+    a = _cell("a", [(10, 2.0), (10, 4.0)], [[1], [0]])
+    with pytest.raises(ValueError, match="same R"):
+        serving_paired_ratio(a, _cell("b", [(10, 2.0), (10, 4.0)], [[1], [0]], concurrency=4))
+    with pytest.raises(ValueError, match="same jobs"):
+        serving_paired_ratio(a, _cell("b", [(10, 2.0), (10, 4.0)], [[1], [0]], benchmarks=["gsm8k", "mbpp"]))
+    bare = _cell("b", [(10, 2.0), (10, 4.0)], [[1], [0]])
+    for r in bare.requests:
+        del r["step_s"]
+    with pytest.raises(ValueError, match="step_tokens, step_s"):
+        serving_paired_ratio(a, bare)
+
+
+def test_the_serving_pair_interval_covers_at_the_demos_design():
+    """9 benchmarks x 4 requests (the demo's scheduling design): each request's speed shares a slowdown s_i
+    under both policies (a long prompt is slow under both), with its own 5 % timing noise per decode, and
+    A is 1.05x faster; acceptance p_i is shared too, A's 0.9 of B's."""
+    rng = np.random.default_rng(7)
+    trials, hit_speed, hit_tau = 200, 0, 0
+    for _ in range(trials):
+        n = 36
+        s = rng.lognormal(0.0, 0.3, n)
+        q = rng.uniform(0.2, 0.6, n)
+        tokens = rng.integers(20, 25, n)
+        shares_a = [(t, t / (1.05 * s[i] * rng.lognormal(0, 0.05))) for i, t in enumerate(tokens)]
+        shares_b = [(t, t / (s[i] * rng.lognormal(0, 0.05))) for i, t in enumerate(tokens)]
+        acc_a = [rng.binomial(1, 0.9 * q[i], 12).tolist() for i in range(n)]
+        acc_b = [rng.binomial(1, q[i], 12).tolist() for i in range(n)]
+        benchmarks = [f"b{i % 9}" for i in range(n)]
+        p = serving_paired_ratio(_cell("a", shares_a, acc_a, benchmarks=benchmarks),
+                                 _cell("b", shares_b, acc_b, benchmarks=benchmarks))
+        hit_speed += p.speedup.lo <= 1.05 <= p.speedup.hi
+        true_tau = (1 + 0.9 * q.mean()) / (1 + q.mean())  # E τ_A / E τ_B: rounds per request are equal
+        hit_tau += p.tau.lo <= true_tau <= p.tau.hi
+    # 95 % nominal; 200 trials: binomial sd 1.5 %.
+    assert 0.9 <= hit_speed / trials <= 0.99 and 0.88 <= hit_tau / trials <= 0.99
 
 
 def test_requests_are_matched_on_benchmark_and_request_whatever_their_order():
