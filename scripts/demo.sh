@@ -6,10 +6,10 @@
 #   4 eval       all three on the test prompts of the nine benchmarks, T = 1 and greedy, each against
 #                target-only decoding; R requests per forward (the largest R that still pays, timed first)
 #   5 calibrate  STS on the T = 1 round logs of DSpark on the dev prompts (fit / check split by request)
-#   6 simulate   DSpark under each verification policy of POLICIES in the batched serving loop at R = 1, 4, 8
-#                on the test prompts: the SPS clock and the wall clock of the same steps, each against
-#                target-only decoding of the same requests at R, and each policy against static γ on the same
-#                requests (Fig. 8 analogue; the scheduling table)
+#   6 schedule   DSpark under each verification policy of POLICIES at R = 1 on the test prompts: wall
+#                clock against target-only, and the SPS clock of the same requests
+#   7 simulate   the same prompts and policies in the batched serving loop at R = 1, 4, 8: the SPS clock
+#                and the wall clock of the same steps, each against target-only decoding at R (Fig. 8 analogue)
 # Every reported number decodes the test part of each benchmark (eval.split = test); the dev part,
 # which never shares a prompt with it, is where recipes are chosen (bench/recipe_study.py) and STS is
 # fitted (dspark.data.benchmarks: the split).
@@ -17,7 +17,7 @@
 #                beside dspark's loop on the same prompts (bench/llamacpp.py), each at n-max γ and at the
 #                setting chosen from its greedy dev rounds and the engine's cost table (--tune); never builds
 #                llama.cpp itself
-#   7 summary    runs/demo/README.md (plots linked) and a short version printed
+#   8 summary    runs/demo/README.md (plots linked) and a short version printed
 #
 #   bash scripts/demo.sh           45-65 minutes on 2 CPU cores
 #   bash scripts/demo.sh --quick   every stage at toy size (a first look; the end-to-end test), under 8 minutes
@@ -35,7 +35,7 @@ for arg in "$@"; do
   esac
 done
 
-# The verification policies of stage 6 (dspark.scheduling.simulator.make_policy specs), in table order:
+# The verification policies of stage 6 and 7 (dspark.scheduling.simulator.make_policy specs), in table order:
 # static γ (verify every draft), static ℓ = 1 (MTP-1-like), Algorithm 1 (STS + the measured SPS),
 # async (the paper's deployed variant, Section 5.2: no early stop, a capacity from confidences two
 # steps old, so it sees past a dip in the SPS table where Algorithm 1's break stops), and
@@ -125,10 +125,10 @@ json.dump({"mode": "$MODE", "epochs": $EPOCHS, "max_wall_minutes": $CAP_MIN, "co
           open(sys.argv[1], "w"), indent=2)
 PY
 
-echo "== 1/7 data: SmolLM2 answers the built-in prompts, rendered, features cached (fp8) [$MODE]"
+echo "== 1/8 data: SmolLM2 answers the built-in prompts, rendered, features cached (fp8) [$MODE]"
 stage data "$DATA/split.json" dspark prepare --config "$DS" --set "$SET_DATA" ${PREP_SET[@]+"${PREP_SET[@]}"}
 
-echo "== 2/7 training DSpark, DFlash and Eagle3 with the same budget ($EPOCHS epochs each)"
+echo "== 2/8 training DSpark, DFlash and Eagle3 with the same budget ($EPOCHS epochs each)"
 # All three draft over the VOCAB_K most frequent training tokens (hard counts topped up by the
 # target's own probabilities, read from the feature cache): one vocabulary file serves them all.
 stage vocab "$DATA/draft_vocab_$VOCAB_K.safetensors" dspark vocab --config "$DS" --set "$SET_DATA" \
@@ -151,14 +151,14 @@ else
 fi
 DRAFT="$OUT/dspark_smollm2_135m/drafter"
 
-echo "== 3/7 the target's speed at B batch tokens (SPS table, dtype $DTYPE)"
+echo "== 3/8 the target's speed at B batch tokens (SPS table, dtype $DTYPE)"
 # B covers every size the batched serving loop forwards at R = 1, 4, 8 (R · (1 + max ℓ), γ = 4) and, in long
 # mode, both sides of a CPU's few-row kernel limit (128 | 129 rows): the clock interpolates between samples,
 # never across a jump.
 stage profile-sps "$OUT/sps.json" dspark profile-sps --target smollm2-135m --dtype "$DTYPE" --draft "$DRAFT" \
   --batch-tokens "$SPS_B" --context-len 128 --warmup 1 --repeats "$SPS_REPEATS" --out "$OUT/sps.json"
 
-echo "== 4/7 evaluation on the $SPLIT prompts, T = 1 and greedy ($SAMPLES prompts per benchmark, $MAXNEW new tokens)"
+echo "== 4/8 evaluation on the $SPLIT prompts, T = 1 and greedy ($SAMPLES prompts per benchmark, $MAXNEW new tokens)"
 # --batch-size auto: the largest R that still pays, timed on the engine's own forward (dspark.scheduling.batch_size);
 # every request decodes the tokens it decodes alone, so τ does not depend on R.
 for temp in 1.0 0.0; do
@@ -171,8 +171,8 @@ for temp in 1.0 0.0; do
   dspark compare "${NAMES[@]/#/$OUT/eval-T$temp/}" --out "$OUT/report-T$temp.md" >/dev/null
 done
 
-echo "== 5/7 calibration: DSpark at T = 1 on the dev prompts; STS fitted on half of those requests, ECE on the other half"
-# The policies of stage 6 are scored on the test prompts: the temperatures are fitted on prompts
+echo "== 5/8 calibration: DSpark at T = 1 on the dev prompts; STS fitted on half of those requests, ECE on the other half"
+# The policies of stages 6 and 7 are scored on the test prompts: the temperatures are fitted on prompts
 # they never see (the same design as the evaluation, without the target-only decode).
 stage "eval-dev-T1.0-dspark" "$OUT/dev/${NAMES[0]}/report.md" \
   dspark eval "${EVAL_ARGS[@]}" --split dev --num-samples "$SAMPLES" --max-new-tokens "$MAXNEW" \
@@ -180,10 +180,19 @@ stage "eval-dev-T1.0-dspark" "$OUT/dev/${NAMES[0]}/report.md" \
 stage calibrate "$OUT/sts.json" dspark calibrate --rounds "$OUT/dev/${NAMES[0]}/rounds.jsonl" \
   --out "$OUT/sts.json"
 
-echo "== 6/7 verification policies [$POLICIES] in the batched serving loop at R = $SIM_R, the $SPLIT prompts, T = 1"
+echo "== 6/8 scheduled verification at R = 1: policies [$POLICIES], the $SPLIT prompts, T = 1"
+# Wall-clock tokens/s against target-only decoding of the same prompts, in the same process, and the
+# SPS clock of the same requests. R > 1 is stage 7: the batched serving loop, on both clocks.
+for policy in $POLICIES; do
+  stage "sched-$policy-R1" "$OUT/sched/$policy-R1/report.md" \
+    dspark eval "${EVAL_ARGS[@]}" --num-samples "$SCHED_SAMPLES" --max-new-tokens "$SCHED_MAXNEW" \
+    --draft "$DRAFT" --temperature 1.0 --policy "$policy" --concurrency 1 \
+    --sts "$OUT/sts.json" --sps "$OUT/sps.json" --label "$policy" --out "$OUT/sched/$policy-R1"
+done
+
+echo "== 7/8 batched serving at R = $SIM_R on the same $SPLIT prompts (SPS and wall clocks; Fig. 8 analogue)"
 # The prompts are cycled, so R requests are live at every step: target-only decoding is R·SPS(R) on the
-# SPS clock and target-only decoding of the same requests at R on the wall clock. The cells are served R by
-# R, and each is paired with static γ's at its R (the same requests and seeds; docs/scheduling.md).
+# SPS clock and target-only decoding of the same requests at R on the wall clock.
 stage simulate "$OUT/simulate/results.json" dspark simulate "${EVAL_ARGS[@]}" --draft "$DRAFT" \
   --sps "$OUT/sps.json" --sts "$OUT/sts.json" --concurrency "$SIM_R" --policy ${POLICIES// /,} --draft-overhead measured \
   --num-prompts "$SCHED_SAMPLES" --max-new-tokens "$SCHED_MAXNEW" --temperature 1.0 --out "$OUT/simulate"
@@ -214,5 +223,5 @@ elif [ "${DSPARK_DEMO_LLAMACPP:-1}" != 0 ]; then
   echo "== llama.cpp: skipped, no llama-server found (set DSPARK_LLAMA_SERVER=/path/to/llama-server, or build one with \`python bench/llamacpp.py --build\`: about 15 minutes once)"
 fi
 
-echo "== 7/7 summary"
+echo "== 8/8 summary"
 dspark summary "$OUT"

@@ -12,7 +12,8 @@ difference (the jackknife of a statistic of paired samples deletes the pairs).
                                 rounds.jsonl as ``dspark eval`` writes them)
 - ``paired_ratio_from_records`` the same from their request and round rows (tests, hand checks)
 - ``serving_paired_ratio``      the same for two cells of ``dspark simulate`` at one R (the batched
-                                serving loop's wall clock: each request's share of the steps it was live in)
+                                serving loop's wall clock: each request's share of the steps it was live in;
+                                the machine's drift between the two cells is not in its interval)
 - ``serving_tau``               τ of one such cell with its interval over the requests
 - ``PairedRatio``               the result: speedup and τ ratios (``Interval``), request counts
 - ``verdict``                   "above 1" / "below 1" / "includes 1" of an interval
@@ -229,7 +230,10 @@ def serving_paired_ratio(result_a: Any, result_b: Any, *, level: float = DEFAULT
     runs are measured against the same target-only decode of the grid at R, so the ratio of their
     speedups is the ratio of their wall throughputs. A request one run served and the other did not
     (the stop rule cut it) counts zeros in the other. Interval: the stratified jackknife over the
-    requests (strata: benchmarks) on the log scale, each request deleted from both runs at once."""
+    requests (strata: benchmarks) on the log scale, each request deleted from both runs at once. It
+    holds the request-to-request noise, not a change of the machine's speed between the two runs
+    (one run after the other): on a shared machine compare policies through scheduled evaluations,
+    each against its own target-only decode (``paired_ratio``), where that change cancels."""
     from dspark.evaluation.clocks import _benchmark_groups
 
     if int(result_a.concurrency) != int(result_b.concurrency):

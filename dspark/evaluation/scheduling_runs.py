@@ -88,8 +88,9 @@ def simulate(config: Config, *, progress: Callable[[Any], None] | None = None,
     results.json/.md, rounds.jsonl, the plots and config.json to `serve.out` (default
     <run_dir>/simulate). Returns the results and the folder.
 
-    Cells are served R by R (every policy at one R, then the next R), so the cells compared at one R run
-    close together; each batched cell is paired with the first policy's at its R (``pair_cells``).
+    Cells are served R by R (every policy at one R, then the next R), so every cell at R runs close in
+    time to the target-only decode it is measured against; each batched cell gets its τ interval
+    (``pair_cells``).
     Resumes cell by cell: config.json is written before any model is loaded, each finished
     (policy, R) cell appends its rounds to rounds.jsonl and then its result to cells.jsonl
     (fsynced; the cells line commits the cell), and a rerun on the folder serves only the
@@ -103,7 +104,7 @@ def simulate(config: Config, *, progress: Callable[[Any], None] | None = None,
     done = _open_cells(out, config, resume)
     run = _open_simulation(config, sps, announce)
     cells: dict[tuple[str, int], Any] = {}
-    for concurrency in config.serve.concurrencies:  # R by R: the cells paired at one R are served together
+    for concurrency in config.serve.concurrencies:  # R by R: near the target-only decode at R
         for spec in policies:
             key = (spec, int(concurrency))
             if key in done:
@@ -114,29 +115,21 @@ def simulate(config: Config, *, progress: Callable[[Any], None] | None = None,
             if progress is not None:
                 progress(cells[key])
     results = [cells[(spec, int(r))] for spec in policies for r in config.serve.concurrencies]
-    pair_cells(results, policies[0])
+    pair_cells(results)
     out = write_results(out, results, _simulation_summary(config, run, policies))
     return results, out
 
 
-def pair_cells(results: Sequence[Any], baseline: str) -> None:
-    """Give every batched serving cell of a grid its τ interval and its wall-clock throughput and τ over
-    the cell of policy ``baseline`` at the same R (``SimResult.tau_ci`` and ``.paired``;
-    ``dspark.evaluation.paired.serving_tau``, ``serving_paired_ratio``). Cells of the per-request
-    engine, or without a baseline cell at their R, keep None."""
-    from dspark.evaluation.paired import serving_paired_ratio, serving_tau
+def pair_cells(results: Sequence[Any]) -> None:
+    """Give every batched serving cell of a grid its τ with the 95 % interval over its requests
+    (``SimResult.tau_ci``, ``dspark.evaluation.paired.serving_tau``). Cells of the per-request engine,
+    or without rounds, keep None."""
+    from dspark.evaluation.paired import serving_tau
 
-    bases = {int(r.concurrency): r for r in results if r.policy == baseline}
     for result in results:
-        if result.engine != "batched" or not result.rounds or any("step_s" not in r for r in result.requests):
-            continue
-        tau = serving_tau(result)
-        result.tau_ci = [tau.lo, tau.hi]
-        base = bases.get(int(result.concurrency))
-        if base is None or base is result or any("step_s" not in r for r in base.requests):
-            continue
-        p = serving_paired_ratio(result, base)
-        result.paired = {"baseline": baseline, "speedup": list(p.speedup), "tau": list(p.tau), "common": p.common}
+        if result.engine == "batched" and result.rounds:
+            tau = serving_tau(result)
+            result.tau_ci = [tau.lo, tau.hi]
 
 
 @dataclasses.dataclass

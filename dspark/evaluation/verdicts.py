@@ -3,8 +3,7 @@
 - ``position_verdicts``  where one drafter's conditional acceptance lies above or below another's beyond
                          both 95 % intervals (the two do not overlap), per draft position.
 - ``paired_rows``        each policy's speedup and τ over ``PAIRED_BASELINE``'s (static γ) on the same
-                         requests at R = 1 (``dspark.evaluation.paired.paired_ratio``; the serving
-                         simulation's paired cells where there are no scheduled evaluations); ``paired_verdict``
+                         requests at R = 1 (``dspark.evaluation.paired.paired_ratio``); ``paired_verdict``
                          says whether the interval separates them, ``fmt_ratio`` shows one.
 - ``clock_rows``         the SPS clock against the wall clock on each policy's scheduled evaluation at R = 1
                          (``dspark.evaluation.clocks.clock_difference``); ``clock_cell`` shows one.
@@ -52,9 +51,7 @@ def position_verdicts(row: Mapping[str, Any], other: Mapping[str, Any], first: i
 def paired_rows(run: Mapping[str, Any], baseline: str = PAIRED_BASELINE) -> list[dict[str, Any]]:
     """For every other policy with a scheduled evaluation at R = 1: its speedup and τ over the
     baseline's on the same requests (``dspark.evaluation.paired.paired_ratio``, each speedup against its own
-    target-only decodes), as {policy, paired: PairedRatio or None, error: why not or None}; without
-    scheduled evaluations, the same from the serving simulation's cells at R = 1 (their wall-clock
-    throughputs on the same jobs, ``dspark.evaluation.paired.serving_paired_ratio``).
+    target-only decodes), as {policy, paired: PairedRatio or None, error: why not or None}.
     Empty without the baseline's evaluation. Kept in ``run`` (a dict) once computed: the page
     shows them twice and each is a bootstrap."""
     cached = run.get("paired_rows", {}).get(baseline)
@@ -70,7 +67,7 @@ def _paired_rows(run: Mapping[str, Any], baseline: str) -> list[dict[str, Any]]:
     from dspark.evaluation.paired import paired_ratio
 
     if (baseline, 1) not in run["sched"]:
-        return _served_paired_rows(run, baseline)
+        return []
     folder = run["dir"] / "sched"
     rows = []
     for policy, _ in sorted((k for k in run["sched"] if k[1] == 1 and k[0] != baseline), key=policy_order(run)):
@@ -79,32 +76,6 @@ def _paired_rows(run: Mapping[str, Any], baseline: str) -> list[dict[str, Any]]:
         except (OSError, ValueError, KeyError, TypeError) as e:  # a stage still running, a folder without round logs
             paired, error = None, str(e)
         rows.append({"policy": policy, "paired": paired, "error": error})
-    return rows
-
-
-def _served_paired_rows(run: Mapping[str, Any], baseline: str) -> list[dict[str, Any]]:
-    """The same from ``dspark simulate``'s cells at R = 1 (each paired with its grid's first policy,
-    ``dspark.evaluation.scheduling_runs.pair_cells``), for a run without scheduled evaluations."""
-    from dspark.bootstrap import DEFAULT_LEVEL, Interval
-    from dspark.evaluation.demo_runs import simulated_results
-    from dspark.evaluation.paired import PairedRatio
-
-    cells = {k: v for k, v in simulated_results(run).items() if k[1] == 1}
-    if (baseline, 1) not in cells:
-        return []
-    rows = []
-    for policy, _ in sorted((k for k in cells if k[0] != baseline), key=policy_order(run)):
-        p = cells[(policy, 1)].get("paired")
-        if not isinstance(p, Mapping) or p.get("baseline") != baseline:
-            rows.append({"policy": policy, "paired": None,
-                         "error": f"simulate/results.json pairs this cell with no {baseline} cell"})
-            continue
-        def interval(values: Any) -> Interval:  # JSON keeps an undefined bound (too few requests) as null
-            return Interval(*(math.nan if v is None else float(v) for v in values))
-
-        paired = PairedRatio(speedup=interval(p["speedup"]), tau=interval(p["tau"]), common=int(p["common"]),
-                             only_a=0, only_b=0, level=DEFAULT_LEVEL)
-        rows.append({"policy": policy, "paired": paired, "error": None})
     return rows
 
 

@@ -58,11 +58,7 @@ class SimResult:
       computed; clocks: the
       SPS clock against the wall clock on this run's steps (``dspark.evaluation.clocks.serving_clock_difference``
       as a dict), when a profile was given.
-    tau_ci: the 95 % interval of τ over the requests (``dspark.evaluation.paired.serving_tau``), when computed;
-    paired: this run against another policy's at the same R on the same jobs (``dspark simulate`` pairs every
-      cell with its grid's first policy): {"baseline", "speedup", "tau" ([estimate, lo, hi] each: wall-clock
-      throughput and τ over the baseline's, ``dspark.evaluation.paired.serving_paired_ratio``), "common"},
-      when computed.
+    tau_ci: the 95 % interval of τ over the requests (``dspark.evaluation.paired.serving_tau``), when computed.
     table_ci: the 95 % interval of vs_target_only over the SPS table's own timing noise
       (``dspark.scheduling.sps_profile.table_interval``: this run's steps priced by tables of the
       profile's timings resampled), or None when no profile was given.
@@ -107,7 +103,6 @@ class SimResult:
     clocks: dict[str, Any] | None = None
     table_ci: list[float] | None = None
     tau_ci: list[float] | None = None
-    paired: dict[str, Any] | None = None
     requests: list[dict[str, Any]] = field(default_factory=list)
     rounds: list[dict[str, Any]] = field(default_factory=list)
     step_log: list[dict[str, Any]] = field(default_factory=list)
@@ -245,5 +240,4 @@ class SimResult:
                                     if self.step_wall_s > 0 else math.nan),
             "wall_vs_target_only_ci": self.wall_ci,
             "clocks": self.clocks,
-            "paired": self.paired,
         }
