@@ -27,7 +27,7 @@ import numpy as np
 
 from dspark.bootstrap import DEFAULT_LEVEL, DEFAULT_RESAMPLES, check_settings, design_df, jackknife_ci, \
     student_t_quantile
-from dspark.evaluation.paired import load_evaluation
+from dspark.evaluation.paired import benchmark_groups, load_evaluation
 from dspark.scheduling.algorithm1 import SPSTable
 from dspark.scheduling.sps_profile import SPSProfile, bootstrap_tables, load_profile, profile_path
 
@@ -313,7 +313,7 @@ def _serving_groups(result: Any) -> tuple[list[np.ndarray], list[int]]:
     run's steps: float64 [n_b, 4 + k] = (tokens, W, O, V, counts per forward size); and the sizes."""
     sums, sizes = _request_step_sums(result)
     tags = {index: result.requests[index].get("tag") for index in sums}
-    return _benchmark_groups(sums, tags), sizes
+    return benchmark_groups(sums, tags), sizes
 
 
 def _request_step_sums(result: Any) -> tuple[dict[int, np.ndarray], list[int]]:
@@ -333,16 +333,6 @@ def _request_step_sums(result: Any) -> tuple[dict[int, np.ndarray], list[int]]:
         row[3] += float(step["verify_s"]) / rows
         row[col[int(step["priced_tokens"])]] += 1.0 / rows
     return sums, sizes
-
-
-def _benchmark_groups(rows: Mapping[int, np.ndarray], tags: Mapping[int, Any]) -> list[np.ndarray]:
-    """Per-request rows stacked per benchmark (the tag's first field; "all" without a tag), in
-    request order within each."""
-    groups: dict[str, list[np.ndarray]] = {}
-    for index, row in rows.items():
-        tag = tags.get(index)
-        groups.setdefault(str(tag[0]) if isinstance(tag, (list, tuple)) and tag else "all", []).append(row)
-    return [np.stack(v) for v in groups.values()]
 
 
 def _serving_sps_over_wall(sums: np.ndarray, speeds: np.ndarray) -> np.ndarray:
@@ -436,7 +426,7 @@ def serving_wall_ratio(result: Any, *, level: float = DEFAULT_LEVEL) -> tuple[fl
         row[2] += float(r["step_tokens"])
         row[3] += float(r["step_s"])
     tags = {int(r["index"]): r.get("tag") for r in [*result.requests, *result.target_only_requests]}
-    estimate, lo, hi = throughput_ratio_ci(_benchmark_groups(dict(sorted(rows.items())), tags), level=level)
+    estimate, lo, hi = throughput_ratio_ci(benchmark_groups(dict(sorted(rows.items())), tags), level=level)
     return estimate, lo, hi, len(rows)
 
 

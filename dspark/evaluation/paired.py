@@ -15,6 +15,7 @@ difference (the jackknife of a statistic of paired samples deletes the pairs).
                                 serving loop's wall clock: each request's share of the steps it was live in;
                                 the machine's drift between the two cells is not in its interval)
 - ``serving_tau``               τ of one such cell with its interval over the requests
+- ``benchmark_groups``          per-request rows stacked per benchmark: the strata of these intervals
 - ``PairedRatio``               the result: speedup and τ ratios (``Interval``), request counts
 - ``verdict``                   "above 1" / "below 1" / "includes 1" of an interval
 """
@@ -35,8 +36,8 @@ from dspark.evaluation.intervals import request_aggregates
 
 PathLike = Union[str, os.PathLike]
 
-__all__ = ["PairedRatio", "load_evaluation", "paired_ratio", "paired_ratio_from_records", "serving_paired_ratio",
-           "serving_tau", "verdict"]
+__all__ = ["PairedRatio", "benchmark_groups", "load_evaluation", "paired_ratio", "paired_ratio_from_records",
+           "serving_paired_ratio", "serving_tau", "verdict"]
 
 
 @dataclass(frozen=True)
@@ -202,6 +203,16 @@ def _serving_rows(result: Any) -> dict[int, np.ndarray]:
     return rows
 
 
+def benchmark_groups(rows: Mapping[int, np.ndarray], tags: Mapping[int, Any]) -> list[np.ndarray]:
+    """Per-request rows stacked per benchmark (the tag's first field; "all" without a tag), in
+    request order within each."""
+    groups: dict[str, list[np.ndarray]] = {}
+    for index, row in rows.items():
+        tag = tags.get(index)
+        groups.setdefault(str(tag[0]) if isinstance(tag, (list, tuple)) and tag else "all", []).append(row)
+    return [np.stack(v) for v in groups.values()]
+
+
 def _serving_tags(*results: Any) -> dict[int, Any]:
     return {int(r["index"]): r.get("tag") for result in results for r in result.requests}
 
@@ -210,13 +221,12 @@ def serving_tau(result: Any, *, level: float = DEFAULT_LEVEL) -> Interval:
     """τ of a batched serving run (``SimResult``: rounds and step log) pooled over its rounds, with its
     ``level`` interval over the requests: the stratified jackknife on the log scale, strata the tags'
     benchmarks, clipped at 1 (``dspark.evaluation.intervals``' estimator for an evaluation's τ)."""
-    from dspark.evaluation.clocks import _benchmark_groups
     from dspark.evaluation.intervals import TAU_SUPPORT
 
     rows = {i: row[2:] for i, row in sorted(_serving_rows(result).items()) if row[3] > 0}
     if not rows:
         raise ValueError(f"{result.policy} at R = {result.concurrency} has no rounds: nothing to take τ of")
-    groups = _benchmark_groups(rows, _serving_tags(result))
+    groups = benchmark_groups(rows, _serving_tags(result))
     return Interval(*jackknife_ci(groups, _tau_ratio_single, level=level, scale="log", support=TAU_SUPPORT))
 
 
@@ -234,8 +244,6 @@ def serving_paired_ratio(result_a: Any, result_b: Any, *, level: float = DEFAULT
     holds the request-to-request noise, not a change of the machine's speed between the two runs
     (one run after the other): on a shared machine compare policies through scheduled evaluations,
     each against its own target-only decode (``paired_ratio``), where that change cancels."""
-    from dspark.evaluation.clocks import _benchmark_groups
-
     if int(result_a.concurrency) != int(result_b.concurrency):
         raise ValueError(f"{result_a.policy} ran at R = {result_a.concurrency} and {result_b.policy} at R = "
                          f"{result_b.concurrency}: pair two cells of the same R")
@@ -247,7 +255,7 @@ def serving_paired_ratio(result_a: Any, result_b: Any, *, level: float = DEFAULT
         raise ValueError(f"request {clash} is {tags_a[clash]} in {result_a.policy}'s run and {tags_b[clash]} in "
                          f"{result_b.policy}'s: the two runs did not serve the same jobs (same prompts and seed)")
     rows = {i: np.concatenate([a.get(i, np.zeros(4)), b.get(i, np.zeros(4))]) for i in sorted(set(a) | set(b))}
-    groups = _benchmark_groups(rows, {**tags_b, **tags_a})
+    groups = benchmark_groups(rows, {**tags_b, **tags_a})
 
     def interval(statistic: Any) -> Interval:
         return Interval(*jackknife_ci(groups, statistic, level=level, scale="log"))
