@@ -90,7 +90,7 @@ def simulate(config: Config, *, progress: Callable[[Any], None] | None = None,
 
     Cells are served R by R (every policy at one R, then the next R), so every cell at R runs close in
     time to the target-only decode it is measured against; each batched cell gets its τ interval
-    (``pair_cells``).
+    (``add_tau_intervals``).
     Resumes cell by cell: config.json is written before any model is loaded, each finished
     (policy, R) cell appends its rounds to rounds.jsonl and then its result to cells.jsonl
     (fsynced; the cells line commits the cell), and a rerun on the folder serves only the
@@ -115,12 +115,12 @@ def simulate(config: Config, *, progress: Callable[[Any], None] | None = None,
             if progress is not None:
                 progress(cells[key])
     results = [cells[(spec, int(r))] for spec in policies for r in config.serve.concurrencies]
-    pair_cells(results)
+    add_tau_intervals(results)
     out = write_results(out, results, _simulation_summary(config, run, policies))
     return results, out
 
 
-def pair_cells(results: Sequence[Any]) -> None:
+def add_tau_intervals(results: Sequence[Any]) -> None:
     """Give every batched serving cell of a grid its τ with the 95 % interval over its requests
     (``SimResult.tau_ci``, ``dspark.evaluation.paired.serving_tau``). Cells of the per-request engine,
     or without rounds, keep None."""
