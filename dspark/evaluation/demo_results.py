@@ -94,7 +94,8 @@ def results_table(run: Mapping[str, Any] | str | os.PathLike) -> str:
     paired = {x["policy"]: x["paired"] for x in paired_rows(run)}
     at_r = {x["policy"]: fmt_ci(x["theta_ratio"], x["theta_ratio_ci"]) for x in all_rows if x["R"] == r}
     wall_r = {x["policy"]: fmt_ci(x.get("wall_ratio"), x.get("wall_ratio_ci")) for x in all_rows if x["R"] == r}
-    served_gamma = ((run["simulate"] or {}).get("config") or {}).get("gamma") if isinstance(run["simulate"], Mapping) else None
+    served = run["simulate"] if isinstance(run["simulate"], Mapping) else {}
+    served_gamma = (served.get("config") or {}).get("gamma")
     for x in sched:
         gamma = (run["sched"].get((x["policy"], 1)) or {}).get("gamma") or served_gamma
         p = paired.get(x["policy"])

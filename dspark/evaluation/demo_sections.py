@@ -263,7 +263,8 @@ def _served_calibration(run: Mapping[str, Any]) -> tuple[list[Any], list[Any], s
     temps = (run["sts"] or {}).get("temperatures") if isinstance(run["sts"], Mapping) else None
     if not mine:
         return [], [], "scored rounds"
-    args = ([r.get("confidences") for r in mine], [int(r["accepted"]) for r in mine], [int(r["proposed"]) for r in mine])
+    args = ([r.get("confidences") for r in mine], [int(r["accepted"]) for r in mine],
+            [int(r["proposed"]) for r in mine])
     raw = [c.get("ece") for c in confidence_quality(*args) or []]
     calibrated = [c.get("ece") for c in (confidence_quality(*args, temps) or [])] if temps else []
     return raw, calibrated, f"{'/'.join(sorted(_served_split(run)))} split, static γ, R = 1"

@@ -140,7 +140,7 @@ def _speedup_ratio(s: np.ndarray) -> np.ndarray:
 
 
 def _tau_ratio(s: np.ndarray) -> np.ndarray:
-    s = s.sum(axis=-2)  # [..., 4]: A's (Σ τ, rounds), then B's
+    s = s.sum(axis=-2)  # [..., 4]: A's (numerator, denominator), then B's: (Σ τ, rounds) or (tokens, seconds)
     return (s[..., 0] / s[..., 1]) / (s[..., 2] / s[..., 3])
 
 
@@ -184,22 +184,25 @@ def paired_ratio(report_a_dir: PathLike, report_b_dir: PathLike, *, level: float
 
 
 # ------------------------------------------------------------------ serving cells
-def _serving_rows(result: Any) -> dict[int, np.ndarray]:
-    """Request index -> float64 [4] = (tokens, W, Σ τ, rounds) of a batched serving run: the tokens its
-    steps emitted and its share of their wall seconds (the requests' ``step_tokens`` and ``step_s``, as
-    ``dspark.scheduling.batched_serving`` records them), then its rounds' τ (``round_tau``) and their count."""
-    from dspark.evaluation.metrics import round_tau
-
+def _step_shares(result: Any) -> dict[int, np.ndarray]:
+    """Request index -> float64 [2] = (tokens, W) of a batched serving run: the tokens its steps emitted and
+    its share of their wall seconds (the requests' ``step_tokens`` and ``step_s``, as
+    ``dspark.scheduling.batched_serving`` records them)."""
     if any("step_s" not in r for r in result.requests):
         raise ValueError(f"{result.policy} at R = {result.concurrency}: a paired serving comparison needs each "
                          "request's share of the steps (step_tokens, step_s), which the batched engine records "
                          "(ServeSettings.engine='batched')")
-    rows = {int(r["index"]): np.array([float(r["step_tokens"]), float(r["step_s"]), 0.0, 0.0])
-            for r in result.requests}
+    return {int(r["index"]): np.array([float(r["step_tokens"]), float(r["step_s"])]) for r in result.requests}
+
+
+def _tau_sums(result: Any) -> dict[int, np.ndarray]:
+    """Request index -> float64 [2] = (Σ τ, rounds) of a serving run's rounds (``round_tau``): the
+    evaluation's "tau" aggregate (``dspark.evaluation.intervals``)."""
+    from dspark.evaluation.metrics import round_tau
+
+    rows = {int(r["index"]): np.zeros(2) for r in result.requests}
     for r in result.rounds:
-        row = rows[int(r["request"])]
-        row[2] += round_tau(r)
-        row[3] += 1.0
+        rows.setdefault(int(r["request"]), np.zeros(2))[:] += (round_tau(r), 1.0)
     return rows
 
 
@@ -218,16 +221,16 @@ def _serving_tags(*results: Any) -> dict[int, Any]:
 
 
 def serving_tau(result: Any, *, level: float = DEFAULT_LEVEL) -> Interval:
-    """τ of a batched serving run (``SimResult``: rounds and step log) pooled over its rounds, with its
+    """τ of a serving run (``SimResult``: its requests and rounds) pooled over its rounds, with its
     ``level`` interval over the requests: the stratified jackknife on the log scale, strata the tags'
     benchmarks, clipped at 1 (``dspark.evaluation.intervals``' estimator for an evaluation's τ)."""
-    from dspark.evaluation.intervals import TAU_SUPPORT
+    from dspark.evaluation.intervals import TAU_SUPPORT, _ratio
 
-    rows = {i: row[2:] for i, row in sorted(_serving_rows(result).items()) if row[3] > 0}
+    rows = {i: row for i, row in sorted(_tau_sums(result).items()) if row[1] > 0}
     if not rows:
         raise ValueError(f"{result.policy} at R = {result.concurrency} has no rounds: nothing to take τ of")
     groups = benchmark_groups(rows, _serving_tags(result))
-    return Interval(*jackknife_ci(groups, _tau_ratio_single, level=level, scale="log", support=TAU_SUPPORT))
+    return Interval(*jackknife_ci(groups, _ratio, level=level, scale="log", support=TAU_SUPPORT))
 
 
 def serving_paired_ratio(result_a: Any, result_b: Any, *, level: float = DEFAULT_LEVEL) -> PairedRatio:
@@ -247,38 +250,24 @@ def serving_paired_ratio(result_a: Any, result_b: Any, *, level: float = DEFAULT
     if int(result_a.concurrency) != int(result_b.concurrency):
         raise ValueError(f"{result_a.policy} ran at R = {result_a.concurrency} and {result_b.policy} at R = "
                          f"{result_b.concurrency}: pair two cells of the same R")
-    a, b = _serving_rows(result_a), _serving_rows(result_b)
+    a, b = _step_shares(result_a), _step_shares(result_b)
     tags_a, tags_b = _serving_tags(result_a), _serving_tags(result_b)
     clash = next((i for i in a if i in b and i in tags_a and i in tags_b
                   and _tag_key(tags_a[i]) != _tag_key(tags_b[i])), None)
     if clash is not None:
         raise ValueError(f"request {clash} is {tags_a[clash]} in {result_a.policy}'s run and {tags_b[clash]} in "
                          f"{result_b.policy}'s: the two runs did not serve the same jobs (same prompts and seed)")
-    rows = {i: np.concatenate([a.get(i, np.zeros(4)), b.get(i, np.zeros(4))]) for i in sorted(set(a) | set(b))}
-    groups = benchmark_groups(rows, {**tags_b, **tags_a})
+    keys, tags = sorted(set(a) | set(b)), {**tags_b, **tags_a}
 
-    def interval(statistic: Any) -> Interval:
-        return Interval(*jackknife_ci(groups, statistic, level=level, scale="log"))
+    def interval(x: Mapping[int, np.ndarray], y: Mapping[int, np.ndarray]) -> Interval:
+        # per request [4] = A's (numerator, denominator), then B's: the ratio of the two pooled ratios
+        rows = {i: np.concatenate([x.get(i, np.zeros(2)), y.get(i, np.zeros(2))]) for i in keys}
+        return Interval(*jackknife_ci(benchmark_groups(rows, tags), _tau_ratio, level=level, scale="log"))
 
-    return PairedRatio(speedup=interval(_wall_ratio), tau=interval(_serving_tau_ratio),
+    return PairedRatio(speedup=interval(a, b), tau=interval(_tau_sums(result_a), _tau_sums(result_b)),
                        common=len(set(a) & set(b)), only_a=len(set(a) - set(b)), only_b=len(set(b) - set(a)),
                        level=float(level))
 
 
 def _tag_key(tag: Any) -> Any:
     return tuple(tag) if isinstance(tag, (list, tuple)) else tag
-
-
-def _tau_ratio_single(s: np.ndarray) -> np.ndarray:
-    s = s.sum(axis=-2)  # [..., 2]: (Σ τ, rounds)
-    return s[..., 0] / s[..., 1]
-
-
-def _wall_ratio(s: np.ndarray) -> np.ndarray:
-    s = s.sum(axis=-2)  # [..., 8]: A's (tokens, W, Σ τ, rounds), then B's
-    return (s[..., 0] / s[..., 1]) / (s[..., 4] / s[..., 5])
-
-
-def _serving_tau_ratio(s: np.ndarray) -> np.ndarray:
-    s = s.sum(axis=-2)
-    return (s[..., 2] / s[..., 3]) / (s[..., 6] / s[..., 7])

@@ -113,9 +113,9 @@ def test_serving_pairs_are_refused_across_r_other_jobs_or_without_step_shares():
 
 
 def test_the_serving_pair_interval_covers_the_request_noise_at_9_benchmarks_of_4():
-    """9 benchmarks x 4 requests (the demo's scheduling size, the machine's speed held fixed): each request's speed shares a slowdown s_i
-    under both policies (a long prompt is slow under both), with its own 5 % timing noise per decode, and
-    A is 1.05x faster; acceptance p_i is shared too, A's 0.9 of B's."""
+    """9 benchmarks x 4 requests (the demo's scheduling size, the machine's speed held fixed): each
+    request's speed shares a slowdown s_i under both policies (a long prompt is slow under both), with its
+    own 5 % timing noise per decode, and A is 1.05x faster; acceptance p_i is shared too, A's 0.9 of B's."""
     rng = np.random.default_rng(7)
     trials, hit_speed, hit_tau = 200, 0, 0
     for _ in range(trials):
