@@ -6,10 +6,11 @@
 #   4 eval       all three on the test prompts of the nine benchmarks, T = 1 and greedy, each against
 #                target-only decoding; R requests per forward (the largest R that still pays, timed first)
 #   5 calibrate  STS on the T = 1 round logs of DSpark on the dev prompts (fit / check split by request)
-#   6 schedule   DSpark under each verification policy of POLICIES at R = 1 on the test prompts: wall
-#                clock against target-only, and the SPS clock of the same requests
-#   7 simulate   the same prompts and policies in the batched serving loop at R = 1, 4, 8: the SPS clock
-#                and the wall clock of the same steps, each against target-only decoding at R (Fig. 8 analogue)
+#   6 schedule   DSpark under each verification policy of POLICIES at R = 1 on the test prompts, in one
+#                process: per benchmark every policy decodes the requests, then one target-only decode of
+#                them; wall clock against target-only, and the SPS clock of the same requests
+#   7 simulate   the same prompts and policies in the batched serving loop at R = 4, 8: the SPS clock and
+#                the wall clock of the same steps, each against target-only decoding at R (Fig. 8 analogue)
 # Every reported number decodes the test part of each benchmark (eval.split = test); the dev part,
 # which never shares a prompt with it, is where recipes are chosen (bench/recipe_study.py) and STS is
 # fitted (dspark.data.benchmarks: the split).
@@ -19,7 +20,7 @@
 #                llama.cpp itself
 #   8 summary    runs/demo/README.md (plots linked) and a short version printed
 #
-#   bash scripts/demo.sh           45-65 minutes on 2 CPU cores
+#   bash scripts/demo.sh           45-55 minutes on 2 CPU cores
 #   bash scripts/demo.sh --quick   every stage at toy size (a first look; the end-to-end test), under 8 minutes
 #   bash scripts/demo.sh --long    twice the epochs under a 12-minute cap, more prompts and tokens (about 2 hours)
 # Every stage resumes: a stage whose outputs are complete (named in timings.json) is skipped,
@@ -66,15 +67,15 @@ case "$MODE" in
     TRAIN_SET=(train.max_steps=2 train.eval_every=2 train.global_batch_size=4 data.num_anchors=16)
     BENCHMARKS=(gsm8k humaneval mt-bench)
     SAMPLES=1; MAXNEW=12; SCHED_SAMPLES=1; SCHED_MAXNEW=12
-    SPS_B=1,2,4,8,16,32; SPS_REPEATS=1; SIM_R=1,4 ;;
+    SPS_B=1,2,4,8,16,32; SPS_REPEATS=1; SIM_R=4 ;;
   long)
     OUT="$OUT-long"; EPOCHS=40; CAP_MIN=12  # held-out τ flattens after about 40 epochs (bench/README.md)
     SAMPLES=16; MAXNEW=64; SCHED_SAMPLES=4; SCHED_MAXNEW=64
-    SPS_B=1,2,3,4,5,6,8,10,12,16,20,24,32,40,48,64,80,128,129,256,320,512; SPS_REPEATS=20; SIM_R=1,4,8,16,64 ;;
+    SPS_B=1,2,3,4,5,6,8,10,12,16,20,24,32,40,48,64,80,128,129,256,320,512; SPS_REPEATS=20; SIM_R=4,8,16,64 ;;
   *)
     EPOCHS=20; CAP_MIN=5
     SAMPLES=8; MAXNEW=24; SCHED_SAMPLES=4; SCHED_MAXNEW=24
-    SPS_B=1,2,3,4,5,6,8,10,12,16,20,24,32,40,48,64,128; SPS_REPEATS=20; SIM_R=1,4,8 ;;
+    SPS_B=1,2,3,4,5,6,8,10,12,16,20,24,32,40,48,64,128; SPS_REPEATS=20; SIM_R=4,8 ;;
 esac
 DATA="$OUT/data"
 DS=config/dspark/dspark_smollm2_135m.py
@@ -118,7 +119,7 @@ json.dump({"mode": "$MODE", "epochs": $EPOCHS, "max_wall_minutes": $CAP_MIN, "co
            "eval": {"num_samples": $SAMPLES, "max_new_tokens": $MAXNEW, "dtype": "$DTYPE", "split": "test",
                     "calibration_split": "dev",
                     "data": "${EVAL_DATA:-builtin}", "benchmarks": "${BENCHMARKS[*]}".split() or "all"},
-           "schedule": {"policies": "$POLICIES".split(), "concurrencies": [int(r) for r in "$SIM_R".split(",")], "num_samples": $SCHED_SAMPLES,
+           "schedule": {"policies": "$POLICIES".split(), "concurrencies": [1] + [int(r) for r in "$SIM_R".split(",")], "num_samples": $SCHED_SAMPLES,
                         "max_new_tokens": $SCHED_MAXNEW},
            "simulate": {"concurrencies": [int(r) for r in "$SIM_R".split(",")]},
            "profile": {"batch_tokens": [int(b) for b in "$SPS_B".split(",")], "repeats": $SPS_REPEATS}},
@@ -182,17 +183,20 @@ stage calibrate "$OUT/sts.json" dspark calibrate --rounds "$OUT/dev/${NAMES[0]}/
 
 echo "== 6/8 scheduled verification at R = 1: policies [$POLICIES], the $SPLIT prompts, T = 1"
 # Wall-clock tokens/s against target-only decoding of the same prompts, in the same process, and the
-# SPS clock of the same requests. R > 1 is stage 7: the batched serving loop, on both clocks.
-for policy in $POLICIES; do
-  stage "sched-$policy-R1" "$OUT/sched/$policy-R1/report.md" \
-    dspark eval "${EVAL_ARGS[@]}" --num-samples "$SCHED_SAMPLES" --max-new-tokens "$SCHED_MAXNEW" \
-    --draft "$DRAFT" --temperature 1.0 --policy "$policy" --concurrency 1 \
-    --sts "$OUT/sts.json" --sps "$OUT/sps.json" --label "$policy" --out "$OUT/sched/$policy-R1"
-done
+# SPS clock of the same requests; one folder per policy, sched/<policy>-R1. Per benchmark every policy
+# decodes the requests, then one target-only decode of them is every policy's baseline
+# (dspark.evaluation.evaluate.evaluate_policies). R > 1 is stage 7: the batched serving loop, on both
+# clocks.
+LAST_POLICY=${POLICIES##* }
+stage "sched-R1" "$OUT/sched/$LAST_POLICY-R1/report.md" \
+  dspark eval "${EVAL_ARGS[@]}" --num-samples "$SCHED_SAMPLES" --max-new-tokens "$SCHED_MAXNEW" \
+  --draft "$DRAFT" --temperature 1.0 --policy $POLICIES --concurrency 1 \
+  --sts "$OUT/sts.json" --sps "$OUT/sps.json" --out "$OUT/sched"
 
 echo "== 7/8 batched serving at R = $SIM_R on the same $SPLIT prompts (SPS and wall clocks; Fig. 8 analogue)"
 # The prompts are cycled, so R requests are live at every step: target-only decoding is R·SPS(R) on the
-# SPS clock and target-only decoding of the same requests at R on the wall clock.
+# SPS clock and target-only decoding of the same requests at R on the wall clock. R = 1 is stage 6 (the
+# same serving loop with one request live, the same requests and seeds).
 stage simulate "$OUT/simulate/results.json" dspark simulate "${EVAL_ARGS[@]}" --draft "$DRAFT" \
   --sps "$OUT/sps.json" --sts "$OUT/sts.json" --concurrency "$SIM_R" --policy ${POLICIES// /,} --draft-overhead measured \
   --num-prompts "$SCHED_SAMPLES" --max-new-tokens "$SCHED_MAXNEW" --temperature 1.0 --out "$OUT/simulate"

@@ -54,8 +54,9 @@ FLAGS: dict[str, Flag] = {
                          "timed on the device before decoding; 1: one at a time"),
     "--no-baseline": Flag("skip target-only decoding (no speedup figures)", kind="false"),
     "--label": Flag("row label in the report tables"),
-    "--policy": Flag("verification-length policy: eval decodes through the serving loop under one "
-                     "(none: verify all γ drafts), simulate compares the ones given (default: algorithm1, async, "
+    "--policy": Flag("verification-length policy: eval decodes through the serving loop under each one given "
+                     "(none: verify all γ drafts; several: the same requests under each, one target-only decode, "
+                     "policy P in OUT/P-R<R>), simulate compares the ones given (default: algorithm1, async, "
                      "static1, static, threshold:0.5); " + POLICY_HELP, kind="list", metavar="POLICY"),
     "--scheduler": Flag("deprecated spelling of --policy", metavar="POLICY", replaced_by="--policy"),
     "--sts": Flag("STS JSON (dspark calibrate): calibrated confidences for the policy and the report"),

@@ -170,9 +170,17 @@ def cmd_eval(args: argparse.Namespace) -> int:
         if config.eval.builtin_prompts:
             print("evaluating on the built-in evaluation prompts (held out of training)")
     report = evaluate_from_config(target, drafter, config, resume=resume)
-    if rank == 0:
+    out = config.path(config.eval.out, "eval")
+    if rank == 0 and len(config.serve.policy) > 1:
+        from dspark.evaluation.evaluate import policy_folder
+
+        for one in report.values():
+            print(report_markdown(one))
+        folders = ", ".join(policy_folder(p, config.serve.concurrency) for p in report)
+        print(f"reports: {out}/{{{folders}}}/report.md, report.json, rounds.jsonl, config.json, plots")
+    elif rank == 0:
         print(report_markdown(report))
-        print(f"report: {config.path(config.eval.out, 'eval')}/report.md, report.json, rounds.jsonl, config.json, plots")
+        print(f"report: {out}/report.md, report.json, rounds.jsonl, config.json, plots")
     return 0
 
 

@@ -184,12 +184,18 @@ def sched_row(run: Mapping[str, Any], policy: str, r: int, report: Mapping[str, 
         ratio_ci = None
     clocks = clock_rows(run).get(policy) if r == 1 and report is not None else None
     cell = clock_cell(clocks)
+    wall_ratio, wall_ratio_ci = sim.get("wall_vs_target_only"), sim.get("wall_vs_target_only_ci")
+    if simulated is None and clocks is not None and math.isfinite(clocks.sps):
+        # R = 1 without a serving cell: the scheduled evaluation is the serving loop at R = 1; its SPS
+        # clock's ratio (dspark.evaluation.clocks) and its decode-only wall-clock speedup
+        ratio, ratio_ci, wall_ratio, wall_ratio_ci = clocks.sps, None, decode, decode_ci
+        theta = ratio * theta0 if theta0 else None
     served = sim.get("clocks") if isinstance(sim.get("clocks"), Mapping) else None
     if cell == "–" and served is not None and served.get("difference") is not None:
         # the batched serving loop: Θ_sps / Θ_wall − 1 on the run's own steps (dspark.evaluation.clocks)
         cell = f"{fmt_ci(served['difference'], [served.get('lo'), served.get('hi')])} (rel.): {served.get('verdict', '–')}"
     return {"policy": policy, "R": r, "tau": tau, "tau_ci": tau_ci, "mean_ell": mean_ell,
-            "wall_ratio": sim.get("wall_vs_target_only"), "wall_ratio_ci": sim.get("wall_vs_target_only_ci"),
+            "wall_ratio": wall_ratio, "wall_ratio_ci": wall_ratio_ci,
             "tokens_per_s": a.get("tokens_per_s") if report is not None else sim.get("wall_throughput"),
             "baseline_tokens_per_s": (a.get("baseline_tokens_per_s") if report is not None
                                       else sim.get("target_only_wall")),
@@ -315,6 +321,11 @@ def sched_section(run: Mapping[str, Any]) -> str:
         "**SPS vs wall clock**: at R > 1 (\"rel.\"), Θ_sps / Θ_wall − 1 on the serving loop's own steps, with "
         f"its interval over the requests (each takes its share of every step) and the table's noise; {same_decode}; "
         "\"agree\" means the interval holds 0.")
+    served_at_1 = {p for p, r in simulated_results(run) if r == 1}
+    if any(x["R"] == 1 and x["policy"] not in served_at_1 and x["theta"] is not None for x in rows):
+        note += (" At R = 1 the scheduled evaluation is the serving loop's run (one request live), so rows without "
+                 "a serving cell at R = 1 take Θ from its SPS clock (the ratio of the SPS vs wall clock column) and "
+                 "Θ ratio (wall clock, batched) from its decode-only speedup.")
     paired = paired_section(run)
     return "\n".join([markdown_table(header, cells), "", note] + (["", paired] if paired else []))
 

@@ -27,17 +27,14 @@ def evaluate_from_config(target: Any, drafter: Any, config: Any, **overrides: An
     it, as ``config.json``, so that ``dspark eval --config <out>/config.json`` runs the
     same evaluation again. Keyword arguments override any of ``evaluate``'s."""
     e, s = config.eval, config.serve
-    policy = _one_policy(s.policy)
+    if len(s.policy) > 1:
+        return _evaluate_policies(target, drafter, config, **overrides)
+    policy = s.policy[0] if s.policy else None
     if policy is None and s.concurrency != 1:
         raise ValueError("serve.concurrency needs serve.policy (--concurrency needs --policy POLICY, e.g. --policy "
                          "algorithm1); to decode requests together without a policy use eval.batch_size "
                          "(--batch-size R)")
-    benchmarks: Any = e.data_dir
-    names: list[str] | None = list(e.benchmarks)
-    if e.builtin_prompts:
-        from dspark.data.prompts import builtin_eval_sets
-
-        benchmarks, names = builtin_eval_sets(), None
+    benchmarks, names = _prompt_sources(config)
     options: dict[str, Any] = dict(
         names=names, num_samples=e.num_samples or None, split=e.split,
         decoding=DecodeSettings(max_new_tokens=e.max_new_tokens, temperature=e.temperature, seed=e.seed),
@@ -51,6 +48,45 @@ def evaluate_from_config(target: Any, drafter: Any, config: Any, **overrides: An
         check_config_folder(options["out_dir"], config, resume=options.get("resume"))
     report = evaluate(target, drafter, options.pop("benchmarks", benchmarks), **options)
     return report
+
+
+def _prompt_sources(config: Any) -> tuple[Any, list[str] | None]:
+    """(benchmarks, names) as ``evaluate`` takes them: the data folder and eval.benchmarks, or the
+    built-in evaluation prompts."""
+    if config.eval.builtin_prompts:
+        from dspark.data.prompts import builtin_eval_sets
+
+        return builtin_eval_sets(), None
+    return config.eval.data_dir, list(config.eval.benchmarks)
+
+
+def _evaluate_policies(target: Any, drafter: Any, config: Any, **overrides: Any) -> dict[str, dict[str, Any]]:
+    """``dspark eval`` with several policies in serve.policy: ``evaluate_policies`` (every policy on the
+    same requests, one target-only decode per benchmark), policy P in ``<eval.out>/<P>-R<R>``
+    (``policy_folder``), whose config.json is this config with serve.policy = [P], eval.out that
+    folder and eval.label the report's label, so that ``dspark eval --config <folder>/config.json``
+    reruns that policy alone. Returns {policy: report}."""
+    from dspark.config import set_values
+    from dspark.evaluation.evaluate import evaluate_policies, policy_folder
+
+    e, s = config.eval, config.serve
+    out = config.path(e.out, "eval")
+    resume = overrides.pop("resume", None)
+    singles = [set_values(config, {"serve.policy": [p], "eval.out": str(out / policy_folder(p, s.concurrency)),
+                                   "eval.label": p if not e.label else f"{e.label} {p}"}) for p in s.policy]
+    if dist_info()[0] == 0:
+        for single in singles:
+            check_config_folder(single.path(single.eval.out, "eval"), single, resume=resume)
+    benchmarks, names = _prompt_sources(config)
+    options: dict[str, Any] = dict(
+        names=names, num_samples=e.num_samples or None, split=e.split,
+        decoding=DecodeSettings(max_new_tokens=e.max_new_tokens, temperature=e.temperature, seed=e.seed),
+        serving=ServeSettings(policy=s.policy[0], sps=s.sps or None, concurrency=s.concurrency,
+                              sts_temperatures=s.sts or None, engine=s.engine),
+        baseline=e.baseline, label=e.label or None, out_dir=out, run_configs=singles, resume=resume,
+    )
+    options.update(overrides)
+    return evaluate_policies(target, drafter, options.pop("benchmarks", benchmarks), list(s.policy), **options)
 
 
 def resolve_batch_size(value: int | str) -> int | str:
@@ -67,7 +103,7 @@ def check_eval_inputs(config: Any) -> None:
     from dspark.modeling.formats import detect_format, locate_drafter, read_json
 
     e = config.eval
-    _one_policy(config.serve.policy)
+    _distinct_policies(config.serve.policy)
     if not e.builtin_prompts:
         load_benchmark_prompts(e.data_dir, list(e.benchmarks), e.num_samples or None, e.seed, e.split)
     if e.draft:
@@ -96,9 +132,10 @@ def check_config_folder(out_dir: PathLike, config: Any, resume: bool | None = No
     atomic_write_text(out / "config.json", json.dumps(config.to_dict(), indent=2) + "\n")
 
 
-def _one_policy(policies: Sequence[str]) -> str | None:
-    """The policy of ``serve.policy`` for ``dspark eval`` (None: verify all γ drafts)."""
-    if len(policies) > 1:
-        raise ValueError(f"serve.policy={list(policies)} names {len(policies)} policies but dspark eval runs one; "
-                         "pass one (--policy algorithm1) or compare several with dspark simulate")
-    return policies[0] if policies else None
+def _distinct_policies(policies: Sequence[str]) -> None:
+    """serve.policy for ``dspark eval``: none (verify all γ drafts), one, or several distinct policies
+    (evaluated together on the same requests: ``evaluate_policies``)."""
+    seen = [p.strip() for p in policies]
+    twice = sorted({p for p in seen if seen.count(p) > 1})
+    if twice:
+        raise ValueError(f"serve.policy={list(policies)} names {twice} more than once; name each policy once")

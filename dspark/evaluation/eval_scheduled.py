@@ -12,6 +12,7 @@ per round in target steps, and its ``serving`` the simulated throughput on the S
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -21,6 +22,7 @@ from dspark.data.render import render_prompt
 from dspark.decoding.prefill_store import PrefillStore
 from dspark.evaluation.eval_plain import EvalState, request_record, round_row, run_baseline, warm_once
 from dspark.evaluation.journal import Done, EvalJournal
+from dspark.scheduling.policies import policy_name
 from dspark.scheduling.simulator import Job, SimResult, run_requests
 from dspark.seeds import request_seed
 
@@ -32,27 +34,59 @@ def scheduled_benchmark(
     records, rounds (plus step and batch_tokens) and the run's summary (``SimResult.summary``).
     A benchmark ``done`` holds is read back; one it does not is served from its first request
     (the policy sets each request's ℓ from all the requests decoded in lockstep)."""
-    mine = list(range(state.rank, len(conversations), state.world))
-    if (name, state.rank) in done.served:
-        keys = [(name, i) for i in mine]
-        return ([done.records[k] for k in keys], [r for k in keys for r in done.rounds.get(k, [])],
-                done.served[(name, state.rank)])
-    prompts = [render_prompt(state.tokenizer, conversations[i], enable_thinking=False) for i in mine]
+    return scheduled_benchmarks([state], name, conversations, [journal], [done])[0]
+
+
+def scheduled_benchmarks(
+    states: Sequence[EvalState], name: str, conversations: list[Conversation],
+    journals: Sequence[EvalJournal | None], dones: Sequence[Done],
+) -> list[tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]]:
+    """``scheduled_benchmark`` for several policies on the same requests (one ``EvalState`` each, the
+    same models and decoding settings): each policy not yet done serves the benchmark's requests in
+    turn, prefilling every prompt itself as in its own evaluation, and then target-only decoding of
+    those requests runs once, from the last policy's prefills, the baseline of every policy's records.
+    Each policy's decode is thus compared with a target-only decode of the same requests made within
+    the same minute, as a single-policy evaluation does. Returns (records, rounds, summary) per state,
+    in order."""
+    first = states[0]
+    mine = list(range(first.rank, len(conversations), first.world))
+    keys = [(name, i) for i in mine]
+    out: list[Any] = [None] * len(states)
+    todo = []
+    for k, (state, done) in enumerate(zip(states, dones)):
+        if (name, state.rank) in done.served:
+            out[k] = ([done.records[key] for key in keys], [r for key in keys for r in done.rounds.get(key, [])],
+                      done.served[(name, state.rank)])
+        else:
+            todo.append(k)
+    if not todo:
+        return out
+    prompts = [render_prompt(first.tokenizer, conversations[i], enable_thinking=False) for i in mine]
     if prompts:
-        warm_once(state, prompts[0])
-    jobs = [Job(p, request_seed(state.decoding.seed, name, i), (name, i)) for p, i in zip(prompts, mine)]
-    prefills = PrefillStore()  # the prompts' prefills, shared by the policy's decode and target-only decoding
-    sim = _serve(state, jobs, desc=name, prefills=prefills)
-    rounds = [{**round_row(*row["tag"], row["round"], row["proposed"], row["accepted"], row["confidences"],
-                            row["eos_accepted"]),
-               "step": row["step"], "batch_tokens": row["batch_tokens"], "drafted": row["drafted"]}
-              for row in sim.rounds]
-    rounds.sort(key=lambda r: (r["request"], r["round"]))
-    records = _scheduled_records(state, sim, jobs, rounds, journal, prefills)
-    summary = sim.summary()
-    if journal is not None:
-        journal.append_served(name, summary)
-    return records, rounds, summary
+        warm_once(states[todo[0]], prompts[0])
+        for k in todo:
+            states[k].warm = True
+    jobs = [Job(p, request_seed(first.decoding.seed, name, i), (name, i)) for p, i in zip(prompts, mine)]
+    sims = {}
+    for k in todo:
+        # the policy's own prompt prefills (every policy's steps follow real prefills alike), kept for
+        # target-only decoding, which starts from the last policy's
+        prefills = PrefillStore()
+        desc = name if len(states) == 1 else f"{name} [{policy_name(states[k].serving.policy)}]"
+        sims[k] = _serve(states[k], jobs, desc=desc, prefills=prefills)
+    baselines = _baselines(states[todo[0]], jobs, prefills)
+    for k in todo:
+        rounds = [{**round_row(*row["tag"], row["round"], row["proposed"], row["accepted"], row["confidences"],
+                                row["eos_accepted"]),
+                   "step": row["step"], "batch_tokens": row["batch_tokens"], "drafted": row["drafted"]}
+                  for row in sims[k].rounds]
+        rounds.sort(key=lambda r: (r["request"], r["round"]))
+        records = _scheduled_records(states[k], sims[k], jobs, rounds, journals[k], baselines)
+        summary = sims[k].summary()
+        if journals[k] is not None:
+            journals[k].append_served(name, summary)
+        out[k] = (records, rounds, summary)
+    return out
 
 
 def _serve(state: EvalState, jobs: list[Job], desc: str, prefills: PrefillStore | None = None) -> SimResult:
@@ -71,35 +105,39 @@ def _serve(state: EvalState, jobs: list[Job], desc: str, prefills: PrefillStore 
     return sim
 
 
+def _baselines(state: EvalState, jobs: list[Job], prefills: PrefillStore | None) -> dict[tuple, dict[str, Any]]:
+    """The baseline_* fields of each job's record, by tag ({} without a baseline). On the batched engine,
+    target-only decoding of the same jobs at the same R (each request's prefill and its share of every
+    step it was live in), starting from the prompt prefills of the policies' decodes (``prefills``: the
+    same forwards, charged the seconds they took there); else each prompt alone, batch 1."""
+    if not state.baseline:
+        return {}
+    if state.serving.engine != "batched":
+        return {tuple(job.tag): run_baseline(state, job.prompt_ids, job.seed) for job in jobs}
+    from dspark.scheduling.batched_serving import target_only_wall
+
+    base = target_only_wall(state.target, jobs, decoding=state.decoding, rows=state.serving.concurrency,
+                            prefills=prefills)
+    return {tuple(row["tag"]): dict(baseline_tokens=row["tokens"], baseline_wall_s=row["timings"]["total"],
+                                    baseline_timings=dict(row["timings"]),
+                                    baseline_finished_by_eos=bool(row["finished_by_eos"]))
+            for row in base["requests"]}
+
+
 def _scheduled_records(state: EvalState, sim: SimResult, jobs: list[Job], rounds: list[dict[str, Any]],
-                       journal: EvalJournal | None, prefills: PrefillStore | None = None) -> list[dict[str, Any]]:
-    """One record per served job, then its baseline decode; each appended to the journal with its
-    rounds once its baseline is done. A request's wall_s is the time of its own phases (prefill,
-    draft, verify, ...), not the time it waited while the other live requests were stepped; on the
-    batched engine, its prefill and its share of every step it was live in, and its baseline is
-    target-only decoding of the same jobs at the same R (shares likewise), which starts from the
-    prompt prefills of the policy's decode (``prefills``: the same forwards, charged the seconds they
-    took there)."""
+                       journal: EvalJournal | None, baselines: Mapping[tuple, Mapping[str, Any]]
+                       ) -> list[dict[str, Any]]:
+    """One record per served job with its baseline fields (``_baselines``), each appended to the journal
+    with its rounds. A request's wall_s is the time of its own phases (prefill, draft, verify, ...), not
+    the time it waited while the other live requests were stepped; on the batched engine, its prefill
+    and its share of every step it was live in."""
     by_request: dict[int, list[dict[str, Any]]] = {}
     for row in rounds:
         by_request.setdefault(row["request"], []).append(row)
-    batched = {}  # the batched engine's baseline: target-only decoding of the same jobs at the same R
-    if state.baseline and state.serving.engine == "batched":
-        from dspark.scheduling.batched_serving import target_only_wall
-
-        base = target_only_wall(state.target, jobs, decoding=state.decoding, rows=state.serving.concurrency,
-                                prefills=prefills)
-        batched = {tuple(r["tag"]): r for r in base["requests"]}
     records = []
     for info, job in zip(sim.requests, jobs):
         record = request_record(*job.tag, job.prompt_ids, info["result"], info["timings"]["total"], info["timings"])
-        if batched:
-            row = batched[tuple(job.tag)]
-            record.update(baseline_tokens=row["tokens"], baseline_wall_s=row["timings"]["total"],
-                          baseline_timings=dict(row["timings"]),
-                          baseline_finished_by_eos=bool(row["finished_by_eos"]))
-        elif state.baseline:
-            record.update(run_baseline(state, job.prompt_ids, job.seed))
+        record.update(baselines.get(tuple(job.tag), {}))
         record["rank"] = state.rank
         if journal is not None:
             journal.append_request(record, by_request.get(job.tag[1], []))

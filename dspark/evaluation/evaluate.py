@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -32,7 +33,7 @@ from dspark.choices import VARIANT_NAMES
 from dspark.data.benchmarks import load_prompts, resolve_benchmarks, samples_per_benchmark
 from dspark.data.prompts import Conversation
 from dspark.evaluation.eval_plain import EvalState, batched_benchmarks, decode_fn_name, plain_benchmark
-from dspark.evaluation.eval_scheduled import scheduled_benchmark
+from dspark.evaluation.eval_scheduled import scheduled_benchmark, scheduled_benchmarks
 from dspark.evaluation.journal import SETTINGS, Done, EvalJournal
 from dspark.evaluation.report import build_report, write_outputs
 from dspark.evaluation.scheduled_report import scheduled_summary
@@ -162,6 +163,96 @@ def evaluate(
         write_outputs(out_dir, report, records, rounds, temperatures=state.temps)
         journal.finish(records, rounds, served)
     return report
+
+
+def evaluate_policies(
+    target: Any,
+    drafter: Any,
+    benchmarks: Mapping[str, PathLike | Sequence[Conversation]] | PathLike,
+    policies: Sequence[Any],
+    *,
+    decoding: DecodeSettings = DecodeSettings(),
+    serving: ServeSettings = ServeSettings(),
+    names: Sequence[str] | None = None,
+    num_samples: int | Mapping[str, int] | None = None,
+    split: str = "all",
+    baseline: bool = True,
+    tokenizer: Any = None,
+    label: str | None = None,
+    out_dir: PathLike | None = None,
+    run_configs: Sequence[Any] | None = None,
+    progress: bool = True,
+    resume: bool | None = None,
+) -> dict[str, dict[str, Any]]:
+    """Several verification-length policies evaluated on the same requests in one process; returns
+    {policy name: report}, each the report ``evaluate`` gives with ``serving.policy`` set to it.
+
+    Per benchmark, every policy serves the benchmark's requests in turn (each prefilling the prompts
+    itself, as in its own evaluation), then target-only decoding of those requests runs once and is
+    every policy's baseline (``dspark.evaluation.eval_scheduled.scheduled_benchmarks``). Each policy's
+    speed is thus measured against target-only decoding of the same requests made within the same
+    minute, as in its own evaluation, and the policies' decodes of one benchmark lie seconds apart, so
+    comparisons between policies carry little of the machine's drift; the target-only decodes that
+    separate evaluations would repeat run once. With ``out_dir``, policy P writes
+    ``out_dir/policy_folder(P, serving.concurrency)``: the files of ``evaluate`` (journal, resume and
+    settings per folder; a folder of a finished policy is read back). ``run_configs``: one per policy
+    (``report["config"]["run"]``). ``label``: a prefix of each report's label (default: the policy's
+    name alone). ``serving``: what every policy shares (R, SPS table, STS temperatures, engine); its own
+    policy, if any, is replaced by each of ``policies``. Other arguments as ``evaluate``."""
+    if not policies:
+        raise ValueError("policies is empty: name at least one verification-length policy (e.g. ['algorithm1'])")
+    labels = [policy_label(p).strip() for p in policies]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"policies {labels} name a policy twice; give each once")
+    if run_configs is not None and len(run_configs) != len(policies):
+        raise ValueError(f"run_configs holds {len(run_configs)} configs for {len(policies)} policies; give one each")
+    states = [_open_evaluation(target, drafter, tokenizer, decoding, dataclasses.replace(serving, policy=p),
+                               baseline, progress) for p in policies]
+    files, skipped = resolve_benchmarks(benchmarks, names)
+    counts = samples_per_benchmark(list(files), num_samples)
+    started = time.perf_counter()
+    prompts = {name: load_prompts(source, counts[name], states[0].decoding.seed, split)
+               for name, source in files.items()}
+    folders = [None if out_dir is None else Path(out_dir) / policy_folder(p, serving.concurrency) for p in labels]
+    journals, dones, settings = [], [], []
+    for k, state in enumerate(states):
+        state.batch_size = 1
+        name = labels[k] if not label else f"{label} {labels[k]}"
+        settings.append(_settings(state, name, files, counts, split, skipped,
+                                  None if run_configs is None else run_configs[k]))
+        journal, done = None, Done()
+        if folders[k] is not None:
+            journal, done = EvalJournal.open(folders[k], settings[k], resume=resume, rank=state.rank,
+                                             world=state.world, barrier=_barrier if state.world > 1 else None)
+        journals.append(journal)
+        dones.append(done)
+    rows: list[tuple[list, list, dict]] = [([], [], {}) for _ in states]
+    for name, conversations in prompts.items():
+        for k, (records, rounds, summary) in enumerate(
+                scheduled_benchmarks(states, name, conversations, journals, dones)):
+            rows[k][0].extend(records)
+            rows[k][1].extend(rounds)
+            rows[k][2][(name, states[k].rank)] = summary
+    reports = {}
+    for k, state in enumerate(states):
+        records, rounds, served = rows[k]
+        if state.world > 1:
+            records, rounds, served = _gather(records, rounds, served, state.world)
+        report = report_from_rows(settings[k], records, rounds, served, list(prompts))
+        report["timings"]["wall_s"] = time.perf_counter() - started  # the whole run, every policy's decodes
+        if journals[k] is not None and state.rank == 0:
+            write_outputs(folders[k], report, records, rounds, temperatures=state.temps)
+            journals[k].finish(records, rounds, served)
+        reports[labels[k]] = report
+    return reports
+
+
+def policy_folder(policy: Any, concurrency: int) -> str:
+    """The folder name of a policy's evaluation at R = ``concurrency`` among several
+    (``evaluate_policies``): ``<policy>-R<R>``, characters other than letters, digits and ``._+-``
+    replaced by ``_`` (a ``module:function`` spec)."""
+    name = re.sub(r"[^A-Za-z0-9._+-]", "_", policy_label(policy).strip()).strip(".") or "policy"
+    return f"{name}-R{int(concurrency)}"
 
 
 def _settings(state: EvalState, label: str, files: Mapping[str, Path | list[Conversation]],
@@ -418,6 +509,8 @@ __all__ = [
     "ServeSettings",
     "default_eos_ids",
     "evaluate",
+    "evaluate_policies",
+    "policy_folder",
     "report_from_folder",
     "report_from_rows",
 ]

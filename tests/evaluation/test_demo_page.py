@@ -156,6 +156,36 @@ def test_a_scheduling_row_at_r1_carries_the_paired_difference_of_the_two_clocks(
     assert sched_row(run, "algorithm1", 4, None, {"throughput": 20.0})["clocks"] == "–"  # R > 1: no wall clock
 
 
+def test_a_scheduling_row_at_r1_without_a_serving_cell_takes_both_clocks_from_the_scheduled_evaluation(run_dir):
+    """simulate ran at R > 1 only: Θ ratio at R = 1 is the evaluation's SPS-clock ratio, Θ that ratio times
+    SPS(1) = 10 tok/s, and the wall-clock Θ ratio its decode-only speedup (the same serving loop at R = 1)."""
+    from dspark.evaluation.demo_results import sched_section
+    from dspark.evaluation.report import write_profile
+    from dspark.scheduling.sps_profile import SPSProfile
+
+    _clock_folder(run_dir / "sched" / "algorithm1-R1")
+    report = json.loads((run_dir / "sched" / "algorithm1-R1" / "report.json").read_text())
+    report["all"].update(decode_speedup=0.8, decode_speedup_ci=[0.7, 0.9])
+    _write(run_dir / "sched" / "algorithm1-R1" / "report.json", report)
+    sweeps = [[0.10, 0.102, 0.098, 0.101, 0.099, 0.1], [0.12, 0.121, 0.119, 0.12, 0.122, 0.118],
+              [0.14, 0.141, 0.139, 0.14, 0.142, 0.138]]
+    write_profile(SPSProfile([1, 2, 8], sweeps, [sorted(x)[3] for x in sweeps], 128, None, 1, 6, "cpu", "float32", 1),
+                  run_dir / "sps.json")
+    results = json.loads((run_dir / "simulate" / "results.json").read_text())
+    results["results"] = [r for r in results["results"] if r["concurrency"] != 1]
+    _write(run_dir / "simulate" / "results.json", results)
+    run = load_run(run_dir)
+    diff = clock_rows(run)["algorithm1"]
+    row = sched_row(run, "algorithm1", 1, run["sched"][("algorithm1", 1)], None)
+    theta0 = float(json.loads((run_dir / "sps.json").read_text())["sample_steps_per_sec"][0])
+    assert row["theta_ratio"] == pytest.approx(diff.sps) and row["theta_ratio_ci"] is None
+    assert row["theta"] == pytest.approx(diff.sps * theta0) and row["theta_target"] == pytest.approx(theta0)
+    assert (row["wall_ratio"], row["wall_ratio_ci"]) == (0.8, (0.7, 0.9))
+    assert "rows without a serving cell at R = 1 take Θ from its SPS clock" in sched_section(run)
+    with_cell = sched_row(run, "algorithm1", 1, run["sched"][("algorithm1", 1)], {"throughput": 20.0})
+    assert with_cell["theta"] == 20.0 and with_cell["wall_ratio"] is None  # a cell's own clocks win
+
+
 def test_a_scheduling_row_carries_the_simulators_table_interval(run_dir):
     run = load_run(run_dir)
     simulated = {"throughput": 20.0, "tau": 1.05, "mean_ell": 0.5, "vs_target_only_table_ci": [1.8, 2.2]}

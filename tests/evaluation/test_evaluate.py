@@ -543,12 +543,12 @@ def test_evaluate_from_config_wants_a_policy_for_concurrency_and_points_to_batch
         eval_config.evaluate_from_config(target, drafter, Config(serve=ServeConfig(concurrency=2)))
 
 
-def test_evaluate_from_config_runs_one_policy_and_says_where_several_go():
-    from dspark.config import Config, ServeConfig
+def test_eval_inputs_refuse_a_policy_named_twice():
+    from dspark.config import Config, EvalConfig, ServeConfig
 
-    target, drafter = fake_models()
-    with pytest.raises(ValueError, match=r"serve.policy=\['static', 'static1'\] names 2 policies.*dspark simulate"):
-        eval_config.evaluate_from_config(target, drafter, Config(serve=ServeConfig(policy=["static", "static1"])))
+    config = Config(eval=EvalConfig(builtin_prompts=True), serve=ServeConfig(policy=["static", "static1", "static"]))
+    with pytest.raises(ValueError, match=r"serve.policy=\['static', 'static1', 'static'\] names \['static'\] more"):
+        eval_config.check_eval_inputs(config)
 
 
 def test_prompts_given_in_memory_draw_the_same_seeded_subset_as_their_file(tmp_path, clock, monkeypatch, no_warmup):
