@@ -32,6 +32,10 @@ from dspark.decoding.prefill_store import PrefillStore
 from dspark.decoding.verify import verify_draft
 from dspark.sampling import sample_token
 
+# Positions of every row whose logits a verification forward computes at once (``SpeculativeBatch._decide``):
+# x_0's and the first draft's. Later positions only for the rows that accepted all of these.
+HEAD_POSITIONS = 2
+
 __all__ = ["BatchJob", "BatchRow", "SpeculativeBatch", "TargetBatch", "speculative_batch_generate",
            "target_batch_generate", "longest_first"]
 
@@ -297,17 +301,19 @@ class SpeculativeBatch(_Batch):
         self.proposal = self.drafting = None
         width = max(ells)
         counts = torch.tensor(ells, dtype=torch.long, device=self.device) + 1
+        lazy = all(isinstance(r.generator, torch.Generator) for r in self.rows)
+        head = min(width + 1, HEAD_POSITIONS) if lazy else width + 1
         with self.clock("verify"):  # row r: x_0 at next_pos[r], drafts after it, padding after 1 + ℓ_r
             x = torch.cat([self.anchor[:, None], proposal.tokens[:, :width]], dim=1)  # [R, 1+max ℓ]
-            out = self.kv.forward(x, counts)
+            out = self.kv.forward(x, counts, logits=False)
+            logits = self.target.compute_logits(out.last_hidden[:, :head])  # [R, head, V]
+        decided = self._decide(proposal, ells, logits, out.last_hidden)
         keep = [0] * rows
         next_tokens = self.anchor.clone()
         with self.clock("accept"):
-            logits = out.logits
             for r, (request, ell) in enumerate(zip(self.rows, ells)):
                 draft = proposal.tokens[r : r + 1, :ell]
-                m, nxt = verify_draft(draft, proposal.probs[r : r + 1, :ell], logits[r : r + 1, : ell + 1],
-                                      self.temperature, request.generator)
+                m, nxt = decided[r]
                 m, *drafted, nxt = torch.cat([m, draft[0], nxt]).tolist()
                 confidences = None
                 if drafting[r] and proposal.confidences is not None:
@@ -333,6 +339,46 @@ class SpeculativeBatch(_Batch):
             _extend(self.drafter, self.ctx, out.features[:, :width], x[:, :width], num_valid=keep_t)
             self.anchor = next_tokens
         return self._retire(served, before)
+
+
+    def _decide(self, proposal: Any, ells: Sequence[int], logits: Tensor, hidden: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """(accepted count m, next token) of every row: ``verify_draft`` on the row's own slices and
+        generator, with the target's logits of its first ``head`` = logits.shape[1] positions only.
+
+        The LM head of a verification forward is a large share of it at R rows (R · (1 + ℓ) rows of
+        V = 49,152 on a CPU), yet a round reads the logits of position k only when drafts 1..k were
+        all accepted. A row whose outcome the known positions settle (a rejection at m < head) keeps
+        it: the later positions, filled with a copy of the last known one, change neither m nor the
+        draw at m. A row that accepted every known position has its generator put back and is
+        verified again with all its positions, their logits computed for all such rows in one
+        product; ``verify_draft`` draws the same uniforms again, so every row decodes exactly what
+        the whole forward's logits give. Rows without their own generator get whole logits."""
+        head, decided, pending = int(logits.shape[1]), [], []
+        with self.clock("accept"):
+            for r, ell in enumerate(ells):
+                gen = self.rows[r].generator
+                row = logits[r : r + 1, : ell + 1]
+                state = None
+                if ell + 1 > head:
+                    state = gen.get_state()
+                    row = torch.cat([row, row[:, -1:].expand(1, ell + 1 - head, -1)], dim=1)
+                m, nxt = verify_draft(proposal.tokens[r : r + 1, :ell], proposal.probs[r : r + 1, :ell], row,
+                                      self.temperature, gen)
+                if state is not None and int(m) >= head:  # every known position accepted: not settled
+                    gen.set_state(state)
+                    pending.append(r)
+                decided.append((m, nxt))
+        if not pending:
+            return decided
+        with self.clock("verify"):
+            rest = self.target.compute_logits(hidden[pending, head:])  # [P, 1 + max ℓ − head, V]
+        with self.clock("accept"):
+            for i, r in enumerate(pending):
+                ell = ells[r]
+                row = torch.cat([logits[r : r + 1], rest[i : i + 1, : ell + 1 - head]], dim=1)  # [1, ℓ+1, V]
+                decided[r] = verify_draft(proposal.tokens[r : r + 1, :ell], proposal.probs[r : r + 1, :ell], row,
+                                          self.temperature, self.rows[r].generator)
+        return decided
 
 
 class TargetBatch(_Batch):

@@ -97,6 +97,32 @@ def test_eagle3_and_the_draft_vocabulary_in_batch(kind, T):
     _same(_batched(target, drafter, prompts, T=T, R=4), _batch1(target, drafter, prompts, T=T))
 
 
+@pytest.mark.parametrize("T, head", [(0.0, 1), (1.0, 1), (1.0, 2)], ids=["greedy", "T1-head1", "T1-head2"])
+def test_rows_that_accept_past_the_first_positions_get_the_logits_of_the_whole_forward(T, head, monkeypatch):
+    """The LM head runs on every row's first HEAD_POSITIONS positions; a row that accepts all of them is
+    verified again with every position's logits. On a vocabulary of 8 (drafts often accepted): the
+    same tokens and rounds as batch 1, with rows accepting past the first positions in many rounds."""
+    import dspark.decoding.batched as batched
+
+    monkeypatch.setattr(batched, "HEAD_POSITIONS", head)
+    target = make_tiny_target("llama", vocab_size=8, num_hidden_layers=2, target_layer_ids=(-1, 1))
+    drafter = random_drafter(target, gamma=4, seed=2)
+    with torch.no_grad():
+        drafter.norm.weight.mul_(0.3)
+    prompts = _prompts(target.vocab_size, n=6)
+    later, real = [], SpeculativeBatch._decide
+
+    def counted(self, proposal, ells, logits, hidden):
+        decided = real(self, proposal, ells, logits, hidden)
+        assert logits.shape[1] <= head
+        later.append(sum(int(m) >= logits.shape[1] for m, _ in decided))
+        return decided
+
+    monkeypatch.setattr(SpeculativeBatch, "_decide", counted)
+    _same(_batched(target, drafter, prompts, T=T, R=3), _batch1(target, drafter, prompts, T=T))
+    assert sum(later) >= 10  # 12, 51 and 28 rows here
+
+
 def test_the_target_only_batch_gives_every_request_its_batch1_tokens():
     target = make_tiny_target("qwen3")
     prompts = _prompts(target.vocab_size)
