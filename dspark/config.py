@@ -204,8 +204,9 @@ class ServeConfig:
     """Verification scheduling (paper Section 3.2): `dspark eval` with a policy, and `dspark simulate`."""
 
     # The verification-length policies (algorithm1, algorithm1+skip[:M], async[:K0], static1, static[:ℓ],
-    # threshold:<a>, first-below:<t>): eval runs one ([] = verify all γ drafts), simulate compares
-    # them all ([] = SIMULATE_POLICIES). One string is read as a list of one.
+    # threshold:<a>, first-below:<t>): eval decodes under each on the same requests ([] = verify all γ
+    # drafts; several: one folder each), simulate compares them all ([] = SIMULATE_POLICIES). One string
+    # is read as a list of one.
     policy: list[str] = field(default_factory=list)
     concurrency: int = 1  # eval with a policy: requests decoded in lockstep
     sts: str = ""  # STS JSON (dspark calibrate); "" = raw confidences
