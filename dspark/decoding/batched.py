@@ -340,8 +340,8 @@ class SpeculativeBatch(_Batch):
             self.anchor = next_tokens
         return self._retire(served, before)
 
-
-    def _decide(self, proposal: Any, ells: Sequence[int], logits: Tensor, hidden: Tensor) -> list[tuple[Tensor, Tensor]]:
+    def _decide(self, proposal: Any, ells: Sequence[int], logits: Tensor,
+                hidden: Tensor) -> list[tuple[Tensor, Tensor]]:
         """(accepted count m, next token) of every row: ``verify_draft`` on the row's own slices and
         generator, with the target's logits of its first ``head`` = logits.shape[1] positions only.
 

@@ -34,30 +34,31 @@ def evaluate_from_config(target: Any, drafter: Any, config: Any, **overrides: An
         raise ValueError("serve.concurrency needs serve.policy (--concurrency needs --policy POLICY, e.g. --policy "
                          "algorithm1); to decode requests together without a policy use eval.batch_size "
                          "(--batch-size R)")
-    benchmarks, names = _prompt_sources(config)
-    options: dict[str, Any] = dict(
-        names=names, num_samples=e.num_samples or None, split=e.split,
-        decoding=DecodeSettings(max_new_tokens=e.max_new_tokens, temperature=e.temperature, seed=e.seed),
-        serving=ServeSettings(policy=policy, sps=(s.sps or None) if policy else None, concurrency=s.concurrency,
-                              sts_temperatures=s.sts or None, engine=s.engine),
-        baseline=e.baseline, label=e.label or None, out_dir=config.path(e.out, "eval"), run_config=config,
-        batch_size=resolve_batch_size(e.batch_size),
-    )
+    options = _options(config, policy, out_dir=config.path(e.out, "eval"), run_config=config,
+                       batch_size=resolve_batch_size(e.batch_size))
     options.update(overrides)
     if options["out_dir"] is not None and dist_info()[0] == 0 and options.get("resume") is not False:
         check_config_folder(options["out_dir"], config, resume=options.get("resume"))
-    report = evaluate(target, drafter, options.pop("benchmarks", benchmarks), **options)
-    return report
+    return evaluate(target, drafter, **options)
 
 
-def _prompt_sources(config: Any) -> tuple[Any, list[str] | None]:
-    """(benchmarks, names) as ``evaluate`` takes them: the data folder and eval.benchmarks, or the
-    built-in evaluation prompts."""
-    if config.eval.builtin_prompts:
+def _options(config: Any, policy: str | None, **more: Any) -> dict[str, Any]:
+    """The keywords ``evaluate`` and ``evaluate_policies`` share, from ``config.eval`` and ``config.serve``
+    (``policy``: the serving loop's, None: verify all γ drafts), plus ``more``: the benchmark files of
+    eval.data_dir and eval.benchmarks, or the built-in evaluation prompts."""
+    e, s = config.eval, config.serve
+    benchmarks: Any = e.data_dir
+    names: list[str] | None = list(e.benchmarks)
+    if e.builtin_prompts:
         from dspark.data.prompts import builtin_eval_sets
 
-        return builtin_eval_sets(), None
-    return config.eval.data_dir, list(config.eval.benchmarks)
+        benchmarks, names = builtin_eval_sets(), None
+    return dict(
+        benchmarks=benchmarks, names=names, num_samples=e.num_samples or None, split=e.split,
+        decoding=DecodeSettings(max_new_tokens=e.max_new_tokens, temperature=e.temperature, seed=e.seed),
+        serving=ServeSettings(policy=policy, sps=(s.sps or None) if policy else None, concurrency=s.concurrency,
+                              sts_temperatures=s.sts or None, engine=s.engine),
+        baseline=e.baseline, label=e.label or None, **more)
 
 
 def _evaluate_policies(target: Any, drafter: Any, config: Any, **overrides: Any) -> dict[str, dict[str, Any]]:
@@ -77,16 +78,9 @@ def _evaluate_policies(target: Any, drafter: Any, config: Any, **overrides: Any)
     if dist_info()[0] == 0:
         for single in singles:
             check_config_folder(single.path(single.eval.out, "eval"), single, resume=resume)
-    benchmarks, names = _prompt_sources(config)
-    options: dict[str, Any] = dict(
-        names=names, num_samples=e.num_samples or None, split=e.split,
-        decoding=DecodeSettings(max_new_tokens=e.max_new_tokens, temperature=e.temperature, seed=e.seed),
-        serving=ServeSettings(policy=s.policy[0], sps=s.sps or None, concurrency=s.concurrency,
-                              sts_temperatures=s.sts or None, engine=s.engine),
-        baseline=e.baseline, label=e.label or None, out_dir=out, run_configs=singles, resume=resume,
-    )
+    options = _options(config, s.policy[0], out_dir=out, run_configs=singles, resume=resume)
     options.update(overrides)
-    return evaluate_policies(target, drafter, options.pop("benchmarks", benchmarks), list(s.policy), **options)
+    return evaluate_policies(target, drafter, options.pop("benchmarks"), list(s.policy), **options)
 
 
 def resolve_batch_size(value: int | str) -> int | str:

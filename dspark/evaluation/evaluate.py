@@ -32,13 +32,13 @@ import torch
 from dspark.choices import VARIANT_NAMES
 from dspark.data.benchmarks import load_prompts, resolve_benchmarks, samples_per_benchmark
 from dspark.data.prompts import Conversation
-from dspark.evaluation.eval_plain import EvalState, batched_benchmarks, decode_fn_name, plain_benchmark
+from dspark.evaluation.eval_plain import EvalState, batched_benchmarks, plain_benchmark
 from dspark.evaluation.eval_scheduled import scheduled_benchmark, scheduled_benchmarks
 from dspark.evaluation.journal import SETTINGS, Done, EvalJournal
 from dspark.evaluation.report import build_report, write_outputs
+from dspark.evaluation.run_settings import infer_gamma, policy_label, run_settings
 from dspark.evaluation.scheduled_report import scheduled_summary
 from dspark.scheduling.calibration import as_temperatures
-from dspark.scheduling.policies import policy_name
 from dspark.scheduling.simulator import DecodeSettings, ServeSettings, make_policy, sps_table
 
 PathLike = Union[str, os.PathLike]
@@ -260,7 +260,7 @@ def _settings(state: EvalState, label: str, files: Mapping[str, Path | list[Conv
               run_config: Any) -> dict[str, Any]:
     """What settings.json holds: everything ``report_from_rows`` needs besides the rows."""
     s, gamma = state.serving, drafter_gamma(state.drafter)
-    return {"label": label, "gamma": gamma, "config": _run_settings(state, gamma, files, counts, split, run_config),
+    return {"label": label, "gamma": gamma, "config": run_settings(state, gamma, files, counts, split, run_config),
             "skipped": list(skipped), "temperatures": None if state.temps is None else state.temps.tolist(),
             "policy": None if s.policy is None else policy_label(s.policy),
             "sps_step_s": None if s.sps is None else 1.0 / float(s.sps(1))}
@@ -275,7 +275,7 @@ def report_from_rows(settings: Mapping[str, Any], records: Sequence[dict[str, An
     rank_of = {name: i for i, name in enumerate(order)}
     records.sort(key=lambda r: (rank_of.get(r["benchmark"], len(rank_of)), r["benchmark"], r["request"]))
     rounds.sort(key=lambda r: (rank_of.get(r["benchmark"], len(rank_of)), r["benchmark"], r["request"], r["round"]))
-    gamma = settings["gamma"] or _infer_gamma(rounds)
+    gamma = settings["gamma"] or infer_gamma(rounds)
     temps = None if settings["temperatures"] is None else np.asarray(settings["temperatures"], dtype=np.float64)
     config = {**settings["config"], "gamma": gamma}
     report = build_report(records, rounds, gamma=gamma, label=settings["label"], config=config,
@@ -426,82 +426,6 @@ def _gather(records: list, rounds: list, served: dict, world: int) -> tuple[list
 
 def _barrier() -> None:
     torch.distributed.barrier()
-
-
-# ---------------------------------------------------------------------------
-# report["config"]
-# ---------------------------------------------------------------------------
-
-
-def _run_settings(state: EvalState, gamma: int, files: Mapping[str, Path | list[Conversation]],
-                  counts: Mapping[str, int | None], split: str, run_config: Any) -> dict[str, Any]:
-    """``report["config"]``: what was evaluated, and how."""
-    d, s = state.decoding, state.serving
-    return {
-        "target": _target_name(state.target),
-        "dtype": str(getattr(state.target, "dtype", "unknown")).removeprefix("torch."),
-        "drafter": _drafter_summary(state.drafter),
-        "benchmarks": {n: str(p) if isinstance(p, Path) else f"<{len(p)} prompts in memory>"
-                       for n, p in files.items()},
-        "num_samples": dict(counts),
-        "split": split,  # which prompts of each benchmark: all, dev or test (dspark.data.benchmarks)
-        "max_new_tokens": d.max_new_tokens,
-        "temperature": float(d.temperature),
-        "seed": d.seed,
-        "gamma": gamma,
-        "baseline": state.baseline,
-        "batch_size": state.batch_size,  # requests per forward (speeds are those at this R; τ does not depend on it)
-        # "auto": R -> round throughput (rows / s of R rows × (1 + γ) tokens) measured to choose it
-        "batch_size_auto": state.batch_size_auto,
-        # the report's name for the verification-length policy (report.md prints it as "scheduler = ...")
-        "scheduler": None if s.policy is None else f"{policy_label(s.policy)} (serving loop, R = {s.concurrency})",
-        "concurrency": s.concurrency if s.policy is not None else None,
-        "engine": s.engine if s.policy is not None else None,  # the serving loop's (dspark.scheduling.batched_serving)
-        "sps": None if s.sps is None else s.sps.to_dict(),
-        "sts_temperatures": None if s.sts_temperatures is None else [float(t) for t in s.sts_temperatures],
-        "eos_token_ids": list(d.eos_token_ids or ()),
-        "world_size": state.world,
-        "decode_fn": decode_fn_name(),
-        "run": _plain_config(run_config),
-    }
-
-
-def policy_label(policy: Any) -> str:
-    """A policy's name in the report: a spec as given, a Policy's ``name``, a function's ``__name__``
-    (``dspark.scheduling.policies.policy_name``)."""
-    if isinstance(policy, str):
-        return policy
-    name = getattr(policy, "name", None)
-    return name if isinstance(name, str) else policy_name(policy)
-
-
-def _infer_gamma(rounds: list[dict[str, Any]]) -> int:
-    widths = [len(r["confidences"]) for r in rounds if r["confidences"] is not None]
-    widths += [r["proposed"] for r in rounds]
-    return max(widths + [1])
-
-
-def _plain_config(run_config: Any) -> dict[str, Any] | None:
-    if run_config is None:
-        return None
-    if dataclasses.is_dataclass(run_config) and not isinstance(run_config, type):
-        return dataclasses.asdict(run_config)
-    return dict(run_config)
-
-
-def _target_name(target: Any) -> str | None:
-    config = getattr(getattr(target, "model", None), "config", None)
-    name = getattr(config, "_name_or_path", None) or getattr(config, "model_type", None)
-    return str(name) if name else None
-
-
-def _drafter_summary(drafter: Any) -> dict[str, Any] | None:
-    config = getattr(drafter, "config", None)
-    if config is None:
-        return None
-    fields = ("variant", "block_size", "num_draft_layers", "markov_rank", "markov_head_type",
-              "enable_confidence_head", "target_layer_ids", "mask_token_id")
-    return {f: getattr(config, f) for f in fields if hasattr(config, f)}
 
 
 __all__ = [
