@@ -10,7 +10,8 @@
 #                process: per benchmark every policy decodes the requests, then one target-only decode of
 #                them; wall clock against target-only, and the SPS clock of the same requests
 #   7 simulate   the same prompts and policies in the batched serving loop at R = 4, 8: the SPS clock and
-#                the wall clock of the same steps, each against target-only decoding at R (Fig. 8 analogue)
+#                the wall clock of the same steps, each against target-only decoding at R, the policies and
+#                target-only decoding of one R served step by step in turn (Fig. 8 analogue)
 # Every reported number decodes the test part of each benchmark (eval.split = test); the dev part,
 # which never shares a prompt with it, is where recipes are chosen (bench/recipe_study.py) and STS is
 # fitted (dspark.data.benchmarks: the split).
@@ -195,7 +196,8 @@ stage "sched-R1" "$OUT/sched/$LAST_POLICY-R1/report.md" \
 
 echo "== 7/8 batched serving at R = $SIM_R on the same $SPLIT prompts (SPS and wall clocks; Fig. 8 analogue)"
 # The prompts are cycled, so R requests are live at every step: target-only decoding is R·SPS(R) on the
-# SPS clock and target-only decoding of the same requests at R on the wall clock. R = 1 is stage 6 (the
+# SPS clock and target-only decoding of the same requests at R on the wall clock, served in turn with every
+# policy's cell of that R so that the machine's drift moves both alike. R = 1 is stage 6 (the
 # same serving loop with one request live, the same requests and seeds).
 stage simulate "$OUT/simulate/results.json" dspark simulate "${EVAL_ARGS[@]}" --draft "$DRAFT" \
   --sps "$OUT/sps.json" --sts "$OUT/sts.json" --concurrency "$SIM_R" --policy ${POLICIES// /,} --draft-overhead measured \

@@ -273,6 +273,13 @@ class TransformersBackend:
         g = self.gen_config
         if g.temperature <= 0:
             return {"do_sample": False}
+        if g.top_k and g.top_k > 0:  # the same distribution, drawn on the k survivors (answer_sampling)
+            from transformers import LogitsProcessorList
+
+            from dspark.data.answer_sampling import TopKTopPSampler
+
+            return {"do_sample": False, "temperature": None, "top_p": None, "top_k": None,
+                    "logits_processor": LogitsProcessorList([TopKTopPSampler(g.temperature, g.top_k, g.top_p)])}
         return {"do_sample": True, "temperature": g.temperature, "top_p": g.top_p, "top_k": g.top_k}
 
     @torch.no_grad()

@@ -10,7 +10,7 @@ the same requests and the same decode, so the request-to-request variation (a lo
 moves both together and cancels in the difference; what is left is the disagreement of the clocks.
 
 - ``clock_difference``          sps − wall at R = 1, its interval over requests and the table's timing noise
-- ``serving_clock_difference``  Θ_sps / Θ_wall − 1 on the steps of a batched serving run, at any R
+- ``serving_clock_difference``  the two clocks' ratios to target-only decoding of a batched serving run, at any R
 - ``request_clock_aggregates``  the per-request sums both clocks are functions of
 """
 
@@ -308,14 +308,6 @@ def _table_variance(total: np.ndarray, sizes: Sequence[int], tables: Iterable[SP
 
 
 # ------------------------------------------------------------------ the batched serving loop, any R
-def _serving_groups(result: Any) -> tuple[list[np.ndarray], list[int]]:
-    """Per benchmark (the tag's first field; one group without tags), each request's shares of the
-    run's steps: float64 [n_b, 4 + k] = (tokens, W, O, V, counts per forward size); and the sizes."""
-    sums, sizes = _request_step_sums(result)
-    tags = {index: result.requests[index].get("tag") for index in sums}
-    return benchmark_groups(sums, tags), sizes
-
-
 def _request_step_sums(result: Any) -> tuple[dict[int, np.ndarray], list[int]]:
     """Request index -> its shares of the run's steps, float64 [4 + k] = (tokens, W, O, V, counts per
     forward size: each step's seconds and count over its rows); and the forward sizes."""
@@ -335,63 +327,103 @@ def _request_step_sums(result: Any) -> tuple[dict[int, np.ndarray], list[int]]:
     return sums, sizes
 
 
-def _serving_sps_over_wall(sums: np.ndarray, speeds: np.ndarray) -> np.ndarray:
-    """Θ_sps / Θ_wall − 1 of summed shares [..., 4 + k] priced at t(B) [k] or [K, k]."""
+def _paired_step_sums(result: Any) -> tuple[list[np.ndarray], list[int], list[int]]:
+    """Per benchmark, each request's shares of the cell's steps and of the target-only decode's:
+    float64 [n_b, 6 + k + k'] = (tokens, W, O, V, counts per cell forward size [k], target-only tokens,
+    target-only W, counts per target-only forward size [k']); and the two size lists. A request one
+    decode did not serve (the stop rule cut it) has zeros there."""
+    if not result.target_only_requests or any("step_forwards" not in r for r in result.target_only_requests):
+        raise ValueError("serving_clock_difference needs the run's target-only decode with its forwards "
+                         "(SimResult.target_only_requests with step_forwards: simulate(..., target_only=True) "
+                         "or serve_together on the batched engine)")
+    shares, sizes = _request_step_sums(result)
+    base_sizes = sorted({int(b) for r in result.target_only_requests for b in r["step_forwards"]})
+    col = {b: 6 + len(sizes) + i for i, b in enumerate(base_sizes)}
+    width = 6 + len(sizes) + len(base_sizes)
+    rows: dict[int, np.ndarray] = {}
+    for index, share in shares.items():
+        rows[index] = np.zeros(width)
+        rows[index][:4 + len(sizes)] = share
+    for r in result.target_only_requests:
+        row = rows.setdefault(int(r["index"]), np.zeros(width))
+        row[4 + len(sizes)] += float(r["step_tokens"])
+        row[5 + len(sizes)] += float(r["step_s"])
+        for b, count in r["step_forwards"].items():
+            row[col[int(b)]] += float(count)
+    tags = {int(r["index"]): r.get("tag") for r in [*result.requests, *result.target_only_requests]}
+    return benchmark_groups(dict(sorted(rows.items())), tags), sizes, base_sizes
+
+
+def _paired_clocks(sums: np.ndarray, k: int, speeds: np.ndarray, base_speeds: np.ndarray) -> np.ndarray:
+    """[..., 3] = (SPS clock's ratio to target-only, wall clock's ratio, sps / wall − 1) of summed
+    shares [..., 6 + k + k'] (``_paired_step_sums``) priced at t(B) = 1 / speeds [k] and [k'] (or [K, k])."""
     s = np.asarray(sums, dtype=np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
-        priced = np.where(speeds > 0, 1.0 / np.asarray(speeds, dtype=np.float64), np.nan)
-        forwards = (s[..., 4:] * priced).sum(axis=-1)
-        sps_time = forwards * (1.0 + s[..., 2] / s[..., 3])
-        return s[..., 1] / sps_time - 1.0
+        price = np.where(speeds > 0, 1.0 / np.asarray(speeds, dtype=np.float64), np.nan)
+        base_price = np.where(base_speeds > 0, 1.0 / np.asarray(base_speeds, dtype=np.float64), np.nan)
+        sps_time = (s[..., 4:4 + k] * price).sum(axis=-1) * (1.0 + s[..., 2] / s[..., 3])
+        base_sps_time = (s[..., 6 + k:] * base_price).sum(axis=-1)
+        tokens, wall, base_tokens, base_wall = s[..., 0], s[..., 1], s[..., 4 + k], s[..., 5 + k]
+        sps = (tokens / sps_time) / (base_tokens / base_sps_time)
+        wall_ratio = (tokens / wall) / (base_tokens / base_wall)
+        return np.stack([sps, wall_ratio, sps / wall_ratio - 1.0], axis=-1)
 
 
 def serving_clock_difference(result: Any, profile: SPSProfile | PathLike, *, level: float = DEFAULT_LEVEL,
                              resamples: int = DEFAULT_RESAMPLES, seed: int = 0) -> ClockDifference:
-    """The SPS clock against the wall clock on the steps of one batched serving run:
-    ``difference`` = Θ_sps / Θ_wall − 1, with its interval over the requests and the table's timing
-    noise; ``sps`` and ``wall`` are the two clocks' ratios to target-only decoding at R (R · SPS(R) on
-    the profile's measured medians; the run's measured ``target_only_wall``, NaN when not timed).
+    """The SPS clock against the wall clock on one batched serving run and its target-only decode:
+    ``sps`` and ``wall`` are the two clocks' throughput ratios to target-only decoding of the same
+    requests at R, ``difference`` = sps / wall − 1, with its interval over the requests and the
+    table's timing noise.
 
     On the batched engine (``dspark.scheduling.batched_serving``) every step is one drafter and one
     target forward for all live rows, timed on the wall clock. Each request takes its share of every
     step it was live in (the step's seconds over its rows), so per request
 
         tokens,  W = Σ wall / rows,  O = Σ (measured non-verify seconds) / rows,  V = Σ verify / rows,
-        and, per forward size B_fwd = rows · (1 + max ℓ), the count Σ 1 / rows,
+        and, per forward size B_fwd = rows · (1 + max ℓ), the count Σ 1 / rows;
 
-    and the two clocks' throughputs over the same steps are Θ_wall = Σ tokens / Σ W and
-    Θ_sps = Σ tokens / (A(t) · (1 + O / V)), A(t) = Σ counts / t(B). Their relative difference is paired
-    (same steps, same tokens) and gets ``clock_difference``'s interval: the stratified jackknife over
-    the requests plus the table's timing noise."""
+    and of the target-only decode of the same jobs (``SimResult.target_only_requests``) its tokens,
+    seconds W' and forwards per size (rows · 1 token). The clocks' ratios over the same steps are
+
+        wall = (Σ tokens / Σ W) / (Σ tokens' / Σ W'),
+        sps  = (Σ tokens / (A(t) · (1 + O / V))) / (Σ tokens' / A'(t)),  A(t) = Σ counts / t(B),
+
+    so difference + 1 = (Σ W / (A(t) · (1 + O / V))) / (Σ W' / A'(t)): how the table prices the cell's
+    steps relative to the target-only steps. Served step by step in turn (``serve_together``), both
+    decodes meet the machine's speed of the same minutes, and a machine that runs faster or slower
+    than when the table was profiled moves both factors alike. The interval is ``clock_difference``'s:
+    the stratified jackknife over the requests (each deleted from both decodes) plus the table's
+    timing noise."""
     check_settings(resamples, level)
     if getattr(result, "engine", "per-request") != "batched" or not result.step_log:
         raise ValueError("serving_clock_difference needs a run of the batched engine with its step log "
                          "(ServeSettings.engine='batched'); for R = 1 evaluations use clock_difference")
     profile = _profile(profile)
-    groups, sizes = _serving_groups(result)
-    table = profile.measured_table
-    speeds = np.asarray(table(np.asarray(sizes, dtype=np.float64)), dtype=np.float64).reshape(-1)
+    groups, sizes, base_sizes = _paired_step_sums(result)
+    k = len(sizes)
+
+    def speeds_of(table: Any) -> tuple[np.ndarray, np.ndarray]:
+        return tuple(np.asarray(table(np.asarray(b, dtype=np.float64)), dtype=np.float64).reshape(-1)
+                     for b in (sizes, base_sizes))
+
+    speeds, base_speeds = speeds_of(profile.measured_table)
 
     def difference(sums: np.ndarray) -> np.ndarray:
-        return _serving_sps_over_wall(sums.sum(axis=-2), speeds)
+        return _paired_clocks(sums.sum(axis=-2), k, speeds, base_speeds)[..., 2]
 
     total = np.concatenate(groups, axis=0).sum(axis=0)
     estimate, request_lo, request_hi = jackknife_ci(groups, difference, level=level, scale="identity")
     nu = design_df([len(g) for g in groups])
     t = student_t_quantile((1.0 + float(level)) / 2, nu) if np.isfinite(nu) else math.nan
     v_requests = ((request_hi - request_lo) / (2.0 * t)) ** 2 if np.isfinite(t) else math.nan
-    values = [_serving_sps_over_wall(total, np.asarray(tb(np.asarray(sizes, dtype=np.float64)), dtype=np.float64))
-              for tb in bootstrap_tables(profile, resamples, seed)]
-    values = np.asarray(values, dtype=np.float64)
+    values = np.asarray([_paired_clocks(total, k, *speeds_of(tb))[2]
+                         for tb in bootstrap_tables(profile, resamples, seed)], dtype=np.float64)
     v_table = float(np.var(values - values[0], ddof=1)) if values.size > 1 and np.all(np.isfinite(values)) else \
         (0.0 if values.size <= 1 else math.nan)
     half = t * math.sqrt(v_requests + v_table) if np.isfinite(v_requests + v_table) else math.nan
     lo, hi = float(estimate) - half, float(estimate) + half
-    r = int(result.concurrency)
-    tokens, wall_s = float(total[0]), float(total[1])
-    sps_time = float(((total[4:] / speeds).sum()) * (1.0 + total[2] / total[3]))
-    sps = tokens / sps_time / (r * float(table(r))) if sps_time > 0 else math.nan
-    wall = tokens / wall_s / float(result.target_only_wall) if wall_s > 0 else math.nan
+    sps, wall, _ = (float(x) for x in _paired_clocks(total, k, speeds, base_speeds))
     return ClockDifference(sps=sps, wall=wall, difference=float(estimate), lo=lo, hi=hi,
                            request_lo=float(request_lo), request_hi=float(request_hi), v_requests=float(v_requests),
                            v_table=v_table, df=float(nu), requests=int(sum(len(g) for g in groups)),

@@ -192,7 +192,7 @@ def sched_row(run: Mapping[str, Any], policy: str, r: int, report: Mapping[str, 
         theta = ratio * theta0 if theta0 else None
     served = sim.get("clocks") if isinstance(sim.get("clocks"), Mapping) else None
     if cell == "–" and served is not None and served.get("difference") is not None:
-        # the batched serving loop: Θ_sps / Θ_wall − 1 on the run's own steps (dspark.evaluation.clocks)
+        # the batched serving loop: the two clocks' ratios to target-only, sps / wall − 1 (dspark.evaluation.clocks)
         cell = f"{fmt_ci(served['difference'], [served.get('lo'), served.get('hi')])} (rel.): {served.get('verdict', '–')}"
     return {"policy": policy, "R": r, "tau": tau, "tau_ci": tau_ci, "mean_ell": mean_ell,
             "wall_ratio": wall_ratio, "wall_ratio_ci": wall_ratio_ci,
@@ -318,7 +318,9 @@ def sched_section(run: Mapping[str, Any]) -> str:
         "`dspark.evaluation.clocks.serving_wall_ratio`). Rows without a scheduled evaluation "
         "show the simulator's τ and mean ℓ. The Θ ratio's interval is the SPS table's own timing noise: the run's steps "
         "priced by 1000 tables of the profile's sweeps resampled jointly across B (every decision kept). "
-        "**SPS vs wall clock**: at R > 1 (\"rel.\"), Θ_sps / Θ_wall − 1 on the serving loop's own steps, with "
+        "**SPS vs wall clock**: at R > 1 (\"rel.\"), the SPS clock's ratio to target-only decoding over the wall "
+        "clock's, minus 1 (the target-only decode served step by step in turn with the five policies' cells of "
+        "that R, its forwards priced on the same table), with "
         f"its interval over the requests (each takes its share of every step) and the table's noise; {same_decode}; "
         "\"agree\" means the interval holds 0.")
     served_at_1 = {p for p, r in simulated_results(run) if r == 1}

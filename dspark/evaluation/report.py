@@ -353,10 +353,10 @@ def results_markdown(results: Sequence[SimResult]) -> str:
 
 def wall_clock_markdown(results: Sequence[SimResult]) -> str:
     """The batched engine's two clocks per (policy, R): throughput against target-only decoding at R on
-    the SPS clock and on the wall clock, and Θ_sps / Θ_wall − 1 over the same steps with its interval
+    the SPS clock and on the wall clock, and the two ratios' relative difference with its interval
     (``dspark.evaluation.clocks.serving_clock_difference``)."""
     header = ["policy", "R", "requests", "SPS clock: vs target-only", "wall clock: vs target-only",
-              "wall tok/s", "target-only wall tok/s", "Θ_sps / Θ_wall − 1", "clocks"]
+              "wall tok/s", "target-only wall tok/s", "SPS / wall ratio − 1", "clocks"]
     rows = []
     for r in results:
         c = r.clocks or {}
@@ -372,8 +372,9 @@ def wall_clock_markdown(results: Sequence[SimResult]) -> str:
     note = ("Batched engine: one drafter and one target forward per step for every live request. The SPS clock "
             "prices each forward at its padded size rows · (1 + max ℓ); the wall clock is the steps' measured "
             "seconds (prefills excluded on both), against target-only decoding of the same requests at the same R "
-            "(its interval over the requests, each left out of both decodes at once). "
-            "Θ_sps / Θ_wall − 1: the same steps on the two clocks, its interval over the requests (stratified "
+            "(its interval over the requests, each left out of both decodes at once), the cells of one R and that "
+            "decode served step by step in turn. SPS / wall ratio − 1: the two clocks' ratios to target-only "
+            "decoding (its forwards priced on the same table), its interval over the requests (stratified "
             "jackknife) and the table's timing noise; \"agree\" when it holds 0.")
     return markdown_table(header, rows) + "\n\n" + note + "\n"
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 from dspark.config import Config
 from dspark.io.atomic import atomic_write_text
@@ -88,15 +89,19 @@ def simulate(config: Config, *, progress: Callable[[Any], None] | None = None,
     results.json/.md, rounds.jsonl, the plots and config.json to `serve.out` (default
     <run_dir>/simulate). Returns the results and the folder.
 
-    Cells are served R by R (every policy at one R, then the next R), so every cell at R runs close in
-    time to the target-only decode it is measured against; each batched cell gets its τ interval
-    (``add_tau_intervals``).
+    Cells are served R by R. On the batched engine the cells of one R still to serve are served
+    together with one target-only decode at that R, step by step in turn
+    (``dspark.scheduling.simulator.serve_together``): each cell's wall clock is compared with
+    target-only decoding of the same minutes, so the machine's drift moves both alike. Each batched
+    cell gets its τ interval (``add_tau_intervals``).
     Resumes cell by cell: config.json is written before any model is loaded, each finished
     (policy, R) cell appends its rounds to rounds.jsonl and then its result to cells.jsonl
     (fsynced; the cells line commits the cell), and a rerun on the folder serves only the
     cells not yet committed (every cell starts from the same seeds, so the result is that of
-    an uninterrupted run). ``resume`` as in ``dspark.evaluation.evaluate.evaluate``: None
-    continues a folder of the same config, True requires one, False starts over."""
+    an uninterrupted run; on the batched engine the cells of one R are committed when all of them
+    are served, and a rerun serves the uncommitted ones with a new target-only decode). ``resume``
+    as in ``dspark.evaluation.evaluate.evaluate``: None continues a folder of the same config,
+    True requires one, False starts over."""
     from dspark.evaluation.report import write_results
 
     sps, policies = _simulation_policies(config)
@@ -104,13 +109,15 @@ def simulate(config: Config, *, progress: Callable[[Any], None] | None = None,
     done = _open_cells(out, config, resume)
     run = _open_simulation(config, sps, announce)
     cells: dict[tuple[str, int], Any] = {}
-    for concurrency in config.serve.concurrencies:  # R by R: near the target-only decode at R
+    for concurrency in config.serve.concurrencies:
+        pending = [spec for spec in policies if (spec, int(concurrency)) not in done]
+        served = dict(zip(pending, _simulate_cells(config, run, pending, concurrency, announce))) if pending else {}
         for spec in policies:
             key = (spec, int(concurrency))
             if key in done:
                 cells[key] = done[key]
             else:
-                cells[key] = _simulate_cell(config, run, spec, concurrency, announce)
+                cells[key] = served[spec]
                 _append_cell(out, spec, cells[key])
             if progress is not None:
                 progress(cells[key])
@@ -147,8 +154,6 @@ class _Simulation:
     sps: Any  # the table the policies decide on
     profile: Any  # the profile behind it, or None
     price: Any  # the table the SPS clock prices on
-    # R -> target-only tokens/s on the wall clock, timed once per R
-    walls: dict[int, float] = dataclasses.field(default_factory=dict)
     # R -> the batched loop's own forwards, R rows of 1..γ+1 tokens, profiled here
     layouts: dict[int, Any] = dataclasses.field(default_factory=dict)
 
@@ -200,9 +205,11 @@ def _open_simulation(config: Config, sps: Any, announce: Announce) -> _Simulatio
     return _Simulation(target, drafter, origin, temps, sets, prompts, keys, eos, sps, profile, price)
 
 
-def _simulate_cell(config: Config, run: _Simulation, spec: str, concurrency: int, announce: Announce) -> Any:
-    """One (policy, R) cell served, with the SPS clock's interval (and, on the batched engine, the
-    difference of its two clocks) where a profile is there."""
+def _simulate_cells(config: Config, run: _Simulation, specs: list[str], concurrency: int,
+                    announce: Announce) -> list[Any]:
+    """The (policy, R) cells of ``specs`` at one R, served (on the batched engine together, with one
+    target-only decode: ``serve_together``), each with the SPS clock's interval (and, on the batched
+    engine, the difference of its two clocks) where a profile is there."""
     from dspark.evaluation.clocks import serving_clock_difference, serving_wall_ratio
     from dspark.scheduling.simulator import DecodeSettings, ServeSettings, simulate_grid
     from dspark.scheduling.sps_profile import table_interval
@@ -211,20 +218,33 @@ def _simulate_cell(config: Config, run: _Simulation, spec: str, concurrency: int
     # The batched engine's clock prices each forward from a profile of that forward's own shape.
     cell_profile = _layout(config, run, int(concurrency), announce) if s.engine == "batched" else run.profile
     cell_price = cell_profile.measured_table if cell_profile is not None else run.price
-    [result] = simulate_grid(
-        run.target, run.drafter, run.prompts, policies=[spec], concurrencies=[concurrency],
+    if s.engine == "batched":
+        announce(f"R = {concurrency}: {', '.join(specs)} and target-only decoding, step by step in turn")
+    per_cell = (s.num_requests or max(len(run.prompts), int(concurrency))) if s.cycle else len(run.prompts)
+    bar = tqdm(total=per_cell * len(specs), desc=f"simulate R = {concurrency}", unit="req", dynamic_ncols=True)
+    finished: dict[int, int] = {}
+
+    def on_step(result: Any) -> None:  # requests finished over the cells of this R
+        done = sum(1 for r in result.requests if r["finished"])
+        bar.update(done - finished.get(id(result), 0))
+        finished[id(result)] = done
+
+    results = simulate_grid(
+        run.target, run.drafter, run.prompts, policies=specs, concurrencies=[concurrency],
         decoding=DecodeSettings(max_new_tokens=s.max_new_tokens, temperature=e.temperature, seed=e.seed,
                                 eos_token_ids=run.eos),
         serving=ServeSettings(sps=run.sps, price_sps=cell_price, sts_temperatures=run.temps,
                               draft_overhead=s.draft_overhead, engine=s.engine),
-        cycle=s.cycle, num_requests=s.num_requests or None, keys=run.keys, walls=run.walls)
-    if result.engine == "batched" and result.target_only_requests and result.step_log:
-        result.wall_ci = list(serving_wall_ratio(result)[1:3])
-    if cell_profile is not None:
-        result.table_ci = list(table_interval(result, cell_profile, seed=e.seed))
-        if result.engine == "batched":
-            result.clocks = dataclasses.asdict(serving_clock_difference(result, cell_profile, seed=e.seed))
-    return result
+        cycle=s.cycle, num_requests=s.num_requests or None, keys=run.keys, on_step=on_step)
+    bar.close()
+    for result in results:
+        if result.engine == "batched" and result.target_only_requests and result.step_log:
+            result.wall_ci = list(serving_wall_ratio(result)[1:3])
+        if cell_profile is not None:
+            result.table_ci = list(table_interval(result, cell_profile, seed=e.seed))
+            if result.engine == "batched":
+                result.clocks = dataclasses.asdict(serving_clock_difference(result, cell_profile, seed=e.seed))
+    return results
 
 
 def _layout(config: Config, run: _Simulation, rows: int, announce: Announce) -> Any:

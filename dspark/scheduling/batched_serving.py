@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -26,7 +26,7 @@ from dspark.scheduling.results import SimResult
 from dspark.scheduling.serving_loop import _account_step, _checked_lengths, _confidence_matrix, _start_run
 from dspark.scheduling.sps_clock import MEASURED, on_table_scale, speed_at, step_seconds
 
-__all__ = ["run_batched", "target_only_wall"]
+__all__ = ["BatchedRun", "TargetOnlyRun", "interleaved", "run_batched", "target_only_wall"]
 
 
 def _generator(device: torch.device, seed: int) -> torch.Generator:
@@ -39,59 +39,109 @@ def run_batched(target: Any, drafter: Any, jobs: Iterable[Any], *, decoding: Any
                 prefills: Any = None) -> Any:
     """``run_requests`` on the batched decoder (module docstring); arguments and result as there.
     The result's ``engine`` is "batched"; ``step_wall_s`` holds the wall clock of the steps."""
-    policy, sps, temps, clock, overhead_mode, eos, device = _start_run(serving, decoding, target)
-    rows = serving.concurrency
-    result = SimResult(policy=policy.name, concurrency=rows, draft_clock=clock, engine="batched",
-                           target_step_s=math.nan if sps is None else 1.0 / speed_at(sps, 1),
-                           target_only_throughput=math.nan if sps is None else rows * speed_at(sps, rows))
-    batch = SpeculativeBatch(target, drafter, max_new_tokens=decoding.max_new_tokens,
-                             temperature=decoding.temperature, eos_token_ids=eos, prefills=prefills)
-    index_of: dict[int, int] = {}  # id(BatchRow) -> request index
-    pending = iter(jobs)
-    exhausted = False
-    finished = 0
-    started = time.perf_counter()
+    run = BatchedRun(target, drafter, jobs, decoding=decoding, serving=serving,
+                     stop_after_finished=stop_after_finished, on_step=on_step, prefills=prefills)
+    while run.advance():
+        pass
+    return run.finish()
 
-    def close(request: BatchRow) -> None:
-        nonlocal finished
-        finished += 1
+
+class BatchedRun:
+    """``run_batched`` one step at a time: ``advance`` admits requests into free rows and runs one step
+    of every live row (False once the run has stopped), ``finish`` returns the ``SimResult``. Several
+    runs advanced in turn (``interleaved``) share the machine's moments step by step; each run's
+    clocks count its own steps and prefills only (``SimResult.wall_s``: the seconds of its own
+    ``advance`` calls)."""
+
+    def __init__(self, target: Any, drafter: Any, jobs: Iterable[Any], *, decoding: Any, serving: Any,
+                 stop_after_finished: int | None = None, on_step: Callable[[Any], None] | None = None,
+                 prefills: Any = None) -> None:
+        self.policy, self.sps, self.temps, clock, self.overhead_mode, eos, self.device = _start_run(
+            serving, decoding, target)
+        self.concurrency = rows = serving.concurrency
+        sps = self.sps
+        self.result = SimResult(policy=self.policy.name, concurrency=rows, draft_clock=clock, engine="batched",
+                                target_step_s=math.nan if sps is None else 1.0 / speed_at(sps, 1),
+                                target_only_throughput=math.nan if sps is None else rows * speed_at(sps, rows))
+        self.batch = SpeculativeBatch(target, drafter, max_new_tokens=decoding.max_new_tokens,
+                                      temperature=decoding.temperature, eos_token_ids=eos, prefills=prefills)
+        self.index_of: dict[int, int] = {}  # id(BatchRow) -> request index
+        self.pending = iter(jobs)
+        self.exhausted = False
+        self.finished = 0
+        self.stop_after_finished = stop_after_finished
+        self.on_step = on_step
+        self.running = True
+
+    @property
+    def emitted(self) -> int:
+        """Tokens the run's steps have emitted so far (``interleaved`` advances the run that made fewest)."""
+        return self.result.tokens
+
+    def _close(self, request: BatchRow) -> None:
+        self.finished += 1
         out = request.result()
-        result.requests[index_of[id(request)]].update(
+        self.result.requests[self.index_of[id(request)]].update(
             tokens=len(out.tokens), rounds=len(out.rounds), finished=True, finished_by_eos=out.finished_by_eos,
             timings=dict(out.timings), result=out)
 
-    def stopped() -> bool:
-        return stop_after_finished is not None and finished >= stop_after_finished
+    def _stopped(self) -> bool:
+        return self.stop_after_finished is not None and self.finished >= self.stop_after_finished
 
-    while True:
-        while not exhausted and not stopped() and (batch.free_rows() or len(batch.rows) < rows):
-            job = next(pending, None)
+    @torch.inference_mode()
+    def advance(self) -> bool:
+        """Admit into free rows, then one step of every live row; False (and nothing run) once every job
+        has finished or ``stop_after_finished`` of them have."""
+        if not self.running:
+            return False
+        started = time.perf_counter()
+        batch, result = self.batch, self.result
+        while not self.exhausted and not self._stopped() and (batch.free_rows() or len(batch.rows) < self.concurrency):
+            job = next(self.pending, None)
             if job is None:
-                exhausted = True
+                self.exhausted = True
                 break
-            request = batch.admit(job.prompt_ids, _generator(device, job.seed), job.tag)
-            index_of[id(request)] = len(result.requests)
+            request = batch.admit(job.prompt_ids, _generator(self.device, job.seed), job.tag)
+            self.index_of[id(request)] = len(result.requests)
             result.requests.append({"index": len(result.requests), "tag": job.tag,
                                     "prompt_tokens": len(job.prompt_ids), "tokens": len(request.tokens),
                                     "rounds": 0, "finished": False})
             if request.done:
-                close(request)
+                self._close(request)
         batch.shrink()
-        if not batch.rows or stopped():
-            break
-        for request in _step(batch, policy, temps, sps, overhead_mode, result, index_of):
-            close(request)
-        if on_step is not None:
-            on_step(result)
-    for request in batch.rows:  # still running when the run stopped: counted with the tokens they made
-        if request is not None:
-            result.requests[index_of[id(request)]].update(tokens=len(request.tokens), rounds=len(request.rounds),
-                                                           timings=dict(request.result().timings))
-    result.wall_s = time.perf_counter() - started
-    _record_step_shares(result)
-    if sps is not None and clock == MEASURED:
-        on_table_scale(result)
-    return result
+        if not batch.rows or self._stopped():
+            self.running = False
+        else:
+            for request in _step(batch, self.policy, self.temps, self.sps, self.overhead_mode, result, self.index_of):
+                self._close(request)
+        result.wall_s += time.perf_counter() - started
+        if self.running and self.on_step is not None:
+            self.on_step(result)
+        return self.running
+
+    def finish(self) -> Any:
+        """The run's ``SimResult`` (requests still running count the tokens they made)."""
+        result = self.result
+        for request in self.batch.rows:
+            if request is not None:
+                result.requests[self.index_of[id(request)]].update(
+                    tokens=len(request.tokens), rounds=len(request.rounds), timings=dict(request.result().timings))
+        _record_step_shares(result)
+        if self.sps is not None and result.draft_clock == MEASURED:
+            on_table_scale(result)
+        return result
+
+
+def interleaved(runs: Sequence[Any]) -> None:
+    """Advance ``runs`` (``BatchedRun``, ``TargetOnlyRun``) in turn until each has stopped, always the one
+    whose steps have emitted the fewest tokens: runs over the same requests then move through them
+    together, so that every run meets the machine's speed of the same minutes (a machine that speeds
+    up or slows down moves all of them alike). Each run keeps its own rows, generators and clocks."""
+    live = list(runs)
+    while live:
+        run = min(live, key=lambda r: r.emitted)
+        if not run.advance():
+            live.remove(run)
 
 
 def _record_step_shares(result: Any) -> None:
@@ -180,46 +230,89 @@ def _step(batch: SpeculativeBatch, policy: Any, temps: np.ndarray | None, sps: A
 def target_only_wall(target: Any, jobs: Iterable[Any], *, decoding: Any, rows: int,
                      stop_after_finished: int | None = None, prefills: Any = None) -> dict[str, Any]:
     """Target-only decoding of ``jobs`` (objects with prompt_ids, seed, tag) with ``rows`` rows on the
-    wall clock: {"tokens", "step_wall_s" (the steps, prefills excluded), "throughput", "steps",
-    "requests": [{"index", "tag", "tokens", "step_tokens", "step_s", "timings", "finished_by_eos"} per
-    admitted request, in admission order: step_tokens the tokens its steps made (x_0 is drawn at its
-    prefill), step_s its share of the steps' wall clock (each step's seconds over its rows), the timings
-    its prefill and those shares]}.
-    Stops as ``run_batched`` does (every job finished, or ``stop_after_finished`` of them). ``prefills``:
-    a ``PrefillStore`` to take prompt prefills from and keep them in, as ``run_batched``."""
-    device = torch.device(getattr(target, "device", "cpu"))
-    batch = TargetBatch(target, max_new_tokens=decoding.max_new_tokens, temperature=decoding.temperature,
-                        eos_token_ids=list(decoding.eos_token_ids or ()), prefills=prefills)
-    pending, admitted, exhausted, finished = iter(jobs), [], False, 0
-    tokens = steps = 0
-    wall = 0.0
-    while True:
-        while not exhausted and (stop_after_finished is None or finished < stop_after_finished) and (
-                batch.free_rows() or len(batch.rows) < rows):
-            job = next(pending, None)
+    wall clock: ``TargetOnlyRun.finish``'s dict. Stops as ``run_batched`` does (every job finished, or
+    ``stop_after_finished`` of them). ``prefills``: a ``PrefillStore`` to take prompt prefills from and
+    keep them in, as ``run_batched``."""
+    run = TargetOnlyRun(target, jobs, decoding=decoding, rows=rows, stop_after_finished=stop_after_finished,
+                        prefills=prefills)
+    while run.advance():
+        pass
+    return run.finish()
+
+
+class TargetOnlyRun:
+    """``target_only_wall`` one step at a time, as ``BatchedRun``: ``advance`` admits into free rows and
+    runs one target-only step (one token per row), ``finish`` returns the dict."""
+
+    def __init__(self, target: Any, jobs: Iterable[Any], *, decoding: Any, rows: int,
+                 stop_after_finished: int | None = None, prefills: Any = None) -> None:
+        self.device = torch.device(getattr(target, "device", "cpu"))
+        self.batch = TargetBatch(target, max_new_tokens=decoding.max_new_tokens, temperature=decoding.temperature,
+                                 eos_token_ids=list(decoding.eos_token_ids or ()), prefills=prefills)
+        self.rows = rows
+        self.pending = iter(jobs)
+        self.admitted: list[BatchRow] = []
+        self.forwards: dict[int, dict[int, float]] = {}  # id(BatchRow) -> {rows of a step: Σ 1 / rows}
+        self.exhausted = False
+        self.finished = self.tokens = self.steps = 0
+        self.wall = 0.0
+        self.stop_after_finished = stop_after_finished
+        self.running = True
+
+    @property
+    def emitted(self) -> int:
+        """Tokens the run's steps have emitted so far."""
+        return self.tokens
+
+    def _stopped(self) -> bool:
+        return self.stop_after_finished is not None and self.finished >= self.stop_after_finished
+
+    @torch.inference_mode()
+    def advance(self) -> bool:
+        """Admit into free rows, then one token for every live row; False once the run has stopped."""
+        if not self.running:
+            return False
+        batch = self.batch
+        while not self.exhausted and not self._stopped() and (batch.free_rows() or len(batch.rows) < self.rows):
+            job = next(self.pending, None)
             if job is None:
-                exhausted = True
+                self.exhausted = True
                 break
-            request = batch.admit(job.prompt_ids, _generator(device, job.seed), job.tag)
-            admitted.append(request)
-            finished += request.done
+            request = batch.admit(job.prompt_ids, _generator(self.device, job.seed), job.tag)
+            self.admitted.append(request)
+            self.finished += request.done
         batch.shrink()
-        if not batch.rows or (stop_after_finished is not None and finished >= stop_after_finished):
-            break
+        if not batch.rows or self._stopped():
+            self.running = False
+            return False
         start = time.perf_counter()
-        live = len(batch.rows)
+        live = list(batch.rows)
         done = batch.step()
-        wall += time.perf_counter() - start
-        tokens += live
-        steps += 1
-        finished += len(done)
-    return {"tokens": tokens, "step_wall_s": wall, "throughput": tokens / wall if wall > 0 else math.nan,
-            "steps": steps, "requests": [_target_only_request(i, r) for i, r in enumerate(admitted)]}
+        self.wall += time.perf_counter() - start
+        for request in live:
+            share = self.forwards.setdefault(id(request), {})
+            share[len(live)] = share.get(len(live), 0.0) + 1.0 / len(live)
+        self.tokens += len(live)
+        self.steps += 1
+        self.finished += len(done)
+        return True
+
+    def finish(self) -> dict[str, Any]:
+        """{"tokens", "step_wall_s" (the steps, prefills excluded), "throughput", "steps", "requests": [{"index",
+        "tag", "tokens", "step_tokens", "step_s", "step_forwards", "timings", "finished_by_eos"} per admitted
+        request, in admission order: step_tokens the tokens its steps made (x_0 is drawn at its prefill),
+        step_s its share of the steps' wall clock (each step's seconds over its rows), step_forwards its
+        share of the steps' forwards by their rows ({rows: Σ 1 / rows}: what prices them on the SPS
+        clock), the timings its prefill and those shares]}."""
+        wall = self.wall
+        requests = [_target_only_request(i, r, self.forwards.get(id(r), {})) for i, r in enumerate(self.admitted)]
+        return {"tokens": self.tokens, "step_wall_s": wall, "throughput": self.tokens / wall if wall > 0 else math.nan,
+                "steps": self.steps, "requests": requests}
 
 
-def _target_only_request(index: int, request: BatchRow) -> dict[str, Any]:
+def _target_only_request(index: int, request: BatchRow, forwards: dict[int, float]) -> dict[str, Any]:
     out = request.result()
     step_s = sum(v for k, v in out.timings.items() if k not in ("prefill", "total"))
     return {"index": index, "tag": request.tag, "tokens": len(out.tokens), "step_tokens": max(len(out.tokens) - 1, 0),
-            "step_s": step_s,
+            "step_s": step_s, "step_forwards": {int(b): float(c) for b, c in sorted(forwards.items())},
             "timings": out.timings, "finished_by_eos": out.finished_by_eos}

@@ -52,11 +52,13 @@ class SimResult:
     engine: "per-request" or "batched" (``ServeSettings.engine``); step_wall_s: the wall clock of the steps
       (prefills excluded; batched engine); target_only_wall: tokens/s of target-only decoding of the same
       requests at the same R on the wall clock (batched engine, when measured; NaN otherwise);
-      target_only_requests: that decode's requests (index, tag, step_tokens, step_s: the tokens its steps
-      made and its share of their seconds), paired with ``requests`` by index; wall_ci: the 95 % interval
+      target_only_requests: that decode's requests (index, tag, step_tokens, step_s, step_forwards: the
+      tokens its steps made, its share of their seconds and of their forwards by rows), paired with
+      ``requests`` by index; wall_ci: the 95 % interval
       of wall_vs_target_only over the requests (``dspark.evaluation.clocks.serving_wall_ratio``), when
       computed; clocks: the
-      SPS clock against the wall clock on this run's steps (``dspark.evaluation.clocks.serving_clock_difference``
+      SPS clock's ratio to target-only decoding against the wall clock's
+      (``dspark.evaluation.clocks.serving_clock_difference``
       as a dict), when a profile was given.
     tau_ci: the 95 % interval of τ over the requests (``dspark.evaluation.paired.serving_tau``), when computed.
     table_ci: the 95 % interval of vs_target_only over the SPS table's own timing noise

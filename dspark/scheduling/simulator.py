@@ -30,7 +30,7 @@ from dspark.seeds import derive_seed, request_seed
 
 __all__ = [
     "DecodeSettings", "Job", "Policy", "POLICY_HELP", "ServeSettings", "SimResult", "job_seed", "make_policy",
-    "run_requests", "simulate", "simulate_grid", "sps_table",
+    "run_requests", "serve_together", "simulate", "simulate_grid", "sps_table",
 ]
 
 
@@ -65,7 +65,7 @@ def simulate(
     them it draws from ``job_seed(decoding.seed, i)`` and is tagged i mod N.
     See ``run_requests`` for one step and docs/scheduling.md for the model. With the batched engine
     (``serving.engine``) and ``target_only``, target-only decoding of the same requests at the same R
-    is timed too (``SimResult.target_only_wall``).
+    is timed too, step by step in turn with the cell (``serve_together``; ``SimResult.target_only_wall``).
     """
     if not prompts:
         raise ValueError("prompts is empty; give at least one prompt (a list of token ids)")
@@ -75,49 +75,66 @@ def simulate(
                          "`dspark profile-sps` (its JSON path or SPSTable.from_json('sps.json'))")
     serving = dataclasses.replace(serving, sps=sps, price_sps=sps_table(serving.price_sps))
     prompts = [list(p) for p in prompts]
-    job = _job_maker(prompts, keys, decoding.seed)
-    if cycle:
-        stop = max(len(prompts), serving.concurrency) if num_requests is None else num_requests
-        if isinstance(stop, bool) or not isinstance(stop, int) or stop < 1:
-            raise ValueError(f"num_requests must be an int >= 1, got {num_requests!r}")
+    make_jobs, stop = _jobs(prompts, keys, decoding.seed, cycle, num_requests, serving.concurrency)
+    if serving.engine == "batched":
+        [result] = serve_together(target, drafter, make_jobs, [serving], decoding=decoding, stop=stop,
+                                  target_only=target_only, on_step=on_step)
+        return result
+    return run_requests(target, drafter, make_jobs(), decoding=decoding, serving=serving, stop_after_finished=stop,
+                        on_step=on_step)
 
-        def endless() -> Iterator[Job]:
-            i = 0
-            while True:
-                yield job(i)
-                i += 1
 
-        jobs: Iterable[Job] = endless()
-    else:
+def _jobs(prompts: list[list[int]], keys: Sequence[tuple[str, int]] | None, seed: int, cycle: bool,
+          num_requests: int | None, concurrency: int) -> tuple[Callable[[], Iterable[Job]], int | None]:
+    """(a maker of ``simulate``'s job stream, each call a fresh one from request 0; the stop rule:
+    requests finished, or None for every prompt once)."""
+    job = _job_maker(prompts, keys, seed)
+    if not cycle:
         if num_requests is not None:
             raise ValueError("num_requests applies to cycle=True only; without cycling every prompt runs once")
-        stop = None
-        jobs = [job(i) for i in range(len(prompts))]
-    result = run_requests(target, drafter, jobs, decoding=decoding, serving=serving, stop_after_finished=stop,
-                          on_step=on_step)
-    if serving.engine == "batched" and target_only:
-        set_target_only(result, target_only_wall_throughput(
-            target, prompts, keys, decoding=decoding, rows=serving.concurrency, cycle=cycle, stop=stop))
-    return result
+        return (lambda: [job(i) for i in range(len(prompts))]), None
+    stop = max(len(prompts), concurrency) if num_requests is None else num_requests
+    if isinstance(stop, bool) or not isinstance(stop, int) or stop < 1:
+        raise ValueError(f"num_requests must be an int >= 1, got {num_requests!r}")
+    return (lambda: (job(i) for i in itertools.count())), stop
+
+
+def serve_together(target: Any, drafter: Any, make_jobs: Callable[[], Iterable[Job]], cells: Sequence[ServeSettings],
+                   *, decoding: DecodeSettings, stop: int | None, target_only: bool = True,
+                   on_step: Callable[[SimResult], None] | None = None) -> list[SimResult]:
+    """Serve the same jobs under every cell of ``cells`` (one R, batched engine) and, with ``target_only``,
+    decode them with the target alone at that R, all step by step in turn
+    (``dspark.scheduling.batched_serving.interleaved``): every cell's wall clock and the target-only
+    decode it is compared with (``SimResult.target_only_wall``, ``target_only_requests``) meet the
+    machine's speed of the same minutes. Each decode keeps its own rows, generators and clocks and
+    prefills the requests it admits (as a server does between its steps), so a cell decodes the rounds
+    it decodes alone. ``make_jobs()`` gives each decode its own job stream."""
+    from dspark.scheduling.batched_serving import BatchedRun, TargetOnlyRun, interleaved
+
+    rows = {int(c.concurrency) for c in cells}
+    if len(rows) != 1 or any(c.engine != "batched" for c in cells):
+        raise ValueError(f"serve_together serves cells of one R on the batched engine, got R = {sorted(rows)} and "
+                         f"engines {sorted({c.engine for c in cells})}")
+    runs = [BatchedRun(target, drafter, make_jobs(), decoding=decoding, serving=cell, stop_after_finished=stop,
+                       on_step=on_step) for cell in cells]
+    base = TargetOnlyRun(target, make_jobs(), decoding=decoding, rows=rows.pop(),
+                         stop_after_finished=stop) if target_only else None
+    interleaved([*runs, *([base] if base is not None else [])])
+    results = [run.finish() for run in runs]
+    if base is not None:
+        wall = base.finish()
+        for result in results:
+            set_target_only(result, wall)
+    return results
 
 
 def set_target_only(result: SimResult, wall: dict[str, Any]) -> None:
     """Record target-only decoding of the run's requests (``target_only_wall``'s dict) in ``result``:
-    its tokens/s and each request's tokens and share of the steps, paired with the run's by index."""
+    its tokens/s and each request's tokens, share of the steps and of their forwards, paired with the
+    run's by index."""
     result.target_only_wall = float(wall["throughput"])
-    keep = ("index", "tag", "step_tokens", "step_s")
-    result.target_only_requests = [{k: r[k] for k in keep} for r in wall["requests"]]
-
-
-def target_only_wall_throughput(target: Any, prompts: list[list[int]], keys: Sequence[tuple[str, int]] | None, *,
-                                decoding: DecodeSettings, rows: int, cycle: bool, stop: int | None) -> dict[str, Any]:
-    """Target-only decoding of ``simulate``'s requests (the same jobs, seeds and stop rule) with ``rows``
-    rows on the wall clock: ``dspark.scheduling.batched_serving.target_only_wall``'s dict."""
-    from dspark.scheduling.batched_serving import target_only_wall
-
-    job = _job_maker(prompts, keys, decoding.seed)
-    jobs: Iterable[Job] = (job(i) for i in itertools.count()) if cycle else [job(i) for i in range(len(prompts))]
-    return target_only_wall(target, jobs, decoding=decoding, rows=rows, stop_after_finished=stop)
+    keep = ("index", "tag", "step_tokens", "step_s", "step_forwards")
+    result.target_only_requests = [{k: r[k] for k in keep if k in r} for r in wall["requests"]]
 
 
 def _job_maker(prompts: list[list[int]], keys: Sequence[tuple[str, int]] | None, seed: int) -> Callable[[int], Job]:
@@ -150,28 +167,35 @@ def simulate_grid(
     num_requests: int | None = None,
     keys: Sequence[tuple[str, int]] | None = None,
     progress: Callable[[SimResult], None] | None = None,
-    walls: dict[int, float] | None = None,
+    target_only: bool = True,
+    on_step: Callable[[SimResult], None] | None = None,
 ) -> list[SimResult]:
     """``simulate`` for every (policy, concurrency) pair of the grid, ``serving`` giving the rest
-    (SPS table, STS temperatures, draft overhead). Each cell makes a fresh policy and uses the
-    same seed, so every cell serves the same requests with the same random streams.
-    ``keys``: the prompts' (benchmark, index) keys, as ``simulate`` takes them.
-    ``progress`` is called with each finished result. ``walls``: R -> target-only decoding on the wall
-    clock (batched engine; ``{"throughput", "requests"}`` as ``set_target_only`` reads it), filled as each
-    R is timed and reused (pass one dict to share it across calls)."""
+    (SPS table, STS temperatures, draft overhead); results policy by policy, R by R. Each cell makes
+    a fresh policy and uses the same seed, so every cell serves the same requests with the same random
+    streams. ``keys``: the prompts' (benchmark, index) keys, as ``simulate`` takes them.
+    ``progress`` is called with each finished result, ``on_step`` with a cell's result after each of its
+    steps (as ``simulate`` calls it). On the batched engine the cells of one R are
+    served together with one target-only decode at that R (``serve_together``: every cell's wall
+    clock against target-only decoding of the same minutes)."""
+    if not prompts:
+        raise ValueError("prompts is empty; give at least one prompt (a list of token ids)")
     serving = dataclasses.replace(serving, sps=sps_table(serving.sps), price_sps=sps_table(serving.price_sps))
-    results = []
-    walls = {} if walls is None else walls
-    for spec in policies:
-        for concurrency in concurrencies:
-            cell = dataclasses.replace(serving, policy=spec, concurrency=concurrency)
-            result = simulate(target, drafter, prompts, decoding=decoding, serving=cell, cycle=cycle,
-                              num_requests=num_requests, keys=keys, target_only=concurrency not in walls)
-            if serving.engine == "batched":
-                walls.setdefault(concurrency, {"throughput": result.target_only_wall,
-                                               "requests": result.target_only_requests})
-                set_target_only(result, walls[concurrency])
-            results.append(result)
+    cells: dict[tuple[int, int], SimResult] = {}
+    for r in concurrencies:
+        specs = [dataclasses.replace(serving, policy=spec, concurrency=r) for spec in policies]
+        if serving.engine == "batched":
+            if serving.sps is None:
+                raise ValueError("ServeSettings.sps is None; simulate charges every step 1 / SPS(B): give the table "
+                                 "of `dspark profile-sps` (its JSON path or SPSTable.from_json('sps.json'))")
+            make_jobs, stop = _jobs([list(p) for p in prompts], keys, decoding.seed, cycle, num_requests, r)
+            found = serve_together(target, drafter, make_jobs, specs, decoding=decoding, stop=stop,
+                                   target_only=target_only, on_step=on_step)
+        else:
+            found = [simulate(target, drafter, prompts, decoding=decoding, serving=cell, cycle=cycle,
+                              num_requests=num_requests, keys=keys, on_step=on_step) for cell in specs]
+        for i, result in enumerate(found):
+            cells[(i, r)] = result
             if progress is not None:
                 progress(result)
-    return results
+    return [cells[(i, r)] for i in range(len(policies)) for r in concurrencies]

@@ -69,10 +69,13 @@ def test_the_sps_clock_prices_each_padded_forward_and_the_wall_clock_is_the_step
     assert sim.pricing()(DECAYING) == pytest.approx(sim.throughput / (3 * float(DECAYING(3))))
 
 
-def _profile(noise: bool) -> SPSProfile:
+def _profile(noise: bool, common: bool = False) -> SPSProfile:
+    """Five sweeps of B = 1, 2, 4, 8; ``noise``: each B's timings jitter on their own (``common``: every
+    sweep scaled alike, as a machine that ran faster or slower during the profile)."""
     jitter = [1.0, 1.1, 0.9, 1.05, 0.95]
     base = {1: 0.010, 2: 0.0125, 4: 0.020, 8: 0.040}
-    seconds = [[base[b] * (j if noise else 1.0) for j in jitter] for b in base]
+    seconds = [[base[b] * (jitter[(k + (0 if common else i)) % 5] if noise else 1.0) for k in range(5)]
+               for i, b in enumerate(base)]
     return SPSProfile(list(base), seconds, [statistics.median(s) for s in seconds], context_len=128,
                       tokens_per_request=None, warmup=1, repeats=5, device="cpu", dtype="float32", threads=1)
 
@@ -96,33 +99,47 @@ def _made_up_run() -> SimResult:
     return result
 
 
+def _with_target_only(result: SimResult) -> SimResult:
+    """The target-only decode of the made-up run's three requests at R = 2: request 0 six tokens in six
+    steps beside request 1 (three steps), request 2 two steps beside request 0 and two alone."""
+    result.target_only_requests = [
+        {"index": 0, "tag": ("a", 0), "step_tokens": 6, "step_s": 0.060, "step_forwards": {2: 3.0}},
+        {"index": 1, "tag": ("b", 0), "step_tokens": 3, "step_s": 0.040, "step_forwards": {2: 1.5}},
+        {"index": 2, "tag": ("a", 1), "step_tokens": 4, "step_s": 0.030, "step_forwards": {1: 2.0, 2: 1.0}}]
+    return result
+
+
 def test_the_clocks_difference_is_the_formula_by_hand():
-    result, profile = _made_up_run(), _profile(noise=False)
+    result, profile = _with_target_only(_made_up_run()), _profile(noise=False)
     got = serving_clock_difference(result, profile)
-    speed = {2: 1 / 0.0125, 4: 1 / 0.020, 8: 1 / 0.040}
+    speed = {1: 1 / 0.010, 2: 1 / 0.0125, 4: 1 / 0.020, 8: 1 / 0.040}
     # Shares per request: request 0 is in steps 0, 1 (2 rows), request 1 in 0, 1, 2, request 2 in 2 (2 rows), 3 (1).
     tokens = 2 + 1 + 3 + 2 + 1 + 1 + 2
     wall = 0.030 + 0.050 + 0.028 + 0.020
     other, verify = 0.010 + 0.012 + 0.009 + 0.006, 0.018 + 0.035 + 0.017 + 0.013
     forwards = 1 / speed[4] + 1 / speed[8] + 1 / speed[4] + 1 / speed[2]  # every step's forward, once
     sps_time = forwards * (1 + other / verify)
-    assert got.difference == pytest.approx(wall / sps_time - 1)
-    assert got.sps == pytest.approx(tokens / sps_time / (2 * float(profile.measured_table(2))))
-    assert got.wall == pytest.approx(tokens / wall / 150.0)
+    base_tokens, base_wall = 6 + 3 + 4, 0.060 + 0.040 + 0.030
+    base_time = (3.0 + 1.5 + 1.0) / speed[2] + 2.0 / speed[1]  # the target-only steps on the table
+    assert got.sps == pytest.approx((tokens / sps_time) / (base_tokens / base_time))
+    assert got.wall == pytest.approx((tokens / wall) / (base_tokens / base_wall))
+    assert got.difference == pytest.approx((wall / sps_time) / (base_wall / base_time) - 1)
+    assert got.difference == pytest.approx(got.sps / got.wall - 1)
     assert got.v_table == 0.0 and got.requests == 3 and got.df == 1  # groups a (2 requests) and b (1)
-    # the jackknife: only benchmark a has two requests; deleting one rescales a's sum by 2
-    shares = {0: np.array([2 + 3, 0.030 / 2 + 0.050 / 2, 0.010 / 2 + 0.012 / 2, 0.018 / 2 + 0.035 / 2, 0.5, 0.5, 0]),
-              1: np.array([1 + 2 + 1, 0.030 / 2 + 0.050 / 2 + 0.028 / 2, (0.010 + 0.012 + 0.009) / 2,
-                           (0.018 + 0.035 + 0.017) / 2, 0, 1.0, 0.5]),
-              2: np.array([1 + 2, 0.028 / 2 + 0.020, 0.009 / 2 + 0.006, 0.017 / 2 + 0.013, 1.0, 0.5, 0])}
-    # columns after the first four: counts at B = 2, 4, 8 (request 0: 1/2 at 4 and 1/2 at 8, ...)
-    shares[0][4:] = [0, 0.5, 0.5]
-    shares[1][4:] = [0, 1.0, 0.5]
-    shares[2][4:] = [1.0, 0.5, 0]
+    # the jackknife: only benchmark a has two requests; deleting one rescales a's sum by 2. Columns:
+    # tokens, W, O, V, counts at B = 2, 4, 8; target-only tokens, W', counts at B = 1, 2.
+    shares = {0: [2 + 3, 0.030 / 2 + 0.050 / 2, 0.010 / 2 + 0.012 / 2, 0.018 / 2 + 0.035 / 2, 0, 0.5, 0.5,
+                  6, 0.060, 0, 3.0],
+              1: [1 + 2 + 1, 0.030 / 2 + 0.050 / 2 + 0.028 / 2, (0.010 + 0.012 + 0.009) / 2,
+                  (0.018 + 0.035 + 0.017) / 2, 0, 1.0, 0.5, 3, 0.040, 0, 1.5],
+              2: [1 + 2, 0.028 / 2 + 0.020, 0.009 / 2 + 0.006, 0.017 / 2 + 0.013, 1.0, 0.5, 0, 4, 0.030, 2.0, 1.0]}
+    shares = {i: np.array(v) for i, v in shares.items()}
     price = np.array([1 / speed[2], 1 / speed[4], 1 / speed[8]])
+    base_price = np.array([1 / speed[1], 1 / speed[2]])
 
     def diff(total):
-        return total[1] / ((total[4:] * price).sum() * (1 + total[2] / total[3])) - 1
+        cell = total[1] / ((total[4:7] * price).sum() * (1 + total[2] / total[3]))
+        return cell / (total[8] / (total[9:] * base_price).sum()) - 1
 
     b = shares[1]
     deleted = [diff((shares[0 if i else 2] * 2) + b) for i in (0, 1)]  # delete request 2, then request 0
@@ -131,13 +148,9 @@ def test_the_clocks_difference_is_the_formula_by_hand():
     t1 = 12.706205  # Student's t, 0.975 quantile, 1 degree of freedom
     assert diff(shares[0] + shares[1] + shares[2]) == pytest.approx(got.difference)
     assert (got.hi - got.lo) / 2 == pytest.approx(t1 * math.sqrt(var), rel=1e-6)
-
-
-def _with_target_only(result: SimResult) -> SimResult:
-    result.target_only_requests = [{"index": 0, "tag": ("a", 0), "step_tokens": 6, "step_s": 0.060},
-                                   {"index": 1, "tag": ("b", 0), "step_tokens": 3, "step_s": 0.040},
-                                   {"index": 2, "tag": ("a", 1), "step_tokens": 4, "step_s": 0.030}]
-    return result
+    # the target-only decode is required, with its forwards
+    with pytest.raises(ValueError, match="target-only decode"):
+        serving_clock_difference(_made_up_run(), profile)
 
 
 def test_the_wall_ratio_is_the_formula_by_hand_and_leaves_each_request_out_of_both_decodes():
@@ -194,9 +207,11 @@ def test_the_wall_ratio_interval_covers_at_the_serving_design(per_benchmark):
 
 
 def test_timing_noise_of_the_table_widens_the_interval_and_the_table_says_which_clock_is_faster():
-    result = _made_up_run()
+    result = _with_target_only(_made_up_run())
     quiet, noisy = serving_clock_difference(result, _profile(False)), serving_clock_difference(result, _profile(True))
     assert noisy.v_table > 0 and noisy.hi - noisy.lo > quiet.hi - quiet.lo
+    # a profile whose sweeps ran uniformly faster or slower prices the cell and target-only alike
+    assert serving_clock_difference(result, _profile(True, common=True)).v_table == pytest.approx(0.0, abs=1e-20)
     assert quiet.verdict in ("agree", "SPS clock above", "SPS clock below")
 
 
