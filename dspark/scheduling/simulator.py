@@ -106,19 +106,23 @@ def serve_together(target: Any, drafter: Any, make_jobs: Callable[[], Iterable[J
     decode them with the target alone at that R, all step by step in turn
     (``dspark.scheduling.batched_serving.interleaved``): every cell's wall clock and the target-only
     decode it is compared with (``SimResult.target_only_wall``, ``target_only_requests``) meet the
-    machine's speed of the same minutes. Each decode keeps its own rows, generators and clocks and
-    prefills the requests it admits (as a server does between its steps), so a cell decodes the rounds
-    it decodes alone. ``make_jobs()`` gives each decode its own job stream."""
+    machine's speed of the same minutes. Each decode keeps its own rows, generators and clocks, so a
+    cell decodes the rounds it decodes alone; a prompt is prefilled once for all of them
+    (``PrefillStore``: the first decode to admit it runs the forward, the others start from its
+    cache and draw x_0 from its logits with their own generators; neither clock counts prefills).
+    ``make_jobs()`` gives each decode its own job stream."""
+    from dspark.decoding.prefill_store import PrefillStore
     from dspark.scheduling.batched_serving import BatchedRun, TargetOnlyRun, interleaved
 
     rows = {int(c.concurrency) for c in cells}
     if len(rows) != 1 or any(c.engine != "batched" for c in cells):
         raise ValueError(f"serve_together serves cells of one R on the batched engine, got R = {sorted(rows)} and "
                          f"engines {sorted({c.engine for c in cells})}")
+    store = PrefillStore()
     runs = [BatchedRun(target, drafter, make_jobs(), decoding=decoding, serving=cell, stop_after_finished=stop,
-                       on_step=on_step) for cell in cells]
-    base = TargetOnlyRun(target, make_jobs(), decoding=decoding, rows=rows.pop(),
-                         stop_after_finished=stop) if target_only else None
+                       on_step=on_step, prefills=store) for cell in cells]
+    base = TargetOnlyRun(target, make_jobs(), decoding=decoding, rows=rows.pop(), stop_after_finished=stop,
+                         prefills=store) if target_only else None
     interleaved([*runs, *([base] if base is not None else [])])
     results = [run.finish() for run in runs]
     if base is not None:

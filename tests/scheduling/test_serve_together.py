@@ -38,7 +38,18 @@ def _tokens(sim):
     return [tuple(r["result"].tokens) for r in sim.requests if r["finished"]]
 
 
-def test_cells_served_together_decode_what_each_decodes_alone_and_target_only_what_it_decodes_alone():
+def test_cells_served_together_decode_what_each_decodes_alone_and_target_only_what_it_decodes_alone(monkeypatch):
+    from dspark.decoding.prefill_store import PrefillStore
+
+    lookups = []  # whether each admission found its prompt's prefill kept
+    get = PrefillStore.get
+
+    def counting_get(self, target, prompt_ids):
+        found = get(self, target, prompt_ids)
+        lookups.append(found is not None)
+        return found
+
+    monkeypatch.setattr(PrefillStore, "get", counting_get)
     target = make_tiny_target("llama")
     drafter = random_drafter(target, gamma=4)
     decoding = DecodeSettings(max_new_tokens=10, temperature=1.0, seed=3)
@@ -46,11 +57,18 @@ def test_cells_served_together_decode_what_each_decodes_alone_and_target_only_wh
     policies = ["static", "algorithm1", "static1"]
     together = simulate_grid(target, drafter, PROMPTS, policies=policies, concurrencies=[3], decoding=decoding,
                              serving=serving, num_requests=8, keys=KEYS)
+    lookups_together = list(lookups)
     for policy, got in zip(policies, together):
         alone = simulate(target, drafter, PROMPTS, decoding=decoding, keys=KEYS, num_requests=8, target_only=False,
                          serving=ServeSettings(policy=policy, sps=TABLE, concurrency=3, engine="batched"))
         assert got.policy == alone.policy and _rounds(got) == _rounds(alone) and _tokens(got) == _tokens(alone)
         assert got.tokens == alone.tokens and got.steps == alone.steps
+    # each prompt was prefilled once for the three cells and target-only decoding, every other admission
+    # of it started from the kept prefill
+    admitted = [r["tag"] for cell in together for r in cell.requests]
+    admitted += [r["tag"] for r in together[0].target_only_requests]
+    assert len(lookups_together) == len(admitted)
+    assert lookups_together.count(False) == len(set(admitted)) == len(PROMPTS)
     # one target-only decode, shared by the cells: what target-only decoding alone gives
     from dspark.scheduling.simulator import _jobs
     make_jobs, stop = _jobs([list(p) for p in PROMPTS], KEYS, 3, True, 8, 3)
@@ -138,7 +156,8 @@ def test_a_machine_that_slows_down_during_the_run_moves_both_decodes_alike_when_
                      target_only=False)
     from dspark.scheduling.simulator import _jobs
     make_jobs, stop = _jobs([list(p) for p in PROMPTS], KEYS, 0, True, 12, rows)
-    set_target_only(alone, target_only_wall(target, make_jobs(), decoding=decoding, rows=rows, stop_after_finished=stop))
+    base = target_only_wall(target, make_jobs(), decoding=decoding, rows=rows, stop_after_finished=stop)
+    set_target_only(alone, base)
     late = serving_clock_difference(alone, profile)
     assert late.hi < 0.0 and late.difference < -0.2, late  # the wall ratio credits the cell with the drift
     assert _rounds(alone) == _rounds(paired)
