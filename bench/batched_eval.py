@@ -4,7 +4,7 @@ The same requests (test prompts of the benchmarks, each with its own seed) are d
 
 - one at a time by ``dspark.decoding.loop.speculative_generate`` (the batch-1 evaluation loop) and
   ``target_generate`` (its target-only baseline);
-- by ``dspark.decoding.batched.speculative_batch_generate`` and ``target_batch_generate`` at every
+- by ``dspark.decoding.batch_jobs.speculative_batch_generate`` and ``target_batch_generate`` at every
   R of ``--rows`` (R requests per forward, rows refilled as requests finish, longest prompt first
   as ``dspark eval`` admits them).
 
@@ -65,7 +65,7 @@ def main() -> None:
 
     from dspark.build import load_models
     from dspark.config import load_config
-    from dspark.decoding.batched import BatchJob, longest_first, speculative_batch_generate, target_batch_generate
+    from dspark.decoding.batch_jobs import BatchJob, longest_first, speculative_batch_generate, target_batch_generate
     from dspark.decoding.loop import speculative_generate, target_generate
     from dspark.evaluation.evaluate import default_eos_ids
     from dspark.seeds import derive_seed

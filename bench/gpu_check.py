@@ -259,7 +259,7 @@ def check_decode(size: dict, device: torch.device, new_tokens: int) -> dict:
 def check_batched(size: dict, device: torch.device, rows: list[int], new_tokens: int) -> dict:
     """Evaluation throughput of the batched decoder: 2R requests (at least 8) at each R, every round
     verifying γ drafts, against target-only decoding of the same requests at R."""
-    from dspark.decoding.batched import BatchJob, speculative_batch_generate, target_batch_generate
+    from dspark.decoding.batch_jobs import BatchJob, speculative_batch_generate, target_batch_generate
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     target = build_target(size, device, dtype)

@@ -47,7 +47,7 @@ _LOCATIONS = {
     "speculative_generate": "dspark.decoding.loop",
     "target_generate": "dspark.decoding.loop",
     "SpeculativeBatch": "dspark.decoding.batched",
-    "speculative_batch_generate": "dspark.decoding.batched",
+    "speculative_batch_generate": "dspark.decoding.batch_jobs",
     "sts_inputs": "dspark.rounds",
     "fit_sts": "dspark.scheduling.calibration",
     "apply_temperatures": "dspark.scheduling.calibration",

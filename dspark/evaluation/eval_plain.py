@@ -203,7 +203,7 @@ def batched_benchmarks(
     flight. The target-only decode starts from the prompt prefills of the speculative one (the same
     forward; ``dspark.decoding.prefill_store``), charged the seconds they took there. Requests
     ``done`` holds are read back, not decoded."""
-    from dspark.decoding.batched import BatchJob, longest_first, speculative_batch_generate, target_batch_generate
+    from dspark.decoding.batch_jobs import BatchJob, longest_first, speculative_batch_generate, target_batch_generate
 
     keys = [(name, i) for name, convs in prompts.items() for i in range(state.rank, len(convs), state.world)]
     pending = [k for k in keys if k not in done.records]

@@ -21,16 +21,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from dspark.decoding.batch_jobs import job_generator
 from dspark.decoding.batched import BatchRow, SpeculativeBatch, TargetBatch
 from dspark.scheduling.results import SimResult
 from dspark.scheduling.serving_loop import _account_step, _checked_lengths, _confidence_matrix, _start_run
 from dspark.scheduling.sps_clock import MEASURED, on_table_scale, speed_at, step_seconds
 
 __all__ = ["BatchedRun", "TargetOnlyRun", "interleaved", "run_batched", "target_only_wall"]
-
-
-def _generator(device: torch.device, seed: int) -> torch.Generator:
-    return torch.Generator(device=device).manual_seed(int(seed))
 
 
 @torch.inference_mode()
@@ -101,7 +98,7 @@ class BatchedRun:
             if job is None:
                 self.exhausted = True
                 break
-            request = batch.admit(job.prompt_ids, _generator(self.device, job.seed), job.tag)
+            request = batch.admit(job.prompt_ids, job_generator(self.device, job.seed), job.tag)
             self.index_of[id(request)] = len(result.requests)
             result.requests.append({"index": len(result.requests), "tag": job.tag,
                                     "prompt_tokens": len(job.prompt_ids), "tokens": len(request.tokens),
@@ -278,7 +275,7 @@ class TargetOnlyRun:
             if job is None:
                 self.exhausted = True
                 break
-            request = batch.admit(job.prompt_ids, _generator(self.device, job.seed), job.tag)
+            request = batch.admit(job.prompt_ids, job_generator(self.device, job.seed), job.tag)
             self.admitted.append(request)
             self.finished += request.done
         batch.shrink()

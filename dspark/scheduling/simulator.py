@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -69,10 +69,7 @@ def simulate(
     """
     if not prompts:
         raise ValueError("prompts is empty; give at least one prompt (a list of token ids)")
-    sps = sps_table(serving.sps)
-    if sps is None:
-        raise ValueError("ServeSettings.sps is None; simulate charges every step 1 / SPS(B): give the table of "
-                         "`dspark profile-sps` (its JSON path or SPSTable.from_json('sps.json'))")
+    sps = _required_table(serving.sps)
     serving = dataclasses.replace(serving, sps=sps, price_sps=sps_table(serving.price_sps))
     prompts = [list(p) for p in prompts]
     make_jobs, stop = _jobs(prompts, keys, decoding.seed, cycle, num_requests, serving.concurrency)
@@ -82,6 +79,15 @@ def simulate(
         return result
     return run_requests(target, drafter, make_jobs(), decoding=decoding, serving=serving, stop_after_finished=stop,
                         on_step=on_step)
+
+
+def _required_table(sps: Any) -> Any:
+    """The SPS table of ``ServeSettings.sps``, which the simulator needs to price its steps."""
+    table = sps_table(sps)
+    if table is None:
+        raise ValueError("ServeSettings.sps is None; simulate charges every step 1 / SPS(B): give the table of "
+                         "`dspark profile-sps` (its JSON path or SPSTable.from_json('sps.json'))")
+    return table
 
 
 def _jobs(prompts: list[list[int]], keys: Sequence[tuple[str, int]] | None, seed: int, cycle: bool,
@@ -189,9 +195,7 @@ def simulate_grid(
     for r in concurrencies:
         specs = [dataclasses.replace(serving, policy=spec, concurrency=r) for spec in policies]
         if serving.engine == "batched":
-            if serving.sps is None:
-                raise ValueError("ServeSettings.sps is None; simulate charges every step 1 / SPS(B): give the table "
-                                 "of `dspark profile-sps` (its JSON path or SPSTable.from_json('sps.json'))")
+            _required_table(serving.sps)
             make_jobs, stop = _jobs([list(p) for p in prompts], keys, decoding.seed, cycle, num_requests, r)
             found = serve_together(target, drafter, make_jobs, specs, decoding=decoding, stop=stop,
                                    target_only=target_only, on_step=on_step)

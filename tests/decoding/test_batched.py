@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from dspark.decoding.batch_state import ColumnLayer, column_cache
-from dspark.decoding.batched import BatchJob, SpeculativeBatch, TargetBatch, longest_first, \
-    speculative_batch_generate, target_batch_generate
+from dspark.decoding.batch_jobs import BatchJob, longest_first, speculative_batch_generate, target_batch_generate
+from dspark.decoding.batched import SpeculativeBatch, TargetBatch
 from dspark.decoding.loop import speculative_generate, target_generate
 from dspark.modeling.vocab import DraftVocab
 from dspark.sampling import uniforms

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import dspark
-from dspark.decoding.batched import BatchJob, SpeculativeBatch, TargetBatch, speculative_batch_generate
+from dspark.decoding.batch_jobs import BatchJob, speculative_batch_generate
+from dspark.decoding.batched import SpeculativeBatch, TargetBatch
 from dspark.decoding.loop import speculative_generate, target_generate
 from dspark.scheduling.calibration import apply_temperatures, save_sts_json
 from helpers.decoding import random_drafter

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspark.decoding.batched import BatchJob, speculative_batch_generate, target_batch_generate
+from dspark.decoding.batch_jobs import BatchJob, speculative_batch_generate, target_batch_generate
 from dspark.decoding.loop import target_generate
 from dspark.decoding.prefill_store import PrefillStore
 from helpers.decoding import random_drafter

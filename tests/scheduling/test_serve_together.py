@@ -14,9 +14,11 @@ import time
 
 import pytest
 
+from dspark.decoding.prefill_store import PrefillStore
 from dspark.evaluation.clocks import serving_clock_difference
 from dspark.scheduling.batched_serving import BatchedRun, TargetOnlyRun, interleaved, target_only_wall
-from dspark.scheduling.simulator import DecodeSettings, ServeSettings, set_target_only, simulate, simulate_grid
+from dspark.scheduling.simulator import DecodeSettings, ServeSettings, _jobs, serve_together, set_target_only, \
+    simulate, simulate_grid
 from dspark.scheduling.sps_profile import profile_sps_runs
 from dspark.scheduling.algorithm1 import SPSTable
 from helpers.decoding import random_drafter
@@ -39,8 +41,6 @@ def _tokens(sim):
 
 
 def test_cells_served_together_decode_what_each_decodes_alone_and_target_only_what_it_decodes_alone(monkeypatch):
-    from dspark.decoding.prefill_store import PrefillStore
-
     lookups = []  # whether each admission found its prompt's prefill kept
     get = PrefillStore.get
 
@@ -70,7 +70,6 @@ def test_cells_served_together_decode_what_each_decodes_alone_and_target_only_wh
     assert len(lookups_together) == len(admitted)
     assert lookups_together.count(False) == len(set(admitted)) == len(PROMPTS)
     # one target-only decode, shared by the cells: what target-only decoding alone gives
-    from dspark.scheduling.simulator import _jobs
     make_jobs, stop = _jobs([list(p) for p in PROMPTS], KEYS, 3, True, 8, 3)
     base = target_only_wall(target, make_jobs(), decoding=decoding, rows=3, stop_after_finished=stop)
     assert all(r.target_only_requests == together[0].target_only_requests for r in together)
@@ -154,7 +153,6 @@ def test_a_machine_that_slows_down_during_the_run_moves_both_decodes_alike_when_
     drift.start()
     alone = simulate(target, drafter, PROMPTS, decoding=decoding, serving=serving, keys=KEYS, num_requests=12,
                      target_only=False)
-    from dspark.scheduling.simulator import _jobs
     make_jobs, stop = _jobs([list(p) for p in PROMPTS], KEYS, 0, True, 12, rows)
     base = target_only_wall(target, make_jobs(), decoding=decoding, rows=rows, stop_after_finished=stop)
     set_target_only(alone, base)
@@ -167,7 +165,6 @@ def test_runs_stop_once_and_count_only_their_own_seconds():
     target = make_tiny_target("qwen3")
     drafter = random_drafter(target, gamma=2)
     decoding = DecodeSettings(max_new_tokens=6, temperature=0.0)
-    from dspark.scheduling.simulator import _jobs
     make_jobs, stop = _jobs([list(p) for p in PROMPTS], None, 0, False, None, 2)
     spec = BatchedRun(target, drafter, make_jobs(), decoding=decoding, stop_after_finished=stop,
                       serving=ServeSettings(policy="static", sps=TABLE, concurrency=2, engine="batched"))
@@ -182,7 +179,6 @@ def test_runs_stop_once_and_count_only_their_own_seconds():
     # each run's clock is its own share of the interleaved minutes
     assert result.wall_s > 0 and wall["step_wall_s"] > 0 and result.wall_s + wall["step_wall_s"] <= elapsed
     with pytest.raises(ValueError, match="one R on the batched engine"):
-        from dspark.scheduling.simulator import serve_together
         serve_together(target, drafter, make_jobs, [ServeSettings(policy="static", sps=TABLE, concurrency=2),
                                                     ServeSettings(policy="static", sps=TABLE, concurrency=3)],
                        decoding=decoding, stop=stop)
