@@ -317,6 +317,19 @@ class BatchKVCache:
         self._pending = (qpos, real)
         return out
 
+    def discard(self) -> None:
+        """Forget the last forward: its columns are dropped and the cache is what it was before it
+        (what a timed forward of ``dspark.scheduling.sps_profile`` leaves behind)."""
+        self._pending = None
+        for layer in self._layers():
+            layer._use(self.rows, self.columns)
+
+    def reserve(self, extra: int) -> None:
+        """Room for ``extra`` more columns in every layer's buffer, so that forwards of up to ``extra``
+        tokens write in place."""
+        for layer in self._layers():
+            layer._reserve(self.rows, self.columns + int(extra))
+
     def commit(self, keep: Tensor) -> None:
         """Keep the first keep[r] (≤ counts[r]) tokens of row r's last forward; the rest become holes."""
         if self._pending is None:

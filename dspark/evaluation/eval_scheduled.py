@@ -1,7 +1,8 @@
 """Decoding an evaluation's requests under a verification-length policy (``dspark eval --policy``).
 
 The requests of each benchmark run through the serving simulator's stepping loop
-(``dspark.scheduling.simulator.run_requests``): ``concurrency`` requests in lockstep, the policy
+(``dspark.scheduling.simulator.serve_together`` on the batched engine, ``run_requests`` on the
+per-request one): ``concurrency`` requests in lockstep, the policy
 choosing ℓ for all of them from their confidences (calibrated with the STS temperatures), so
 rounds.jsonl and τ come out of the same code path as ``dspark simulate``. rounds.jsonl then records the
 chosen ℓ as ``proposed``, plus step, batch_tokens and ``drafted`` (false for the rounds that did not
@@ -42,12 +43,14 @@ def scheduled_benchmarks(
     journals: Sequence[EvalJournal | None], dones: Sequence[Done],
 ) -> list[tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]]:
     """``scheduled_benchmark`` for several policies on the same requests (one ``EvalState`` each, the
-    same models and decoding settings): each policy not yet done serves the benchmark's requests in
-    turn, prefilling every prompt itself as in its own evaluation, and then target-only decoding of
-    those requests runs once, from the last policy's prefills, the baseline of every policy's records.
-    Each policy's decode is thus compared with a target-only decode of the same requests made within
-    the same minute, as a single-policy evaluation does. Returns (records, rounds, summary) per state,
-    in order."""
+    same models and decoding settings). On the batched engine every policy not yet done and one
+    target-only decode of the same requests at the same R, the baseline of every policy's records, are
+    served step by step in turn (``dspark.scheduling.simulator.serve_together``): each policy's decode
+    meets the machine's speed of the same minutes as its baseline, and each prompt is prefilled once
+    (every decode is charged that forward's seconds as its prefill). On the per-request engine the
+    policies serve the requests one after the other, each prefilling every prompt itself, and then
+    target-only decoding runs once from the last policy's prefills. Returns (records, rounds, summary)
+    per state, in order."""
     first = states[0]
     mine = list(range(first.rank, len(conversations), first.world))
     keys = [(name, i) for i in mine]
@@ -67,14 +70,16 @@ def scheduled_benchmarks(
         for k in todo:
             states[k].warm = True
     jobs = [Job(p, request_seed(first.decoding.seed, name, i), (name, i)) for p, i in zip(prompts, mine)]
-    sims = {}
-    for k in todo:
-        # the policy's own prompt prefills (every policy's steps follow real prefills alike), kept for
-        # target-only decoding, which starts from the last policy's
-        prefills = PrefillStore()
-        desc = name if len(states) == 1 else f"{name} [{policy_name(states[k].serving.policy)}]"
-        sims[k] = _serve(states[k], jobs, desc=desc, prefills=prefills)
-    baselines = _baselines(states[todo[0]], jobs, prefills)
+    if all(states[k].serving.engine == "batched" for k in todo):
+        sims, baselines = _serve_together(states, todo, jobs, name)
+    else:
+        sims = {}
+        for k in todo:
+            # the policy's own prompt prefills, kept for target-only decoding, which starts from the last policy's
+            prefills = PrefillStore()
+            desc = name if len(states) == 1 else f"{name} [{policy_name(states[k].serving.policy)}]"
+            sims[k] = _serve(states[k], jobs, desc=desc, prefills=prefills)
+        baselines = _baselines(states[todo[0]], jobs, prefills)
     for k in todo:
         rounds = [{**round_row(*row["tag"], row["round"], row["proposed"], row["accepted"], row["confidences"],
                                 row["eos_accepted"]),
@@ -105,6 +110,43 @@ def _serve(state: EvalState, jobs: list[Job], desc: str, prefills: PrefillStore 
     return sim
 
 
+def _serve_together(states: Sequence[EvalState], todo: list[int], jobs: list[Job],
+                    name: str) -> tuple[dict[int, SimResult], dict[tuple, dict[str, Any]]]:
+    """The policies ``todo`` of ``states`` (batched engine, one R) and, with a baseline, target-only
+    decoding of the same ``jobs``, served step by step in turn with shared prompt prefills: (each
+    policy's result by its index in ``states``, the baseline fields of each job's record by tag)."""
+    from dspark.scheduling.simulator import serve_together
+
+    first = states[todo[0]]
+    rows = {int(states[k].serving.concurrency) for k in todo}
+    if len(rows) != 1:
+        raise ValueError(f"the policies of one scheduled evaluation share one concurrency R, got {sorted(rows)}")
+    bar = tqdm(total=len(jobs) * len(todo), desc=name if len(todo) == 1 else f"{name} [{len(todo)} policies]",
+               unit="req", disable=not first.progress, dynamic_ncols=True)
+    finished: dict[int, int] = {}
+
+    def on_step(result: SimResult) -> None:  # requests finished over the policies
+        done = result.requests_finished
+        bar.update(done - finished.get(id(result), 0))
+        finished[id(result)] = done
+
+    results = serve_together(first.target, first.drafter, lambda: list(jobs), [states[k].serving for k in todo],
+                             decoding=first.decoding, stop=None, target_only=first.baseline, on_step=on_step)
+    bar.update(bar.total - bar.n)
+    bar.close()
+    baselines = {}
+    if first.baseline and results:
+        baselines = {tuple(row["tag"]): _baseline_fields(row) for row in results[0].target_only_requests}
+    return dict(zip(todo, results)), baselines
+
+
+def _baseline_fields(row: Mapping[str, Any]) -> dict[str, Any]:
+    """The baseline_* fields of a record from one request of a target-only decode
+    (``dspark.scheduling.batched_serving.TargetOnlyRun.finish``'s rows)."""
+    return dict(baseline_tokens=row["tokens"], baseline_wall_s=row["timings"]["total"],
+                baseline_timings=dict(row["timings"]), baseline_finished_by_eos=bool(row["finished_by_eos"]))
+
+
 def _baselines(state: EvalState, jobs: list[Job], prefills: PrefillStore | None) -> dict[tuple, dict[str, Any]]:
     """The baseline_* fields of each job's record, by tag ({} without a baseline). On the batched engine,
     target-only decoding of the same jobs at the same R (each request's prefill and its share of every
@@ -118,10 +160,7 @@ def _baselines(state: EvalState, jobs: list[Job], prefills: PrefillStore | None)
 
     base = target_only_wall(state.target, jobs, decoding=state.decoding, rows=state.serving.concurrency,
                             prefills=prefills)
-    return {tuple(row["tag"]): dict(baseline_tokens=row["tokens"], baseline_wall_s=row["timings"]["total"],
-                                    baseline_timings=dict(row["timings"]),
-                                    baseline_finished_by_eos=bool(row["finished_by_eos"]))
-            for row in base["requests"]}
+    return {tuple(row["tag"]): _baseline_fields(row) for row in base["requests"]}
 
 
 def _scheduled_records(state: EvalState, sim: SimResult, jobs: list[Job], rounds: list[dict[str, Any]],

@@ -52,8 +52,9 @@ class SimResult:
     engine: "per-request" or "batched" (``ServeSettings.engine``); step_wall_s: the wall clock of the steps
       (prefills excluded; batched engine); target_only_wall: tokens/s of target-only decoding of the same
       requests at the same R on the wall clock (batched engine, when measured; NaN otherwise);
-      target_only_requests: that decode's requests (index, tag, step_tokens, step_s, step_forwards: the
-      tokens its steps made, its share of their seconds and of their forwards by rows), paired with
+      target_only_requests: that decode's requests (index, tag, tokens, step_tokens, step_s, step_forwards,
+      timings, finished_by_eos: its tokens, those its steps made, its share of their seconds and of their
+      forwards by rows, its phases' seconds with its prefill, whether it ended at EOS), paired with
       ``requests`` by index; wall_ci: the 95 % interval
       of wall_vs_target_only over the requests (``dspark.evaluation.clocks.serving_wall_ratio``), when
       computed; clocks: the

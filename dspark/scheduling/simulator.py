@@ -140,10 +140,10 @@ def serve_together(target: Any, drafter: Any, make_jobs: Callable[[], Iterable[J
 
 def set_target_only(result: SimResult, wall: dict[str, Any]) -> None:
     """Record target-only decoding of the run's requests (``target_only_wall``'s dict) in ``result``:
-    its tokens/s and each request's tokens, share of the steps and of their forwards, paired with the
-    run's by index."""
+    its tokens/s and each request's tokens, share of the steps and of their forwards, timings and whether
+    it ended at EOS, paired with the run's by index."""
     result.target_only_wall = float(wall["throughput"])
-    keep = ("index", "tag", "step_tokens", "step_s", "step_forwards")
+    keep = ("index", "tag", "tokens", "step_tokens", "step_s", "step_forwards", "timings", "finished_by_eos")
     result.target_only_requests = [{k: r[k] for k in keep if k in r} for r in wall["requests"]]
 
 

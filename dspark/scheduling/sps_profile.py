@@ -201,6 +201,36 @@ def _sizes_to_measure(
     return sizes
 
 
+def _engine_rows(target: Any, single: Any, rows: int, extra: int) -> Any:
+    """A ``BatchKVCache`` of ``rows`` rows, each holding the batch-1 cache ``single``, with room for
+    forwards of ``extra`` tokens (the batched engine's own cache, as ``SpeculativeBatch`` fills it)."""
+    from dspark.decoding.batch_state import BatchKVCache
+
+    kv = BatchKVCache(target)
+    for r in range(rows):
+        kv.add_row()
+        kv.write_row(r, single)
+    kv.reserve(extra)
+    return kv
+
+
+def _timed_engine_forward(target: Any, kv: Any, x: torch.Tensor, sync: Callable[[], None]) -> float:
+    """Seconds of one verification forward as the batched engine runs it (``SpeculativeBatch.verify``):
+    ``BatchKVCache.forward`` of x [R, q] (its mask and per-row positions) and the LM head on each row's
+    first min(q, ``HEAD_POSITIONS``) positions; the cache then forgets it (outside the timing)."""
+    from dspark.decoding.batched import HEAD_POSITIONS
+
+    counts = torch.full((x.shape[0],), x.shape[1], dtype=torch.long, device=x.device)
+    sync()
+    start = time.perf_counter()
+    out = kv.forward(x, counts, logits=False)
+    target.compute_logits(out.last_hidden[:, : min(int(x.shape[1]), HEAD_POSITIONS)])
+    sync()
+    elapsed = time.perf_counter() - start
+    kv.discard()
+    return elapsed
+
+
 def _timed_forward(target: Any, cache: Any, x: torch.Tensor, context_len: int,
                    sync: Callable[[], None]) -> float:
     """Seconds of one verification forward of ``x`` continuing ``cache``, cropped back to
@@ -214,7 +244,6 @@ def _timed_forward(target: Any, cache: Any, x: torch.Tensor, context_len: int,
     return elapsed
 
 
-@torch.no_grad()
 def profile_sps_runs(
     target: Any,
     batch_tokens: Sequence[int] = DEFAULT_BATCH_TOKENS,
@@ -231,13 +260,29 @@ def profile_sps_runs(
     """Time the verification forward at every B of ``batch_tokens`` (docs/scheduling.md, "SPS profiling").
 
     ``rows=R``: every B as R rows of B / R tokens, each continuing its own cache: the forwards of the
-    batched serving loop at R live requests (``dspark.scheduling.batched_serving``), q = 1 + max ℓ per row,
-    on that loop's own cache layout (``dspark.decoding.batch_state.ColumnLayer``: a forward writes its new
-    columns in place, where a plain cache would copy the whole cache to append them). ``context`` (with
+    batched serving loop at R live requests (``dspark.scheduling.batched_serving``), q = 1 + max ℓ per row.
+    A target with the batched engine's interface (``compute_logits``; ``context_len`` ≥ 1) is timed
+    as that engine runs the forward (``_timed_engine_forward``: its cache, mask, per-row positions and
+    LM head on the first positions only), so that the table prices the very forwards a batched run
+    makes; another is timed through its own forward on the engine's cache layout
+    (``dspark.decoding.batch_state.ColumnLayer``: a forward writes its new columns in place). ``context`` (with
     ``rows``): a batch-1 cache of at least ``context_len`` positions; every row starts from a copy of its
     first ``context_len`` instead of a prefill of its own (a forward's time does not depend on what the
     cache holds), so that profiles at several R share one prefill.
     ``progress(done, repeats)`` is called after each timed sweep."""
+    if rows is not None and context_len >= 1 and hasattr(target, "compute_logits"):
+        with torch.inference_mode():  # the engine's cache is written in inference mode
+            return _profile_runs(target, batch_tokens, context_len, warmup, repeats, tokens_per_request, seed,
+                                 progress, rows, context, engine=True)
+    with torch.no_grad():
+        return _profile_runs(target, batch_tokens, context_len, warmup, repeats, tokens_per_request, seed,
+                             progress, rows, context, engine=False)
+
+
+def _profile_runs(target: Any, batch_tokens: Sequence[int], context_len: int, warmup: int, repeats: int,
+                  tokens_per_request: int | None, seed: int, progress: Callable[[int, int], None] | None,
+                  rows: int | None, context: Any, *, engine: bool) -> SPSProfile:
+    """``profile_sps_runs``; ``engine``: time the batched engine's own forward (``_timed_engine_forward``)."""
     sizes = _sizes_to_measure(batch_tokens, context_len, warmup, repeats, tokens_per_request, rows)
     fixed_rows = rows
     device = torch.device(target.device)
@@ -251,7 +296,15 @@ def profile_sps_runs(
     layout = {b: (fixed_rows, b // fixed_rows) if fixed_rows is not None else (1, b) if tokens_per_request is None
               else (b // tokens_per_request, tokens_per_request) for b in sizes}  # B -> (rows, tokens per row)
     caches: dict[int, Any] = {}  # rows -> a cache holding context_len tokens per row
-    for rows in sorted({r for r, _ in layout.values()}):
+    if engine:  # one row's context (a prefill, or the shared one cropped), in every row of the engine's cache
+        if context is not None:
+            single = copy.deepcopy(context)
+            target.crop_cache(single, context_len)
+        else:
+            single = target.new_cache()
+            target(ids(1, context_len), past_key_values=single, use_cache=True, logits_to_keep=1)
+        caches[fixed_rows] = _engine_rows(target, single, fixed_rows, max(b // fixed_rows for b in sizes))
+    for rows in sorted({r for r, _ in layout.values()} - set(caches)):
         if context is not None and fixed_rows is not None:
             caches[rows] = copy.deepcopy(context)
             target.crop_cache(caches[rows], context_len)
@@ -273,7 +326,9 @@ def profile_sps_runs(
     for sweep in range(warmup + repeats):
         for b in (sizes if sweep % 2 == 0 else sizes[::-1]):
             rows, width = layout[b]
-            elapsed = _timed_forward(target, caches[rows], ids(rows, width), context_len, sync)
+            x = ids(rows, width)
+            elapsed = (_timed_engine_forward(target, caches[rows], x, sync) if engine
+                       else _timed_forward(target, caches[rows], x, context_len, sync))
             if sweep >= warmup:
                 timed[b].append(elapsed)
         if progress is not None and sweep >= warmup:

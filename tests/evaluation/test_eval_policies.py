@@ -1,7 +1,8 @@
 """Several verification-length policies evaluated together (``evaluate_policies``, ``dspark eval --policy A B``).
 
 Oracles: the evaluation of each policy on its own (same seeds: the same rounds and tokens per
-request), the count of target-only decodes (one per benchmark, whatever the number of policies), and
+request), the count of target-only decodes (one per benchmark, whatever the number of policies) and
+of prompt prefills (one per prompt on the batched engine, where the decodes advance in turn), and
 a run killed mid-way, which a rerun finishes to the rounds of an uninterrupted run.
 """
 
@@ -62,12 +63,25 @@ def _decisions(rows: list[dict]) -> list[tuple]:
 @pytest.mark.parametrize("engine", ["batched", "per-request"])
 def test_policies_evaluated_together_decode_what_each_decodes_alone_against_one_target_only_decode(
         models, tmp_path, no_warmup, monkeypatch, engine):
+    import dspark.decoding.prefill_store as prefill_store
     from dspark.scheduling import batched_serving
 
-    calls = []
-    wall, single = batched_serving.target_only_wall, eval_scheduled.run_baseline
-    monkeypatch.setattr(batched_serving, "target_only_wall",
-                        lambda *a, **k: calls.append(len(a[1])) or wall(*a, **k))
+    calls, turns = [], []
+    single, together = eval_scheduled.run_baseline, batched_serving.interleaved
+
+    class CountedRun(batched_serving.TargetOnlyRun):
+        def __init__(self, target, jobs, **kwargs):
+            calls.append(len(jobs))
+            super().__init__(target, jobs, **kwargs)
+
+    def recorded(runs):  # which decodes advance, in which order
+        for run in runs:
+            real = run.advance
+            run.advance = lambda real=real, run=run: turns.append(runs.index(run)) or real()
+        together(runs)
+
+    monkeypatch.setattr(batched_serving, "TargetOnlyRun", CountedRun)
+    monkeypatch.setattr(batched_serving, "interleaved", recorded)
     monkeypatch.setattr(eval_scheduled, "run_baseline", lambda *a, **k: calls.append(1) or single(*a, **k))
     stores = []
 
@@ -77,12 +91,23 @@ def test_policies_evaluated_together_decode_what_each_decodes_alone_against_one_
             stores.append(self)
 
     monkeypatch.setattr(eval_scheduled, "PrefillStore", Counted)
+    monkeypatch.setattr(prefill_store, "PrefillStore", Counted)
     files = _files(tmp_path)
     serving = dataclasses.replace(SERVING, engine=engine)
     reports = _together(models, files, tmp_path / "sched", serving=serving)
-    monkeypatch.setattr(eval_scheduled, "PrefillStore", PrefillStore)
+    for module, name, value in ((batched_serving, "TargetOnlyRun", CountedRun.__base__),
+                                (batched_serving, "interleaved", together), (eval_scheduled, "run_baseline", single),
+                                (eval_scheduled, "PrefillStore", PrefillStore),
+                                (prefill_store, "PrefillStore", PrefillStore)):
+        monkeypatch.setattr(module, name, value)
     # one target-only decode of each benchmark's requests for the three policies (each request alone: 1 each)
     assert calls == ([3, 2] if engine == "batched" else [1] * 5)
+    if engine == "batched":  # the three policies and target-only decoding (run 3) advanced in turn
+        assert set(turns) == {0, 1, 2, 3}
+        first_done = min(max(i for i, t in enumerate(turns) if t == run) for run in range(4))
+        assert len(set(turns[:first_done])) == 4  # every decode stepped before any of them finished
+    else:
+        assert turns == []
     assert list(reports) == POLICIES
     baselines = None
     for policy in POLICIES:
@@ -100,28 +125,33 @@ def test_policies_evaluated_together_decode_what_each_decodes_alone_against_one_
         assert report["config"]["scheduler"] == f"{policy} (serving loop, R = 2)"
         assert report["all"]["tau"] == pytest.approx(alone["all"]["tau"])
         assert report["scheduled"]["speedup"] == pytest.approx(report["all"]["speedup"])
-    # every policy prefilled the prompts itself; target-only decoding started from the last one's prefills
-    # (the per-request engine keeps none: every decode prefills)
-    misses_hits = [(3, 0), (3, 0), (3, 3), (2, 0), (2, 0), (2, 2)] if engine == "batched" else [(0, 0)] * 6
+    # batched: one store per benchmark, each prompt prefilled once for the three policies and target-only
+    # decoding; per-request: every policy prefilled the prompts itself (the engine keeps none)
+    misses_hits = [(3, 9), (2, 6)] if engine == "batched" else [(0, 0)] * 6
     assert [(store.misses, store.hits) for store in stores] == misses_hits
 
 
 def test_a_killed_run_of_several_policies_finishes_to_the_rounds_of_an_uninterrupted_one(
         models, tmp_path, no_warmup, monkeypatch):
+    from dspark.scheduling import batched_serving
+
     files = _files(tmp_path)
     _together(models, files, tmp_path / "whole")
-    real, served = eval_scheduled._serve, []
+    real, served = batched_serving.interleaved, []
 
-    def dies_in_the_second_benchmark(state, jobs, desc, prefills=None):
-        served.append(desc)
-        if len(served) == 5:  # gsm8k under all three, then mbpp under static; killed in static1's decode
+    def dies_in_the_second_benchmark(runs):  # gsm8k served whole; killed after six steps of mbpp's decodes
+        served.append(len(runs))
+        if len(served) == 2:
+            for _ in range(6):
+                min(runs, key=lambda r: r.emitted).advance()
             raise KeyboardInterrupt
-        return real(state, jobs, desc=desc, prefills=prefills)
+        real(runs)
 
-    monkeypatch.setattr(eval_scheduled, "_serve", dies_in_the_second_benchmark)
+    monkeypatch.setattr(batched_serving, "interleaved", dies_in_the_second_benchmark)
     with pytest.raises(KeyboardInterrupt):
         _together(models, files, tmp_path / "killed")
-    monkeypatch.setattr(eval_scheduled, "_serve", real)
+    monkeypatch.setattr(batched_serving, "interleaved", real)
+    assert served == [4, 4]
     _together(models, files, tmp_path / "killed")
     for policy in POLICIES:
         done, whole = tmp_path / "killed" / f"{policy}-R2", tmp_path / "whole" / f"{policy}-R2"
@@ -136,15 +166,15 @@ def test_a_finished_policys_folder_is_read_back_and_only_a_new_policy_decodes(mo
     target, drafter = models
     evaluate_policies(target, drafter, files, POLICIES[:2], serving=SERVING,
                       decoding=DECODING, progress=False, tokenizer=CharTokenizer(), out_dir=tmp_path / "sched")
-    real, served = eval_scheduled._serve, []
+    real, served = eval_scheduled._serve_together, []
 
-    def recorded(state, jobs, desc, prefills=None):
-        served.append(desc)
-        return real(state, jobs, desc=desc, prefills=prefills)
+    def recorded(states, todo, jobs, name):
+        served.append((name, [states[k].serving.policy for k in todo]))
+        return real(states, todo, jobs, name)
 
-    monkeypatch.setattr(eval_scheduled, "_serve", recorded)
+    monkeypatch.setattr(eval_scheduled, "_serve_together", recorded)
     _together(models, files, tmp_path / "sched")
-    assert served == ["gsm8k [algorithm1]", "mbpp [algorithm1]"]
+    assert served == [("gsm8k", ["algorithm1"]), ("mbpp", ["algorithm1"])]
 
 
 def test_the_policies_are_checked_before_decoding_and_named_once(models, tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from helpers.targets import make_tiny_target
 from dspark.scheduling.algorithm1 import SPSTable
@@ -334,3 +335,62 @@ def test_the_sps_clock_interval_covers_at_the_demos_design():
         lo, hi = table_interval(run, _profile(seconds, batch_tokens), resamples=300, seed=d)
         covered += lo <= truth <= hi
     assert covered / draws >= 0.92
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma4"])
+def test_the_batched_layout_is_timed_as_the_engine_runs_its_verification_forward(family, monkeypatch):
+    """``rows=R`` on a target with the engine's interface: every timed forward is ``BatchKVCache.forward``
+    of R rows × q tokens (the engine's mask and per-row positions, no logits) plus the LM head on the
+    first min(q, HEAD_POSITIONS) positions, each after exactly context_len cached columns per row."""
+    from dspark.decoding.batch_state import BatchKVCache
+    from dspark.decoding.batched import HEAD_POSITIONS
+
+    target = make_tiny_target(family, vocab_size=128)
+    forwards, heads = [], []
+    forward, head = BatchKVCache.forward, type(target).compute_logits
+
+    def spied(kv, tokens, counts, *, logits=True):
+        forwards.append((tuple(tokens.shape), kv.columns, [layer.keys.shape[2] for layer in kv.cache.layers][0],
+                         counts.tolist(), logits))
+        return forward(kv, tokens, counts, logits=logits)
+
+    monkeypatch.setattr(BatchKVCache, "forward", spied)
+    monkeypatch.setattr(type(target), "compute_logits",
+                        lambda self, h: heads.append(tuple(h.shape[:2])) or head(self, h))
+    profile = profile_sps_runs(target, [3, 6, 9, 12], context_len=7, warmup=1, repeats=2, rows=3)
+    assert profile.rows == 3 and [len(s) for s in profile.seconds] == [2] * 4
+    # 3 sweeps (one warm-up) of q = 1..4, alternating order; each after 7 columns, the cache as before it
+    assert sorted(forwards) == sorted([((3, q), 7, 7, [q] * 3, False) for q in (1, 2, 3, 4)] * 3)
+    timed_heads = heads[1:]  # after the context's prefill (its last position)
+    assert heads[0] == (1, 1) and sorted(timed_heads) == sorted([(3, min(q, HEAD_POSITIONS)) for q in (1, 2, 3, 4)] * 3)
+
+
+def test_a_discarded_forward_leaves_the_engine_cache_as_it_was():
+    """``BatchKVCache.discard``: the next forward gives what it gives on a cache that never ran the
+    discarded one (the timed forwards of the batched layout profile leave nothing behind)."""
+    from dspark.decoding.batch_state import BatchKVCache
+
+    target = make_tiny_target("llama", vocab_size=128)
+    prompt = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(0))
+    x = torch.randint(0, 128, (2, 3), generator=torch.Generator().manual_seed(1))
+    counts = torch.tensor([3, 2])
+
+    def filled():
+        single = target.new_cache()
+        with torch.inference_mode():
+            target(prompt, past_key_values=single, use_cache=True)
+            kv = BatchKVCache(target)
+            for r in range(2):
+                kv.add_row()
+                kv.write_row(r, single)
+            kv.reserve(4)
+        return kv
+
+    fresh, used = filled(), filled()
+    with torch.inference_mode():
+        used.forward(torch.randint(0, 128, (2, 4)), torch.tensor([4, 4]))
+        used.discard()
+        assert [layer.keys.shape[2] for layer in used.cache.layers] == [9] * len(used.cache.layers)
+        a = fresh.forward(x, counts).logits
+        b = used.forward(x, counts).logits
+    torch.testing.assert_close(b, a, rtol=0, atol=0)
