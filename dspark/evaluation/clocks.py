@@ -329,17 +329,20 @@ def _request_step_sums(result: Any) -> tuple[dict[int, np.ndarray], list[int]]:
 
 def _paired_step_sums(result: Any) -> tuple[list[np.ndarray], list[int], list[int]]:
     """Per benchmark, each request's shares of the cell's steps and of the target-only decode's:
-    float64 [n_b, 6 + k + k'] = (tokens, W, O, V, counts per cell forward size [k], target-only tokens,
-    target-only W, counts per target-only forward size [k']); and the two size lists. A request one
-    decode did not serve (the stop rule cut it) has zeros there."""
-    if not result.target_only_requests or any("step_forwards" not in r for r in result.target_only_requests):
-        raise ValueError("serving_clock_difference needs the run's target-only decode with its forwards "
-                         "(SimResult.target_only_requests with step_forwards: simulate(..., target_only=True) "
-                         "or serve_together on the batched engine)")
+    float64 [n_b, 8 + k + k'] = (tokens, W, O, V, counts per cell forward size [k], target-only tokens,
+    target-only W, O', V', counts per target-only forward size [k']), O' and V' the target-only
+    steps' seconds outside and inside the target forward (sampling and bookkeeping; the forward
+    with its LM head); and the two size lists. A request one decode did not serve (the stop rule cut
+    it) has zeros there."""
+    if not result.target_only_requests or any("step_forwards" not in r or "decode" not in r.get("timings", {})
+                                              for r in result.target_only_requests):
+        raise ValueError("serving_clock_difference needs the run's target-only decode with its forwards and "
+                         "phases (SimResult.target_only_requests with step_forwards and timings: "
+                         "simulate(..., target_only=True) or serve_together on the batched engine)")
     shares, sizes = _request_step_sums(result)
     base_sizes = sorted({int(b) for r in result.target_only_requests for b in r["step_forwards"]})
-    col = {b: 6 + len(sizes) + i for i, b in enumerate(base_sizes)}
-    width = 6 + len(sizes) + len(base_sizes)
+    col = {b: 8 + len(sizes) + i for i, b in enumerate(base_sizes)}
+    width = 8 + len(sizes) + len(base_sizes)
     rows: dict[int, np.ndarray] = {}
     for index, share in shares.items():
         rows[index] = np.zeros(width)
@@ -348,6 +351,8 @@ def _paired_step_sums(result: Any) -> tuple[list[np.ndarray], list[int], list[in
         row = rows.setdefault(int(r["index"]), np.zeros(width))
         row[4 + len(sizes)] += float(r["step_tokens"])
         row[5 + len(sizes)] += float(r["step_s"])
+        row[6 + len(sizes)] += float(r["step_s"]) - float(r["timings"]["decode"])
+        row[7 + len(sizes)] += float(r["timings"]["decode"])
         for b, count in r["step_forwards"].items():
             row[col[int(b)]] += float(count)
     tags = {int(r["index"]): r.get("tag") for r in [*result.requests, *result.target_only_requests]}
@@ -356,13 +361,13 @@ def _paired_step_sums(result: Any) -> tuple[list[np.ndarray], list[int], list[in
 
 def _paired_clocks(sums: np.ndarray, k: int, speeds: np.ndarray, base_speeds: np.ndarray) -> np.ndarray:
     """[..., 3] = (SPS clock's ratio to target-only, wall clock's ratio, sps / wall − 1) of summed
-    shares [..., 6 + k + k'] (``_paired_step_sums``) priced at t(B) = 1 / speeds [k] and [k'] (or [K, k])."""
+    shares [..., 8 + k + k'] (``_paired_step_sums``) priced at t(B) = 1 / speeds [k] and [k'] (or [K, k])."""
     s = np.asarray(sums, dtype=np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
         price = np.where(speeds > 0, 1.0 / np.asarray(speeds, dtype=np.float64), np.nan)
         base_price = np.where(base_speeds > 0, 1.0 / np.asarray(base_speeds, dtype=np.float64), np.nan)
         sps_time = (s[..., 4:4 + k] * price).sum(axis=-1) * (1.0 + s[..., 2] / s[..., 3])
-        base_sps_time = (s[..., 6 + k:] * base_price).sum(axis=-1)
+        base_sps_time = (s[..., 8 + k:] * base_price).sum(axis=-1) * (1.0 + s[..., 6 + k] / s[..., 7 + k])
         tokens, wall, base_tokens, base_wall = s[..., 0], s[..., 1], s[..., 4 + k], s[..., 5 + k]
         sps = (tokens / sps_time) / (base_tokens / base_sps_time)
         wall_ratio = (tokens / wall) / (base_tokens / base_wall)
@@ -384,15 +389,18 @@ def serving_clock_difference(result: Any, profile: SPSProfile | PathLike, *, lev
         and, per forward size B_fwd = rows · (1 + max ℓ), the count Σ 1 / rows;
 
     and of the target-only decode of the same jobs (``SimResult.target_only_requests``) its tokens,
-    seconds W' and forwards per size (rows · 1 token). The clocks' ratios over the same steps are
+    seconds W' (O' outside the target forward: sampling and bookkeeping; V' the forward) and forwards
+    per size (rows · 1 token). Both decodes' phases outside the forward are charged as measured, on the
+    table's time scale of their own forwards (what ``draft_overhead="measured"`` charges a cell). The
+    clocks' ratios over the same steps are
 
         wall = (Σ tokens / Σ W) / (Σ tokens' / Σ W'),
-        sps  = (Σ tokens / (A(t) · (1 + O / V))) / (Σ tokens' / A'(t)),  A(t) = Σ counts / t(B),
+        sps  = (Σ tokens / (A(t) · (1 + O / V))) / (Σ tokens' / (A'(t) · (1 + O' / V'))),  A(t) = Σ counts / t(B),
 
-    so difference + 1 = (Σ W / (A(t) · (1 + O / V))) / (Σ W' / A'(t)): how the table prices the cell's
-    steps relative to the target-only steps. Served step by step in turn (``serve_together``), both
-    decodes meet the machine's speed of the same minutes, and a machine that runs faster or slower
-    than when the table was profiled moves both factors alike. The interval is ``clock_difference``'s:
+    so difference + 1 = (Σ W / (A(t) · (1 + O / V))) / (Σ W' / (A'(t) · (1 + O' / V'))): how the table
+    prices the cell's forwards relative to the target-only forwards. Served step by step in turn
+    (``serve_together``), both decodes meet the machine's speed of the same minutes, and a machine that
+    runs faster or slower than when the table was profiled moves both factors alike. The interval is ``clock_difference``'s:
     the stratified jackknife over the requests (each deleted from both decodes) plus the table's
     timing noise."""
     check_settings(resamples, level)

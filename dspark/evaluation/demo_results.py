@@ -320,7 +320,7 @@ def sched_section(run: Mapping[str, Any]) -> str:
         "priced by 1000 tables of the profile's sweeps resampled jointly across B (every decision kept). "
         "**SPS vs wall clock**: at R > 1 (\"rel.\"), the SPS clock's ratio to target-only decoding over the wall "
         "clock's, minus 1 (the target-only decode served step by step in turn with the five policies' cells of "
-        "that R, its forwards priced on the same table), with "
+        "that R, its forwards priced on the same table, its sampling and bookkeeping as measured), with "
         f"its interval over the requests (each takes its share of every step) and the table's noise; {same_decode}; "
         "\"agree\" means the interval holds 0.")
     served_at_1 = {p for p, r in simulated_results(run) if r == 1}

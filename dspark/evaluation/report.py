@@ -374,7 +374,8 @@ def wall_clock_markdown(results: Sequence[SimResult]) -> str:
             "seconds (prefills excluded on both), against target-only decoding of the same requests at the same R "
             "(its interval over the requests, each left out of both decodes at once), the cells of one R and that "
             "decode served step by step in turn. SPS / wall ratio − 1: the two clocks' ratios to target-only "
-            "decoding (its forwards priced on the same table), its interval over the requests (stratified "
+            "decoding (its forwards priced on the same table, its sampling and bookkeeping as measured, like "
+            "the cells' phases outside the forward), its interval over the requests (stratified "
             "jackknife) and the table's timing noise; \"agree\" when it holds 0.")
     return markdown_table(header, rows) + "\n\n" + note + "\n"
 

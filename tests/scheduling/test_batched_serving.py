@@ -101,11 +101,15 @@ def _made_up_run() -> SimResult:
 
 def _with_target_only(result: SimResult) -> SimResult:
     """The target-only decode of the made-up run's three requests at R = 2: request 0 six tokens in six
-    steps beside request 1 (three steps), request 2 two steps beside request 0 and two alone."""
+    steps beside request 1 (three steps), request 2 two steps beside request 0 and two alone; each
+    request's share of the steps' forwards ("decode") and of their sampling and bookkeeping."""
     result.target_only_requests = [
-        {"index": 0, "tag": ("a", 0), "step_tokens": 6, "step_s": 0.060, "step_forwards": {2: 3.0}},
-        {"index": 1, "tag": ("b", 0), "step_tokens": 3, "step_s": 0.040, "step_forwards": {2: 1.5}},
-        {"index": 2, "tag": ("a", 1), "step_tokens": 4, "step_s": 0.030, "step_forwards": {1: 2.0, 2: 1.0}}]
+        {"index": 0, "tag": ("a", 0), "step_tokens": 6, "step_s": 0.060, "step_forwards": {2: 3.0},
+         "timings": {"prefill": 0.5, "decode": 0.054, "sample": 0.004, "bookkeeping": 0.002, "total": 0.56}},
+        {"index": 1, "tag": ("b", 0), "step_tokens": 3, "step_s": 0.040, "step_forwards": {2: 1.5},
+         "timings": {"prefill": 0.4, "decode": 0.037, "sample": 0.002, "bookkeeping": 0.001, "total": 0.44}},
+        {"index": 2, "tag": ("a", 1), "step_tokens": 4, "step_s": 0.030, "step_forwards": {1: 2.0, 2: 1.0},
+         "timings": {"prefill": 0.3, "decode": 0.026, "sample": 0.003, "bookkeeping": 0.001, "total": 0.33}}]
     return result
 
 
@@ -120,26 +124,29 @@ def test_the_clocks_difference_is_the_formula_by_hand():
     forwards = 1 / speed[4] + 1 / speed[8] + 1 / speed[4] + 1 / speed[2]  # every step's forward, once
     sps_time = forwards * (1 + other / verify)
     base_tokens, base_wall = 6 + 3 + 4, 0.060 + 0.040 + 0.030
-    base_time = (3.0 + 1.5 + 1.0) / speed[2] + 2.0 / speed[1]  # the target-only steps on the table
+    base_other, base_forward = 0.006 + 0.003 + 0.004, 0.054 + 0.037 + 0.026  # sampling + bookkeeping; forwards
+    # the target-only steps' forwards on the table, their other phases as measured
+    base_time = ((3.0 + 1.5 + 1.0) / speed[2] + 2.0 / speed[1]) * (1 + base_other / base_forward)
     assert got.sps == pytest.approx((tokens / sps_time) / (base_tokens / base_time))
     assert got.wall == pytest.approx((tokens / wall) / (base_tokens / base_wall))
     assert got.difference == pytest.approx((wall / sps_time) / (base_wall / base_time) - 1)
     assert got.difference == pytest.approx(got.sps / got.wall - 1)
     assert got.v_table == 0.0 and got.requests == 3 and got.df == 1  # groups a (2 requests) and b (1)
     # the jackknife: only benchmark a has two requests; deleting one rescales a's sum by 2. Columns:
-    # tokens, W, O, V, counts at B = 2, 4, 8; target-only tokens, W', counts at B = 1, 2.
+    # tokens, W, O, V, counts at B = 2, 4, 8; target-only tokens, W', O', V', counts at B = 1, 2.
     shares = {0: [2 + 3, 0.030 / 2 + 0.050 / 2, 0.010 / 2 + 0.012 / 2, 0.018 / 2 + 0.035 / 2, 0, 0.5, 0.5,
-                  6, 0.060, 0, 3.0],
+                  6, 0.060, 0.006, 0.054, 0, 3.0],
               1: [1 + 2 + 1, 0.030 / 2 + 0.050 / 2 + 0.028 / 2, (0.010 + 0.012 + 0.009) / 2,
-                  (0.018 + 0.035 + 0.017) / 2, 0, 1.0, 0.5, 3, 0.040, 0, 1.5],
-              2: [1 + 2, 0.028 / 2 + 0.020, 0.009 / 2 + 0.006, 0.017 / 2 + 0.013, 1.0, 0.5, 0, 4, 0.030, 2.0, 1.0]}
+                  (0.018 + 0.035 + 0.017) / 2, 0, 1.0, 0.5, 3, 0.040, 0.003, 0.037, 0, 1.5],
+              2: [1 + 2, 0.028 / 2 + 0.020, 0.009 / 2 + 0.006, 0.017 / 2 + 0.013, 1.0, 0.5, 0, 4, 0.030, 0.004, 0.026,
+                  2.0, 1.0]}
     shares = {i: np.array(v) for i, v in shares.items()}
     price = np.array([1 / speed[2], 1 / speed[4], 1 / speed[8]])
     base_price = np.array([1 / speed[1], 1 / speed[2]])
 
     def diff(total):
         cell = total[1] / ((total[4:7] * price).sum() * (1 + total[2] / total[3]))
-        return cell / (total[8] / (total[9:] * base_price).sum()) - 1
+        return cell / (total[8] / ((total[11:] * base_price).sum() * (1 + total[9] / total[10]))) - 1
 
     b = shares[1]
     deleted = [diff((shares[0 if i else 2] * 2) + b) for i in (0, 1)]  # delete request 2, then request 0
@@ -148,9 +155,13 @@ def test_the_clocks_difference_is_the_formula_by_hand():
     t1 = 12.706205  # Student's t, 0.975 quantile, 1 degree of freedom
     assert diff(shares[0] + shares[1] + shares[2]) == pytest.approx(got.difference)
     assert (got.hi - got.lo) / 2 == pytest.approx(t1 * math.sqrt(var), rel=1e-6)
-    # the target-only decode is required, with its forwards
+    # the target-only decode is required, with its forwards and phases
     with pytest.raises(ValueError, match="target-only decode"):
         serving_clock_difference(_made_up_run(), profile)
+    bare = _with_target_only(_made_up_run())
+    del bare.target_only_requests[1]["timings"]
+    with pytest.raises(ValueError, match="forwards and phases"):
+        serving_clock_difference(bare, profile)
 
 
 def test_the_wall_ratio_is_the_formula_by_hand_and_leaves_each_request_out_of_both_decodes():
