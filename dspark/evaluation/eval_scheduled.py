@@ -117,10 +117,7 @@ def _serve_together(states: Sequence[EvalState], todo: list[int], jobs: list[Job
     policy's result by its index in ``states``, the baseline fields of each job's record by tag)."""
     from dspark.scheduling.simulator import serve_together
 
-    first = states[todo[0]]
-    rows = {int(states[k].serving.concurrency) for k in todo}
-    if len(rows) != 1:
-        raise ValueError(f"the policies of one scheduled evaluation share one concurrency R, got {sorted(rows)}")
+    first = states[todo[0]]  # serve_together refuses policies of different R
     bar = tqdm(total=len(jobs) * len(todo), desc=name if len(todo) == 1 else f"{name} [{len(todo)} policies]",
                unit="req", disable=not first.progress, dynamic_ncols=True)
     finished: dict[int, int] = {}
