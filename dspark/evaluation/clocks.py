@@ -400,9 +400,9 @@ def serving_clock_difference(result: Any, profile: SPSProfile | PathLike, *, lev
     so difference + 1 = (Σ W / (A(t) · (1 + O / V))) / (Σ W' / (A'(t) · (1 + O' / V'))): how the table
     prices the cell's forwards relative to the target-only forwards. Served step by step in turn
     (``serve_together``), both decodes meet the machine's speed of the same minutes, and a machine that
-    runs faster or slower than when the table was profiled moves both factors alike. The interval is ``clock_difference``'s:
-    the stratified jackknife over the requests (each deleted from both decodes) plus the table's
-    timing noise."""
+    runs faster or slower than when the table was profiled moves both factors alike. The interval is
+    ``clock_difference``'s: the stratified jackknife over the requests (each deleted from both decodes)
+    plus the table's timing noise."""
     check_settings(resamples, level)
     if getattr(result, "engine", "per-request") != "batched" or not result.step_log:
         raise ValueError("serving_clock_difference needs a run of the batched engine with its step log "
