@@ -17,6 +17,12 @@ over target-only decoding at the same R, and whether each request's tokens equal
 
 Without ``--draft`` the drafter is freshly initialised (τ near 1: only the costs mean anything).
 Benchmark prompts come from ``$DSPARK_EVAL_DATA`` (test split), else the built-in prompts.
+
+``--whole N`` times whole evaluations instead (``dspark.evaluation.evaluate.evaluate``, what
+``dspark eval`` runs: every request decoded speculatively and by the target alone for its speedup,
+N test prompts per benchmark), at batch 1 and at every R of ``--rows``, in this process: the
+evaluation's seconds, its ratio to batch 1, τ, and the seconds of the speculative decodes and of the
+target-only ones (at every R the target-only decode starts from the speculative decode's prefills).
 """
 
 from __future__ import annotations
@@ -60,6 +66,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--no-baseline", action="store_true", help="skip the target-only decodes")
+    ap.add_argument("--whole", type=int, default=0, metavar="N",
+                    help="time whole evaluations (speculative + target-only) of N prompts per benchmark instead")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -83,6 +91,10 @@ def main() -> None:
           f"{torch.get_num_threads()} threads, device {dev}, dtype {target.dtype}; drafter {origin}")
     print(f"# {len(ids)} requests, prompt tokens median {statistics.median(map(len, ids)):.0f}, "
           f"max_new_tokens {args.max_new_tokens}, T = {args.temperature}")
+
+    if args.whole:
+        whole_evaluations(target, drafter, config, args)
+        return
 
     def gen(i):
         return torch.Generator(device=dev).manual_seed(seeds[i])
@@ -132,6 +144,42 @@ def main() -> None:
             cols = (f"{bn / b_s:.1f}", f"{(bn / b_s) / (base_tokens / base1_s):.2f}", f"{(n / spec_s) / (bn / b_s):.2f}")
         print(f"| batched | {R} | {n / spec_s:.1f} | {(n / spec_s) / (tokens / spec1_s):.2f} | {tau:.3f} "
               f"| {same}/{len(ids)} | {' | '.join(cols)} |", flush=True)
+
+
+def whole_evaluations(target, drafter, config, args) -> None:
+    """``--whole``: ``evaluate`` at batch 1 and at each R of ``--rows`` on the same prompts, timed."""
+    from dspark.data.benchmarks import BENCHMARKS
+    from dspark.data.prompts import builtin_eval_sets
+    from dspark.evaluation.evaluate import evaluate
+    from dspark.scheduling.simulator import DecodeSettings
+
+    folder = os.environ.get("DSPARK_EVAL_DATA")
+    if folder and Path(folder).is_dir():
+        benchmarks, names = folder, [n for n in BENCHMARKS if (Path(folder) / f"{n}.jsonl").is_file()]
+    else:
+        benchmarks, names = builtin_eval_sets(), None
+    decoding = DecodeSettings(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=config.eval.seed)
+
+    def run(rows: int, samples: int):
+        start = time.perf_counter()
+        report = evaluate(target, drafter, benchmarks, names=names, num_samples=samples, split="test",
+                          decoding=decoding, batch_size=rows, progress=False, resume=False)
+        return report, time.perf_counter() - start
+
+    run(1, 1)  # untimed warm-up of every path
+    run(max(args.rows), 1)
+    print(f"# whole evaluations: {args.whole} test prompts per benchmark, speculative + target-only decode each")
+    print()
+    print("| R | evaluation s | × batch 1 | τ | requests | speculative s | target-only s |")
+    print("|---|---|---|---|---|---|---|")
+    base = None
+    for rows in [1] + [r for r in args.rows if r != 1]:
+        report, seconds = run(rows, args.whole)
+        timings, every = report["timings"], report["all"]
+        base = seconds if base is None else base
+        target_only = seconds - timings["spec_s"]  # what the target-only decodes took of this wall clock
+        print(f"| {rows} | {seconds:.1f} | {base / seconds:.2f} | {every['tau']:.3f} | {every['num_requests']} "
+              f"| {timings['spec_s']:.1f} | {target_only:.1f} |", flush=True)
 
 
 if __name__ == "__main__":

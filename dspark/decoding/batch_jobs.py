@@ -32,9 +32,10 @@ class BatchJob:
 def longest_first(jobs: Iterable[BatchJob]) -> list[BatchJob]:
     """``jobs`` in the order an evaluation admits them: longest prompt first (stable among equals).
 
-    Every row's attention reads as many cache columns as the batch's longest row holds, so rows of
-    similar lengths batched together waste the fewest reads; the batch starts at its widest and
-    narrows as the shorter prompts come in (compaction drops the columns nobody uses). Each request
+    A forward's attention reads about as many cache columns per row as the batch's longest row
+    holds (``dspark.kernels.attention`` reads fewer where one row is far longer than the rest), so
+    rows of similar lengths batched together waste the fewest reads; the batch starts at its widest
+    and narrows as the shorter prompts come in. Each request
     decodes the same tokens in any order (it keeps its own generator), so only the speed changes."""
     return sorted(jobs, key=lambda job: -len(job.prompt_ids))
 

@@ -1,15 +1,17 @@
 """The per-row state of a batch: the target's KV cache and the drafter's context, R rows each.
 
-``BatchKVCache``: one tensor per layer, [R, H_kv, S, d_h]. The columns a forward appends are
-shared by all rows, so the padding of short rows and the rejected drafts of every row become
-holes, masked from then on and dropped when the cache is compacted. The columns live in a buffer
-with spare capacity (``ColumnLayer``), so a forward writes its new columns in place: appending by
-concatenation would copy the whole cache of every layer on every forward, which at R rows costs
-more than the attention that reads it. Column order means nothing:
-the mask compares per-row positions, so a freed row can take a new request's prompt in its first
-columns. The drafter's context (``DraftContext`` / ``Eagle3Context``, per-row lengths) is a
-dataclass of batch-first tensors: ``put_row``, ``select_rows`` and ``add_ctx_row`` write, keep
-and append its rows. ``dspark.decoding.batched`` steps both.
+``BatchKVCache``: one tensor per layer, [R, H_kv, S, d_h], in which column c of row r holds that
+row's position c. A forward writes each row's new tokens at the row's own next columns, and a
+commit keeps the accepted ones by moving the row's length past them: the rejected drafts and the
+padding of a short row stay behind its length, unread, and the next forward writes over them. So a
+row's tokens are always its first columns, with no holes to mask or compact, and a forward's
+attention reads row r's first n_r + q columns (``dspark.kernels.attention.row_extents``). The
+columns live in a buffer with spare capacity (``ColumnLayer``), so a forward writes in place:
+appending by concatenation would copy the whole cache of every layer on every forward, which at
+R rows costs more than the attention that reads it. The drafter's context (``DraftContext`` /
+``Eagle3Context``, per-row lengths) is a dataclass of batch-first tensors: ``put_row``,
+``select_rows`` and ``add_ctx_row`` write, keep and append its rows. ``dspark.decoding.batched``
+steps both.
 """
 
 from __future__ import annotations
@@ -33,17 +35,20 @@ class ColumnLayer(DynamicLayer):
 
     ``update`` writes a forward's new columns in place and ``add_row`` takes a spare row, so a
     forward costs a write of its own columns, not a copy of the whole cache (a buffer that is
-    full is replaced by one half as large again). Every entry of the views is written before it
-    is read (a forward's keys, a prompt, or the zeros of ``add_row`` / ``widen``: a masked column
-    must hold a finite value, since attention weighs it by 0); the spare entries are never read."""
+    full is replaced by one half as large again). By default a forward's columns follow the S in
+    use, the same for every row; with ``at`` set (``BatchKVCache``) row r's go to its own columns
+    at[r] .. at[r] + q − 1. The buffer starts as zeros, so every entry of a view holds a finite
+    value even where nothing was written: a masked column must, since attention weighs it by 0."""
+
+    at: Tensor | None = None  # [R] the first column each row's new tokens go to (None: after S)
+    at_end: int | None = None  # max(at) + q when the caller knows it (no device sync per layer)
 
     def store(self, keys: Tensor, values: Tensor, columns: int = 0, rows: int = 0) -> None:
         """Hold ``keys`` / ``values`` [R, H, S, d] in a new buffer of at least ``rows`` rows and
         ``columns`` columns."""
         r, h, s, d = (int(n) for n in keys.shape)
-        self._spare = None
-        self._k = keys.new_empty(max(r, int(rows)), h, max(s, int(columns)), d)
-        self._v = values.new_empty(max(r, int(rows)), h, max(s, int(columns)), d)
+        self._k = keys.new_zeros(max(r, int(rows)), h, max(s, int(columns)), d)
+        self._v = values.new_zeros(max(r, int(rows)), h, max(s, int(columns)), d)
         self._k[:r, :, :s] = keys
         self._v[:r, :, :s] = values
         self.device, self.is_initialized = keys.device, True
@@ -77,11 +82,9 @@ class ColumnLayer(DynamicLayer):
         self._use(rows + 1, columns)
 
     def widen(self, extra: int) -> None:
-        """Append ``extra`` columns of zeros."""
+        """Use ``extra`` more columns (zeros where nothing was written)."""
         rows, columns = self.shape
         self._reserve(rows, columns + extra)
-        self._k[:rows, :, columns:columns + extra] = 0
-        self._v[:rows, :, columns:columns + extra] = 0
         self._use(rows, columns + extra)
 
     def select_rows(self, index: Tensor) -> None:
@@ -90,29 +93,6 @@ class ColumnLayer(DynamicLayer):
         self._k[: len(index), :, : keys.shape[2]] = keys
         self._v[: len(index), :, : keys.shape[2]] = values
         self._use(len(index), int(keys.shape[2]))
-
-    def gather_columns(self, order: Tensor) -> None:
-        """Keep columns ``order`` [R, width] of every row (``compact``), into a second buffer of the
-        same capacity (on a CPU the two swap at each compaction: freshly allocated memory is slow
-        to touch there); on a CPU row by row, since each row's columns are contiguous [H, d] slabs."""
-        rows, width = int(order.shape[0]), int(order.shape[1])
-        spare = getattr(self, "_spare", None)
-        if spare is None or spare[0].shape != self._k.shape:
-            spare = (self._k.new_empty(self._k.shape), self._v.new_empty(self._v.shape))
-        k, v = spare
-        if k.device.type == "cpu":  # whole [H, d] slabs per row: a few memcpy-like copies
-            for r in range(rows):
-                torch.index_select(self.keys[r], 1, order[r], out=k[r, :, :width])
-                torch.index_select(self.values[r], 1, order[r], out=v[r, :, :width])
-        else:  # one kernel per tensor on an accelerator
-            index = order[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
-            torch.gather(self.keys, 2, index, out=k[:rows, :, :width])
-            torch.gather(self.values, 2, index, out=v[:rows, :, :width])
-        # A CPU keeps the old buffer for the next compaction; an accelerator's caching allocator
-        # reuses freed memory by itself, so it holds no second copy of the cache.
-        self._spare = (self._k, self._v) if k.device.type == "cpu" else None
-        self._k, self._v = k, v
-        self._use(rows, width)
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         self.store(key_states[:, :, :0], value_states[:, :, :0])
@@ -132,10 +112,20 @@ class ColumnLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         rows, columns = self.shape
         new = int(key_states.shape[2])
-        self._reserve(rows, columns + new)
-        self._k[:rows, :, columns:columns + new] = key_states
-        self._v[:rows, :, columns:columns + new] = value_states
-        self._use(rows, columns + new)
+        if self.at is None:
+            self._reserve(rows, columns + new)
+            self._k[:rows, :, columns:columns + new] = key_states
+            self._v[:rows, :, columns:columns + new] = value_states
+            self._use(rows, columns + new)
+            return self.keys, self.values
+        # row r's new columns at at[r] + 0..q-1; the view spans the longest row's
+        width = self.at_end if self.at_end is not None else int(self.at.max()) + new
+        self._reserve(rows, width)
+        self._use(rows, width)
+        rows_index = torch.arange(rows, device=self.at.device).view(-1, 1)  # [R, 1]
+        columns_index = self.at.view(-1, 1) + torch.arange(new, device=self.at.device)  # [R, q]
+        self.keys[rows_index, :, columns_index] = key_states.transpose(1, 2)  # indexed as [R, q, H, d]
+        self.values[rows_index, :, columns_index] = value_states.transpose(1, 2)
         return self.keys, self.values
 
 
@@ -158,15 +148,14 @@ def column_cache(cache: Any, columns: int) -> Any:
 
 
 class BatchKVCache:
-    """A transformers ``DynamicCache`` of R rows with per-row validity and positions.
+    """A transformers ``DynamicCache`` of R rows, row r holding positions 0 .. n_r − 1 in its
+    first n_r columns (module docstring).
 
-    valid [R, S] bool: column s of row r holds one of that row's tokens; pos [R, S]: its
-    position; next_pos [R]: the position of the row's next token. ``forward`` runs the
-    target over [R, q] new tokens (row r's first ``counts[r]`` real, the rest padding) at
-    positions next_pos[r] + 0..q−1 under the mask "same row, valid, position ≤ the
-    query's" (and within the window on sliding-window layers); ``commit`` then keeps the
-    first ``keep[r]`` of them. Sliding-window layers keep every column (the window is a
-    mask), so any row can be cropped.
+    next_pos [R]: n_r, the position (and column) of the row's next token. ``forward`` runs the
+    target over [R, q] new tokens (row r's first ``counts[r]`` real, the rest padding) at positions
+    and columns n_r + 0..q−1 under the mask "column ≤ the query's position" (and within the window
+    on sliding-window layers); ``commit`` then keeps the first ``keep[r]`` of them. Every row can
+    be cropped, sliding-window layers included (they keep every column; the window is a mask).
     """
 
     def __init__(self, target: Any) -> None:
@@ -174,11 +163,8 @@ class BatchKVCache:
 
         self.target = target
         self.cache = DynamicCache()
-        device = target.device
-        self.valid = torch.zeros(0, 0, dtype=torch.bool, device=device)
-        self.pos = torch.zeros(0, 0, dtype=torch.long, device=device)
-        self.next_pos = torch.zeros(0, dtype=torch.long, device=device)
-        self._pending: tuple[Tensor, Tensor] | None = None  # (positions [R, q], real [R, q]) of the last forward
+        self.next_pos = torch.zeros(0, dtype=torch.long, device=target.device)
+        self._pending = False  # a forward not yet committed or discarded
         config = target.text_config
         kinds = list(getattr(config, "layer_types", None) or ["full_attention"])
         unknown = sorted(set(kinds) - set(_ATTENTION_KINDS))
@@ -196,22 +182,27 @@ class BatchKVCache:
 
     @property
     def columns(self) -> int:
-        return int(self.valid.shape[1])
+        """Columns in use: the longest row's tokens."""
+        return int(self.next_pos.max()) if self.rows else 0
 
     def _layers(self) -> list[Any]:
         return list(self.cache.layers)
 
     def lengths(self) -> Tensor:
         """[R] tokens each row holds."""
-        return self.valid.sum(dim=1)
+        return self.next_pos.clone()
+
+    def _fit(self) -> None:
+        """Every layer's view spans the rows and the columns in use."""
+        for layer in self._layers():
+            if getattr(layer, "is_initialized", False):
+                layer._use(self.rows, self.columns)
 
     # -------------------------------------------------------------- rows
     @torch.inference_mode()
     def add_row(self) -> int:
-        """Append an empty row (no valid column); returns its index."""
+        """Append an empty row (no tokens); returns its index."""
         r = self.rows
-        self.valid = torch.cat([self.valid, self.valid.new_zeros(1, self.columns)])
-        self.pos = torch.cat([self.pos, self.pos.new_zeros(1, self.columns)])
         self.next_pos = torch.cat([self.next_pos, self.next_pos.new_zeros(1)])
         for layer in self._layers():
             if getattr(layer, "is_initialized", False):
@@ -226,15 +217,13 @@ class BatchKVCache:
         length = int(layers[0].keys.shape[-2])
         if not self._layers() or not getattr(self._layers()[0], "is_initialized", False):
             self._init_from(layers)
-        if length > self.columns:
-            self._grow(length - self.columns)
         for mine, theirs in zip(self._layers(), layers):
+            if length > mine.shape[1]:
+                mine.widen(length - mine.shape[1])
             mine.keys[row, :, :length] = theirs.keys[0]
             mine.values[row, :, :length] = theirs.values[0]
-        cols = torch.arange(self.columns, device=self.valid.device)
-        self.valid[row] = cols < length
-        self.pos[row] = torch.where(cols < length, cols, 0)
         self.next_pos[row] = length
+        self._fit()
 
     def _init_from(self, layers: Sequence[Any]) -> None:
         """The per-layer buffers (``ColumnLayer``), [R, H_kv, 0, d_h], shaped after a request's prompt cache."""
@@ -246,57 +235,29 @@ class BatchKVCache:
                         theirs.values.new_zeros(rows, theirs.values.shape[1], 0, theirs.values.shape[3]))
             self.cache.layers.append(layer)
 
-    def _grow(self, extra: int) -> None:
-        """Append ``extra`` invalid columns to every row."""
-        self.valid = torch.cat([self.valid, self.valid.new_zeros(self.rows, extra)], dim=1)
-        self.pos = torch.cat([self.pos, self.pos.new_zeros(self.rows, extra)], dim=1)
-        for layer in self._layers():
-            layer.widen(extra)
-
     @torch.inference_mode()
     def select(self, rows: Tensor) -> None:
         """Keep the rows ``rows`` (Long [R']), in that order."""
-        self.valid, self.pos, self.next_pos = self.valid[rows], self.pos[rows], self.next_pos[rows]
+        self.next_pos = self.next_pos[rows]
         for layer in self._layers():
             layer.select_rows(rows)
-
-    @torch.inference_mode()
-    def compact(self) -> None:
-        """Move every row's valid columns to the front, in position order, and drop the columns no
-        row uses (the holes of padding and rejected drafts)."""
-        counts = self.lengths()
-        width = int(counts.max()) if self.rows else 0
-        # Valid columns first, by position; invalid ones after them.
-        key = torch.where(self.valid, self.pos, torch.iinfo(torch.long).max)
-        order = key.argsort(dim=1, stable=True)[:, :width]  # [R, width]
-        self.valid = self.valid.gather(1, order)
-        self.pos = self.pos.gather(1, order)
-        for layer in self._layers():
-            layer.gather_columns(order)
-
-    def maybe_compact(self, slack: int = 16) -> None:
-        """Compact once the holes outnumber ``slack`` columns plus an eighth of the longest row: every
-        forward's attention reads every column, holes included, so a few holes cost less than the
-        gather that removes them, many cost more."""
-        if not self.rows:
-            return
-        longest = int(self.lengths().max())
-        if self.columns - longest > slack + longest // 8:
-            self.compact()
+        self._fit()
 
     # ------------------------------------------------------------ forward
     def forward(self, tokens: Tensor, counts: Tensor, *, logits: bool = True) -> Any:
         """The target over tokens [R, q]: row r's first counts[r] tokens are real (counts ≥ 1).
         Returns the ``TargetOutput`` ([R, q, ...]; padded positions hold garbage)."""
+        from dspark.kernels.attention import row_extents
+
         rows, q = tokens.shape
         device = tokens.device
         steps = torch.arange(q, device=device)
-        qpos = self.next_pos.unsqueeze(1) + steps  # [R, q]
-        real = steps.unsqueeze(0) < counts.unsqueeze(1)  # [R, q]
-        kpos = torch.cat([self.pos, qpos], dim=1)  # [R, S+q]
-        kvalid = torch.cat([self.valid, real], dim=1)  # [R, S+q]
-        allowed = kvalid.unsqueeze(1) & (kpos.unsqueeze(1) <= qpos.unsqueeze(2))  # [R, q, S+q]
-        # A padded query still sees its own row's past (every row holds ≥ 1 token): no empty softmax row.
+        qpos = self.next_pos.unsqueeze(1) + steps  # [R, q]: positions, and the columns the tokens go to
+        extents = (self.next_pos + q).tolist()  # row r's attention reads its first n_r + q columns
+        cols = torch.arange(max(extents), device=device)
+        # Query (r, i) sees row r's columns 0 .. n_r + i: its past and the block's tokens up to itself.
+        # A padded query sees the padding before it too; its output is never read.
+        allowed = cols.view(1, 1, -1) <= qpos.unsqueeze(2)  # [R, q, W]
         # sdpa takes a boolean mask (what transformers itself builds for it, so a batch of one row runs
         # the same kernel as batch-1 decoding); eager attention adds the mask, so it gets 0 / min.
         dtype = self.target.dtype
@@ -310,19 +271,26 @@ class BatchKVCache:
         full = additive(allowed)
         mask: Any = full
         if self.window is not None:
-            near = (qpos.unsqueeze(2) - kpos.unsqueeze(1)) < self.window
+            near = (qpos.unsqueeze(2) - cols.view(1, 1, -1)) < self.window
             mask = {"full_attention": full, "sliding_attention": additive(allowed & near)}
-        out = self.target(tokens, past_key_values=self.cache, attention_mask=mask, position_ids=qpos,
-                          use_cache=True, return_logits=logits)
-        self._pending = (qpos, real)
+        layers = self._layers()
+        for layer in layers:
+            layer.at, layer.at_end = self.next_pos, max(extents)
+        try:
+            with row_extents(extents, self.target.dtype):
+                out = self.target(tokens, past_key_values=self.cache, attention_mask=mask, position_ids=qpos,
+                                  use_cache=True, return_logits=logits)
+        finally:
+            for layer in self._layers():  # the forward may have initialised the layers
+                layer.at = layer.at_end = None
+        self._pending = True
         return out
 
     def discard(self) -> None:
-        """Forget the last forward: its columns are dropped and the cache is what it was before it
-        (what a timed forward of ``dspark.scheduling.sps_profile`` leaves behind)."""
-        self._pending = None
-        for layer in self._layers():
-            layer._use(self.rows, self.columns)
+        """Forget the last forward: the cache is what it was before it (its columns lie past every
+        row's length; what a timed forward of ``dspark.scheduling.sps_profile`` leaves behind)."""
+        self._pending = False
+        self._fit()
 
     def reserve(self, extra: int) -> None:
         """Room for ``extra`` more columns in every layer's buffer, so that forwards of up to ``extra``
@@ -330,16 +298,21 @@ class BatchKVCache:
         for layer in self._layers():
             layer._reserve(self.rows, self.columns + int(extra))
 
+    def crop(self, lengths: Tensor) -> None:
+        """Row r keeps its first lengths[r] (≤ n_r) tokens."""
+        if bool((lengths > self.next_pos).any()) or bool((lengths < 0).any()):
+            raise ValueError(f"crop to {lengths.tolist()}: a row keeps 0 .. its {self.next_pos.tolist()} tokens")
+        self.next_pos = lengths.to(self.next_pos)
+        self._fit()
+
     def commit(self, keep: Tensor) -> None:
-        """Keep the first keep[r] (≤ counts[r]) tokens of row r's last forward; the rest become holes."""
-        if self._pending is None:
+        """Keep the first keep[r] (≤ counts[r]) tokens of row r's last forward; the rest lie past the
+        row's length, where the next forward writes."""
+        if not self._pending:
             raise RuntimeError("commit() without a forward()")
-        qpos, real = self._pending
-        self._pending = None
-        kept = torch.arange(qpos.shape[1], device=qpos.device).unsqueeze(0) < keep.unsqueeze(1)
-        self.valid = torch.cat([self.valid, kept & real], dim=1)
-        self.pos = torch.cat([self.pos, qpos], dim=1)
+        self._pending = False
         self.next_pos = self.next_pos + keep
+        self._fit()
 
 
 # ---------------------------------------------------------------------------

@@ -30,8 +30,8 @@ from dspark.decoding.batch_state import BatchKVCache, add_ctx_row, put_row, sele
 from dspark.decoding.checks import check_drafter, check_generate_args, check_prompt_ids, checked_verify_length
 from dspark.decoding.loop import DecodeResult, PhaseClock, RoundRecord, _first_eos
 from dspark.decoding.prefill_store import PrefillStore
-from dspark.decoding.verify import verify_draft
-from dspark.sampling import sample_token
+from dspark.decoding.verify import rejection_sample, verify_draft
+from dspark.sampling import logits_to_probs, sample_token
 
 # Positions of every row whose logits a verification forward computes at once (``SpeculativeBatch._decide``):
 # x_0's and the first draft's. Later positions only for the rows that accepted all of these.
@@ -334,7 +334,6 @@ class SpeculativeBatch(_Batch):
         with self.clock("bookkeeping"):  # keep x_0..x_m of every row, drop the rejected drafts
             keep_t = torch.tensor(keep, dtype=torch.long, device=self.device)
             self.kv.commit(keep_t)
-            self.kv.maybe_compact()
             width = max(keep)  # the longest kept prefix: no feature rows past it go through the context
             _extend(self.drafter, self.ctx, out.features[:, :width], x[:, :width], num_valid=keep_t)
             self.anchor = next_tokens
@@ -355,15 +354,17 @@ class SpeculativeBatch(_Batch):
         the whole forward's logits give. Rows without their own generator get whole logits."""
         head, decided, pending = int(logits.shape[1]), [], []
         with self.clock("accept"):
+            # every row's target probabilities in one softmax (verify_draft's own, row by row)
+            target = logits if self.temperature == 0 else logits_to_probs(logits, self.temperature)
             for r, ell in enumerate(ells):
                 gen = self.rows[r].generator
-                row = logits[r : r + 1, : ell + 1]
+                row = target[r : r + 1, : ell + 1]
                 state = None
                 if ell + 1 > head:
                     state = gen.get_state()
                     row = torch.cat([row, row[:, -1:].expand(1, ell + 1 - head, -1)], dim=1)
-                m, nxt = verify_draft(proposal.tokens[r : r + 1, :ell], proposal.probs[r : r + 1, :ell], row,
-                                      self.temperature, gen)
+                m, nxt = _verify_row(proposal.tokens[r : r + 1, :ell], proposal.probs[r : r + 1, :ell], row,
+                                     self.temperature, gen)
                 if state is not None and int(m) >= head:  # every known position accepted: not settled
                     gen.set_state(state)
                     pending.append(r)
@@ -419,9 +420,17 @@ class TargetBatch(_Batch):
             request.tokens.append(value)
         with self.clock("bookkeeping"):
             self.kv.commit(ones)
-            self.kv.maybe_compact()
             self.anchor = token
         return self._retire(served, before)
+
+
+def _verify_row(tokens: Tensor, draft_probs: Tensor, target: Tensor, temperature: float,
+                generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
+    """``verify_draft`` of one row whose target side is already probabilities at T > 0 (its
+    logits at T = 0): the same rule and the same draws."""
+    if temperature == 0:
+        return verify_draft(tokens, draft_probs, target, temperature, generator)
+    return rejection_sample(tokens, draft_probs, target, generator=generator)
 
 
 def _no_draft(rows: int, vocab: int, device: torch.device) -> Any:

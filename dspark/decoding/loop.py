@@ -15,6 +15,7 @@ are inference tensors, only ever updated by these loops.
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -39,6 +40,7 @@ from dspark.sampling import sample_token
 from dspark.scheduling.calibration import apply_temperatures
 
 if TYPE_CHECKING:
+    from dspark.decoding.prefill_store import PrefillStore
     from dspark.modeling import Drafter, Proposal
     from dspark.target import TargetModel
 
@@ -108,6 +110,7 @@ def speculative_generate(
     choose_length: ChooseLength | None = None,
     generator: torch.Generator | None = None,
     sts_temperatures: Sequence[float] | str | os.PathLike | None = None,
+    prefills: PrefillStore | None = None,
 ) -> DecodeResult:
     """Speculative decoding of one request (paper Section 2.1, Figure 1), lossless at every temperature.
 
@@ -137,11 +140,12 @@ def speculative_generate(
             the path of the STS JSON ``dspark calibrate`` writes. The hook then sees
             c'_k = σ(logit(c_k) / T_k) (``dspark.scheduling.calibration.apply_temperatures``);
             the round records keep the raw c_k, which STS is fitted on.
+        prefills: prompt prefills to take and keep (``dspark.decoding.prefill_store``; ``_prefill``).
     """
     temps = checked_sts_temperatures(sts_temperatures, drafter)
     request = SpeculativeRequest(
         target, drafter, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature,
-        eos_token_ids=eos_token_ids, generator=generator, clock=PhaseClock(target.device),
+        eos_token_ids=eos_token_ids, generator=generator, clock=PhaseClock(target.device), prefills=prefills,
     )
     while not request.done:
         request.draft()
@@ -198,6 +202,7 @@ class SpeculativeRequest:
     arguments as in ``speculative_generate``; construction checks them, and the
     drafter against the target, before the prefill.
     """
+    # ``prefills``: a PrefillStore to take the prompt's prefill from and to keep it in (``_prefill``)
 
     @torch.inference_mode()
     def __init__(
@@ -211,6 +216,7 @@ class SpeculativeRequest:
         eos_token_ids: Iterable[int] = (),
         generator: torch.Generator | None = None,
         clock: PhaseClock | None = None,
+        prefills: PrefillStore | None = None,
     ) -> None:
         check_generate_args(max_new_tokens, temperature)
         prompt_ids = check_prompt_ids(prompt_ids, getattr(target, "vocab_size", None))
@@ -225,8 +231,8 @@ class SpeculativeRequest:
         self.clock = clock if clock is not None else _UNTIMED
         if max_new_tokens == 0:
             return
+        self.cache, out = _prefill(target, prompt_ids, prefills, self.clock)
         with self.clock("prefill"):
-            self.cache, out = _prefill(target, prompt_ids)
             self.ctx = drafter.new_context(1, target.device, capacity=self.prompt_len + max_new_tokens)
             _extend_context(drafter, self.ctx, out.features, prompt_ids)  # context positions 0..P-1
             self.anchor = sample_token(out.logits[:, -1], temperature, generator)  # x_0, [1]
@@ -321,6 +327,7 @@ def target_generate(
     temperature: float = 1.0,
     eos_token_ids: Iterable[int] = (),
     generator: torch.Generator | None = None,
+    prefills: PrefillStore | None = None,
 ) -> DecodeResult:
     """Target-only autoregressive decoding with the same cache and sampling helpers.
 
@@ -334,8 +341,7 @@ def target_generate(
     eos = {int(t) for t in eos_token_ids}
     tokens: list[int] = []
     if max_new_tokens > 0:
-        with clock("prefill"):
-            cache, out = _prefill(target, prompt_ids)
+        cache, out = _prefill(target, prompt_ids, prefills, clock)
         while True:
             with clock("sample"):
                 token = sample_token(out.logits[:, -1], temperature, generator)  # [1]
@@ -348,11 +354,27 @@ def target_generate(
     return DecodeResult(len(prompt_ids), tokens, [], finished, clock.finish())
 
 
-def _prefill(target: TargetModel, prompt_ids: Sequence[int]) -> tuple[Any, Any]:
-    """A new target KV cache holding the prompt, and the output of that forward (last-position logits)."""
-    cache = target.new_cache()
-    ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=target.device)  # [1, P]
-    return cache, target(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+def _prefill(target: TargetModel, prompt_ids: Sequence[int], prefills: PrefillStore | None = None,
+             clock: Any = None) -> tuple[Any, Any]:
+    """A new target KV cache holding the prompt, and the output of that forward (last-position logits,
+    features), timed as the clock's "prefill".
+
+    With a ``PrefillStore`` (``dspark.decoding.prefill_store``): a copy of the prompt's kept prefill
+    instead of the forward, charged the seconds that forward took; a new prefill is offered to the
+    store as a copy. The decode then extends and crops its own cache, never the kept one."""
+    clock = clock if clock is not None else _UNTIMED
+    kept = None if prefills is None else prefills.get(target, prompt_ids)
+    if kept is not None:
+        clock.charge("prefill", kept.seconds)
+        return copy.deepcopy(kept.cache), kept.out
+    start = time.perf_counter()
+    with clock("prefill"):
+        cache = target.new_cache()
+        ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=target.device)  # [1, P]
+        out = target(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    if prefills is not None:
+        prefills.put(target, prompt_ids, copy.deepcopy(cache), out, time.perf_counter() - start)
+    return cache, out
 
 
 def _extend_context(drafter: Any, ctx: Any, features: Tensor, tokens: Sequence[int] | Tensor) -> None:
@@ -389,8 +411,13 @@ class PhaseClock:
             self._sync()
             self.totals[phase] = self.totals.get(phase, 0.0) + time.perf_counter() - start
 
+    def charge(self, phase: str, seconds: float) -> None:
+        """Count ``seconds`` that ran elsewhere (a kept prefill's forward) in ``phase`` and in the total."""
+        self.totals[phase] = self.totals.get(phase, 0.0) + float(seconds)
+        self.start -= float(seconds)
+
     def finish(self) -> dict[str, float]:
-        """The per-phase totals plus "total", the wall clock since the clock was made."""
+        """The per-phase totals plus "total", the wall clock since the clock was made (plus what was charged)."""
         return {**self.totals, "total": time.perf_counter() - self.start}
 
 
@@ -399,6 +426,9 @@ class _Untimed:
 
     def __call__(self, phase: str) -> AbstractContextManager[None]:
         return nullcontext()
+
+    def charge(self, phase: str, seconds: float) -> None:
+        pass
 
     def finish(self) -> dict[str, float]:
         return {}

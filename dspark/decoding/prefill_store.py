@@ -2,17 +2,19 @@
 
 An evaluation decodes every prompt twice (speculatively, then with the target alone), and a serving
 run decodes the same prompts under every policy and R. Each decode starts with the same forward: the
-target over the prompt, from an empty cache (``dspark.decoding.batched``'s ``_prefill``). A
-``PrefillStore`` keeps what that forward returned (the batch-1 cache, the last position's logits and
-the captured features) with the seconds it took, so that a later decode of the same prompt starts
-from it instead of running it again. The reused decode draws x_0 from the kept logits with its own
-generator (the same draw as from a fresh forward) and is charged the kept seconds as its prefill:
-the time of that very forward, measured when it ran. Nothing a decode does writes into a kept
-prefill (``BatchKVCache.write_row`` copies it into the batch; the drafter reads the features).
+target over the prompt, from an empty cache (``_prefill`` of ``dspark.decoding.batched`` and of
+``dspark.decoding.loop``). A ``PrefillStore`` keeps what that forward returned (the batch-1 cache,
+the last position's logits and the captured features) with the seconds it took, so that a later
+decode of the same prompt starts from it instead of running it again. The reused decode draws x_0
+from the kept logits with its own generator (the same draw as from a fresh forward) and is charged
+the kept seconds as its prefill: the time of that very forward, measured when it ran. Nothing a
+decode does writes into a kept prefill (``BatchKVCache.write_row`` copies it into the batch, a
+batch-1 decode extends a copy of its own; the drafter reads the features).
 
 The store holds at most ``max_bytes`` of tensors (caches, features, logits) on the target's device;
 a prefill that does not fit is not kept, and its prompt is prefilled again when it comes back. A
-store lives as long as the decodes that share it (an evaluation's wave, a serving run).
+store lives as long as the decodes that share it (an evaluation's request at batch 1 or wave at R > 1,
+a serving run).
 """
 
 from __future__ import annotations

@@ -119,14 +119,16 @@ def round_row(
             "eos_accepted": bool(eos_accepted)}
 
 
-def run_baseline(state: EvalState, prompt_ids: Sequence[int], request_seed: int) -> dict[str, Any]:
-    """Target-only decode of one prompt with the request's seed: the baseline_* fields of its record."""
-    start = time.perf_counter()
+def run_baseline(state: EvalState, prompt_ids: Sequence[int], request_seed: int,
+                 prefills: PrefillStore | None = None) -> dict[str, Any]:
+    """Target-only decode of one prompt with the request's seed: the baseline_* fields of its record.
+    ``prefills``: the speculative decode's prefill of the prompt, taken instead of a forward of its own
+    and charged the seconds that forward took (``dspark.decoding.loop._prefill``)."""
     base = target_generate(state.target, prompt_ids, generator=_generator(state.device, request_seed),
-                           **_decode_kwargs(state.decoding))
+                           prefills=prefills, **_decode_kwargs(state.decoding))
     return dict(
         baseline_tokens=len(base.tokens),
-        baseline_wall_s=time.perf_counter() - start,
+        baseline_wall_s=base.timings["total"],
         baseline_timings=dict(base.timings),
         baseline_finished_by_eos=bool(base.finished_by_eos),
     )
@@ -172,14 +174,16 @@ def _run_request(
     """Decode one prompt speculatively (and with the target alone): its record and round records.
 
     Both decodes draw from generators seeded with the request's seed; wall times
-    are measured around each call."""
+    are measured around each call. The target-only decode starts from the speculative decode's prompt
+    prefill (the same forward), charged the seconds it took there, as at R > 1."""
     seed = request_seed(state.decoding.seed, benchmark, request)
+    prefills = PrefillStore() if state.baseline else None
     start = time.perf_counter()
-    result = speculative_generate(state.target, state.drafter, prompt_ids,
-                                  generator=_generator(state.device, seed), **_decode_kwargs(state.decoding))
+    result = speculative_generate(state.target, state.drafter, prompt_ids, generator=_generator(state.device, seed),
+                                  prefills=prefills, **_decode_kwargs(state.decoding))
     record = request_record(benchmark, request, prompt_ids, result, time.perf_counter() - start, result.timings)
     if state.baseline:
-        record.update(run_baseline(state, prompt_ids, seed))
+        record.update(run_baseline(state, prompt_ids, seed, prefills))
     rounds = [round_row(benchmark, request, index, int(r.proposed), int(r.accepted), r.confidences, r.eos_accepted)
               for index, r in enumerate(result.rounds)]
     return record, rounds

@@ -268,22 +268,28 @@ def _simulation_summary(config: Config, run: _Simulation, policies: list[str]) -
         "seed": e.seed, "cycle": s.cycle, "num_requests": s.num_requests or None,
         "draft_overhead": s.draft_overhead, "eos_token_ids": run.eos, "engine": s.engine,
         # the batched engine's clock: R -> the table of its own forwards (R rows × 1..γ+1 tokens)
-        "layout_sps": {str(r): {**p.measured_table.to_dict(), "context_len": p.context_len, "rows": p.rows}
+        "layout_sps": {str(r): {**p.measured_table.to_dict(), "context_len": p.context_len, "rows": p.rows,
+                                "row_lengths": p.row_lengths}
                        for r, p in sorted(run.layouts.items())},
     }
 
 def _layout_profile(target: Any, prompts: Sequence[Sequence[int]], rows: int, gamma: int, max_new_tokens: int,
                     seed: int, announce: Announce) -> Any:
-    """The SPS profile of the batched serving loop's forwards at R = ``rows``: R rows of 1..γ+1 tokens
-    after the expected longest of R prompts plus half the new tokens (every row of a batch's cache is
-    as wide as its longest row)."""
-    from dspark.scheduling.sps_profile import profile_sps_runs
+    """The SPS profile of the batched serving loop's forwards at R = ``rows``: R rows of 1..γ+1 tokens,
+    row i holding the expected i-th shortest of R prompts drawn at random (the loop admits its requests
+    in the benchmarks' interleaved order) plus half the new tokens. A forward's attention reads each
+    row's own columns (``dspark.kernels.attention.row_extents``), so its cost depends on every row's
+    length: rows of one length, the longest, would price the forwards that read fewer columns as
+    dearly as those that read the most."""
+    from dspark.scheduling.sps_profile import expected_order_statistics, profile_sps_runs
 
-    context = int(round(expected_longest([len(p) for p in prompts], rows) + max_new_tokens / 2))
-    profile = profile_sps_runs(target, [rows * q for q in range(1, gamma + 2)], context_len=context,
-                               warmup=1, repeats=LAYOUT_REPEATS, rows=rows, seed=seed)
+    expected = expected_order_statistics([len(p) for p in prompts], rows)
+    expected += [expected[-1]] * (rows - len(expected))  # fewer prompts than rows: the rest as the longest
+    lengths = [max(1, int(round(e + max_new_tokens / 2))) for e in expected]
+    profile = profile_sps_runs(target, [rows * q for q in range(1, gamma + 2)], context_len=max(lengths),
+                               warmup=1, repeats=LAYOUT_REPEATS, rows=rows, seed=seed, row_lengths=lengths)
     announce(f"SPS clock at R = {rows} (batched engine): the forwards of {rows} rows × 1..{gamma + 1} "
-             f"tokens after {context} cached, profiled here ({LAYOUT_REPEATS} sweeps)")
+             f"tokens after {min(lengths)}..{max(lengths)} cached, profiled here ({LAYOUT_REPEATS} sweeps)")
     return profile
 
 
@@ -324,7 +330,7 @@ def _table_profile(sps_path: str | os.PathLike, table: Any) -> Any:
     return profile
 
 
-LAYOUT_REPEATS = 10  # sweeps of the batched engine's per-R profile (dspark simulate)
+LAYOUT_REPEATS = 20  # sweeps of the batched engine's per-R profile (dspark simulate; its noise enters the clock check)
 _CELL_ROWS = ("rounds", "step_log")  # SimResult fields kept in rounds.jsonl, or not kept
 _SIM_IGNORED = ("threads", "serve.out", "out_dir")  # config fields that do not change a cell
 

@@ -29,8 +29,8 @@ import torch
 
 from dspark.scheduling.algorithm1 import SPSTable
 
-__all__ = ["DEFAULT_BATCH_TOKENS", "SPSProfile", "bootstrap_tables", "expected_longest", "load_profile",
-           "median_interval", "profile_path", "profile_sps", "profile_sps_runs", "table_interval"]
+__all__ = ["DEFAULT_BATCH_TOKENS", "SPSProfile", "bootstrap_tables", "expected_longest", "expected_order_statistics",
+           "load_profile", "median_interval", "profile_path", "profile_sps", "profile_sps_runs", "table_interval"]
 
 DEFAULT_BATCH_TOKENS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
@@ -58,6 +58,7 @@ class SPSProfile:
     dtype: str
     threads: int
     rows: int | None = None  # B as `rows` rows of B / rows tokens (the batched serving loop's layout at R = rows)
+    row_lengths: list[int] | None = None  # with rows: row r's cached tokens (None: context_len in every row)
 
     @property
     def steps_per_sec(self) -> list[float]:
@@ -201,15 +202,18 @@ def _sizes_to_measure(
     return sizes
 
 
-def _engine_rows(target: Any, single: Any, rows: int, extra: int) -> Any:
-    """A ``BatchKVCache`` of ``rows`` rows, each holding the batch-1 cache ``single``, with room for
-    forwards of ``extra`` tokens (the batched engine's own cache, as ``SpeculativeBatch`` fills it)."""
+def _engine_rows(target: Any, single: Any, rows: int, extra: int, lengths: Sequence[int] | None = None) -> Any:
+    """A ``BatchKVCache`` of ``rows`` rows, each holding the batch-1 cache ``single`` (row r only its
+    first lengths[r] tokens), with room for forwards of ``extra`` tokens (the batched engine's own
+    cache, as ``SpeculativeBatch`` fills it)."""
     from dspark.decoding.batch_state import BatchKVCache
 
     kv = BatchKVCache(target)
     for r in range(rows):
         kv.add_row()
         kv.write_row(r, single)
+    if lengths is not None:
+        kv.crop(torch.tensor(lengths, dtype=torch.long, device=kv.next_pos.device))
     kv.reserve(extra)
     return kv
 
@@ -256,6 +260,7 @@ def profile_sps_runs(
     progress: Callable[[int, int], None] | None = None,
     rows: int | None = None,
     context: Any = None,
+    row_lengths: Sequence[int] | None = None,
 ) -> SPSProfile:
     """Time the verification forward at every B of ``batch_tokens`` (docs/scheduling.md, "SPS profiling").
 
@@ -269,19 +274,41 @@ def profile_sps_runs(
     ``rows``): a batch-1 cache of at least ``context_len`` positions; every row starts from a copy of its
     first ``context_len`` instead of a prefill of its own (a forward's time does not depend on what the
     cache holds), so that profiles at several R share one prefill.
+    ``row_lengths`` (with ``rows`` = R and the engine): row r's cache holds its first row_lengths[r] ≤
+    ``context_len`` tokens, rows of different lengths as a serving loop's are (its attention reads each
+    row's own columns, ``dspark.kernels.attention.row_extents``, so a forward's cost depends on every
+    row's length, not only the longest's).
     ``progress(done, repeats)`` is called after each timed sweep."""
-    if rows is not None and context_len >= 1 and hasattr(target, "compute_logits"):
+    engine = rows is not None and context_len >= 1 and hasattr(target, "compute_logits")
+    lengths = _checked_row_lengths(row_lengths, rows, context_len, engine)
+    if engine:
         with torch.inference_mode():  # the engine's cache is written in inference mode
             return _profile_runs(target, batch_tokens, context_len, warmup, repeats, tokens_per_request, seed,
-                                 progress, rows, context, engine=True)
+                                 progress, rows, context, engine=True, row_lengths=lengths)
     with torch.no_grad():
         return _profile_runs(target, batch_tokens, context_len, warmup, repeats, tokens_per_request, seed,
                              progress, rows, context, engine=False)
 
 
+def _checked_row_lengths(row_lengths: Sequence[int] | None, rows: int | None, context_len: int,
+                         engine: bool) -> list[int] | None:
+    """``row_lengths`` checked against ``profile_sps_runs``'s other settings, as a list (None: none given)."""
+    if row_lengths is None:
+        return None
+    lengths = [int(n) for n in row_lengths]
+    if rows is None or len(lengths) != rows:
+        raise ValueError(f"row_lengths holds {len(lengths)} lengths; give one per row, with rows = {len(lengths)}")
+    if not engine:
+        raise ValueError("row_lengths times rows of different lengths in the batched engine's cache: the target "
+                         "needs its interface (compute_logits) and context_len >= 1")
+    if min(lengths) < 1 or max(lengths) > context_len:
+        raise ValueError(f"row_lengths {lengths}: every row holds 1 .. context_len = {context_len} tokens")
+    return lengths
+
+
 def _profile_runs(target: Any, batch_tokens: Sequence[int], context_len: int, warmup: int, repeats: int,
                   tokens_per_request: int | None, seed: int, progress: Callable[[int, int], None] | None,
-                  rows: int | None, context: Any, *, engine: bool) -> SPSProfile:
+                  rows: int | None, context: Any, *, engine: bool, row_lengths: list[int] | None = None) -> SPSProfile:
     """``profile_sps_runs``; ``engine``: time the batched engine's own forward (``_timed_engine_forward``)."""
     sizes = _sizes_to_measure(batch_tokens, context_len, warmup, repeats, tokens_per_request, rows)
     fixed_rows = rows
@@ -303,7 +330,7 @@ def _profile_runs(target: Any, batch_tokens: Sequence[int], context_len: int, wa
         else:
             single = target.new_cache()
             target(ids(1, context_len), past_key_values=single, use_cache=True, logits_to_keep=1)
-        caches[fixed_rows] = _engine_rows(target, single, fixed_rows, max(b // fixed_rows for b in sizes))
+        caches[fixed_rows] = _engine_rows(target, single, fixed_rows, max(b // fixed_rows for b in sizes), row_lengths)
     for rows in sorted({r for r, _ in layout.values()} - set(caches)):
         if context is not None and fixed_rows is not None:
             caches[rows] = copy.deepcopy(context)
@@ -346,18 +373,28 @@ def _profile_runs(target: Any, batch_tokens: Sequence[int], context_len: int, wa
         dtype=str(getattr(target, "dtype", "")).replace("torch.", ""),
         threads=torch.get_num_threads(),
         rows=fixed_rows,
+        row_lengths=row_lengths,
     )
 
 
 def expected_longest(lengths: Sequence[int], rows: int) -> float:
     """E[max] of ``rows`` lengths drawn without replacement from ``lengths`` (all of them when there are
     fewer): Σ_k L_(k) · C(k − 1, R − 1) / C(N, R) over the sorted lengths L_(1) ≤ ... ≤ L_(N)."""
+    return expected_order_statistics(lengths, rows)[-1]
+
+
+def expected_order_statistics(lengths: Sequence[int], rows: int) -> list[float]:
+    """E[X_(i)], i = 1..R: the expected i-th smallest of R = ``rows`` lengths drawn without replacement
+    from ``lengths`` (all of them when there are fewer), Σ_k L_(k) · C(k − 1, i − 1) · C(N − k, R − i)
+    / C(N, R) over the sorted lengths L_(1) ≤ ... ≤ L_(N): the row lengths of a batch of R requests
+    taken at random, shortest first."""
     ordered = sorted(int(n) for n in lengths)
     n, r = len(ordered), min(int(rows), len(ordered))
     if n == 0 or r < 1:
-        raise ValueError("expected_longest needs at least one length and rows >= 1")
+        raise ValueError("expected_order_statistics needs at least one length and rows >= 1")
     total = math.comb(n, r)
-    return sum(ordered[k - 1] * math.comb(k - 1, r - 1) for k in range(r, n + 1)) / total
+    return [sum(ordered[k - 1] * math.comb(k - 1, i - 1) * math.comb(n - k, r - i) for k in range(i, n - r + i + 1))
+            / total for i in range(1, r + 1)]
 
 
 def profile_sps(target: Any, batch_tokens: Sequence[int] = DEFAULT_BATCH_TOKENS, **settings: Any) -> SPSTable:

@@ -190,22 +190,22 @@ def test_rows_accept_different_counts_in_one_round_and_freed_rows_take_new_reque
 
 @pytest.mark.parametrize("family", ["llama", "gemma4"])
 def test_after_many_rounds_each_rows_cache_gives_the_logits_of_a_fresh_prefill(family):
-    """After 12 rounds (rejected drafts, padding holes, a compaction), one more forward of each row's
-    anchor over the batch cache gives the logits a fresh prefill of prompt + tokens gives."""
+    """After 12 rounds (rejected drafts and padding, rows of different lengths), one more forward of
+    each row's anchor over the batch cache gives the logits a fresh prefill of prompt + tokens gives."""
     target = make_tiny_target(family)
     drafter = random_drafter(target, gamma=4)
     prompts = _prompts(target.vocab_size, n=4, seed=11)
     batch = SpeculativeBatch(target, drafter, max_new_tokens=200, temperature=1.0)
     for i, p in enumerate(prompts):
         batch.admit(p, torch.Generator().manual_seed(i), i)
-    holes = False
+    stale = False
     for step in range(12):
         batch.draft()
         batch.verify([1, 2, 3, 4])  # ragged lengths: padding in every forward
-        holes |= bool((~batch.kv.valid).any())
-        if step == 6:
-            batch.kv.compact()
-    assert holes
+        buffer = batch.kv.cache.layers[0]._k
+        stale |= any(bool(buffer[r, :, n:n + 5].abs().sum() > 0) for r, n in enumerate(batch.kv.lengths().tolist()))
+    assert stale  # rejected drafts and padding lie past the rows' lengths, unread
+    assert len(set(batch.kv.lengths().tolist())) > 1 and batch.kv.columns == int(batch.kv.lengths().max())
     rows = len(batch.rows)
     with torch.inference_mode():
         out = batch.kv.forward(batch.anchor[:, None], torch.ones(rows, dtype=torch.long))
@@ -310,11 +310,26 @@ def test_the_in_place_cache_layer_holds_what_concatenation_would():
     k = k[[1, 0]]
     assert torch.equal(layer.keys, k) and layer.update(k[:, :, :1], k[:, :, :1])[0].shape[2] == k.shape[2] + 1
     layer.crop(-1)
-    for width in (7, 5):  # the second compaction writes into the first one's old buffer
-        order = torch.stack([torch.randperm(k.shape[2], generator=g)[:width] for _ in range(2)])
-        layer.gather_columns(order)
-        k = torch.stack([k[r][:, order[r]] for r in range(2)])
-        assert torch.equal(layer.keys, k) and layer.keys.shape[2] == width
+
+
+def test_a_row_offset_write_puts_each_rows_columns_after_its_own_length():
+    """``ColumnLayer.at``: row r's q new columns go to at[r] .. at[r] + q − 1 (past the capacity too),
+    the view spans max(at) + q columns, and every other entry is kept."""
+    g = torch.Generator().manual_seed(4)
+    k, v = torch.randn(3, 2, 6, 4, generator=g), torch.randn(3, 2, 6, 4, generator=g)
+    layer = ColumnLayer()
+    layer.store(k, v)
+    for at in ([1, 6, 3], [7, 2, 9]):
+        new_k, new_v = torch.randn(3, 2, 4, 4, generator=g), torch.randn(3, 2, 4, 4, generator=g)
+        width = max(at) + 4
+        k = torch.cat([k, torch.zeros(3, 2, width - k.shape[2], 4)], dim=2) if width > k.shape[2] else k.clone()
+        v = torch.cat([v, torch.zeros(3, 2, width - v.shape[2], 4)], dim=2) if width > v.shape[2] else v.clone()
+        for r, a in enumerate(at):
+            k[r, :, a:a + 4], v[r, :, a:a + 4] = new_k[r], new_v[r]
+        layer.at = torch.tensor(at)
+        got_k, got_v = layer.update(new_k, new_v)
+        layer.at = None
+        assert torch.equal(got_k, k) and torch.equal(got_v, v) and layer.shape == (3, width)
 
 
 def test_a_column_cache_continues_and_crops_like_a_plain_one():

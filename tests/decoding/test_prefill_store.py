@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dspark.decoding.batch_jobs import BatchJob, speculative_batch_generate, target_batch_generate
-from dspark.decoding.loop import target_generate
+from dspark.decoding.loop import speculative_generate, target_generate
 from dspark.decoding.prefill_store import PrefillStore
 from helpers.decoding import random_drafter
 from helpers.targets import make_tiny_target
@@ -53,6 +53,39 @@ def test_decodes_from_kept_prefills_give_the_tokens_of_fresh_ones(T):
         kept = store.get(target, p).seconds
         assert first[i].timings["prefill"] >= kept  # the forward, then the drafter's context
         assert base[i].timings["prefill"] == kept
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma4"])
+def test_batch_one_decodes_share_a_kept_prefill_and_never_write_into_it(family):
+    """Batch 1 (``dspark.decoding.loop``): the speculative decode keeps its prompt's prefill; a second
+    speculative decode and a target-only decode start from copies of it. Same tokens and rounds as
+    their own prefills give, the kept forward's seconds charged as their prefill and in their total,
+    and the kept cache still holds the prompt alone (gemma4: sliding-window layers too)."""
+    target = make_tiny_target(family)
+    drafter = random_drafter(target, gamma=3, seed=2)
+    prompt = _prompts(target.vocab_size, n=1, seed=8)[0]
+    kw = dict(max_new_tokens=14, temperature=1.0, eos_token_ids=[])
+
+    def gen():
+        return torch.Generator().manual_seed(21)
+
+    store = PrefillStore()
+    first = speculative_generate(target, drafter, prompt, generator=gen(), prefills=store, **kw)
+    kept = store.get(target, prompt)
+    keys = [layer.keys.clone() for layer in kept.cache.layers]
+    again = speculative_generate(target, drafter, prompt, generator=gen(), prefills=store, **kw)
+    base = target_generate(target, prompt, generator=gen(), prefills=store, **kw)
+    plain = speculative_generate(target, drafter, prompt, generator=gen(), **kw)
+    for got in (first, again):
+        assert got.tokens == plain.tokens
+        assert [(r.proposed, r.accepted) for r in got.rounds] == [(r.proposed, r.accepted) for r in plain.rounds]
+    assert base.tokens == target_generate(target, prompt, generator=gen(), **kw).tokens
+    assert base.timings["prefill"] == kept.seconds and base.timings["total"] > kept.seconds
+    assert again.timings["prefill"] >= kept.seconds  # charged, then the drafter's context and x_0
+    assert store.hits == 3 and store.misses == 1 and len(store) == 1
+    assert kept.cache.get_seq_length() == len(prompt)
+    for before, layer in zip(keys, kept.cache.layers):
+        assert torch.equal(before, layer.keys)
 
 
 def test_the_store_keeps_no_more_than_its_budget_and_only_for_its_target():

@@ -37,7 +37,7 @@ class FakeClock:
 
 
 def scripted_decoders(clock, calls=None):
-    def decode(target, drafter, prompt_ids, *, max_new_tokens, temperature, eos_token_ids, generator):
+    def decode(target, drafter, prompt_ids, *, max_new_tokens, temperature, eos_token_ids, generator, prefills=None):
         assert isinstance(generator, torch.Generator)
         if calls is not None:
             calls.append(prompt_text(prompt_ids))
@@ -47,7 +47,7 @@ def scripted_decoders(clock, calls=None):
         tokens = [5] * sum(m + 1 for m in accepted)
         return DecodeResult(len(prompt_ids), tokens, rounds, False, {"prefill": 0.5, "draft": 0.25, "total": 1.0})
 
-    def baseline(target, prompt_ids, *, max_new_tokens, temperature, eos_token_ids, generator):
+    def baseline(target, prompt_ids, *, max_new_tokens, temperature, eos_token_ids, generator, prefills=None):
         clock.now += 2.0
         n = sum(m + 1 for m in SCRIPT[prompt_text(prompt_ids)])
         return DecodeResult(len(prompt_ids), [5] * n, [], False, {"prefill": 0.5, "decode": 1.5, "total": 2.0})

@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
 import torch
 
-from dspark.kernels.attention import NAME, PACKED_ROWS, _pack_heads, _packed_attention, register, sdpa_gqa_attention
+from dspark.kernels.attention import (
+    NAME,
+    PACKED_ROWS,
+    _pack_heads,
+    _packed_attention,
+    _ragged_attention,
+    _ragged_split,
+    register,
+    row_extents,
+    sdpa_gqa_attention,
+)
 from dspark.target import TargetModel
 from tests.helpers.targets import build_tiny_model
 
@@ -81,6 +92,89 @@ def test_packing_is_chosen_for_few_rows_over_many_heads(monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: 64)
     plain, _ = sdpa_gqa_attention(_Module(3), query, k, v, allowed, scaling=0.5)
     torch.testing.assert_close(packed, plain, atol=1e-6, rtol=1e-6)
+
+
+def _rows_of_lengths(lengths, q_len, g, H=9, H_kv=3, D=8, spare=6):
+    """A batched forward's operands: row r holds lengths[r] cached columns and q_len new ones, in a
+    cache wider than any row (stale columns past each row's end hold garbage)."""
+    B, kv = len(lengths), max(lengths) + q_len
+    query = torch.randn(B, H, q_len, D, generator=g)
+    key = torch.randn(B, H_kv, kv + spare, D, generator=g)[:, :, :kv]
+    value = torch.randn(B, H_kv, kv + spare, D, generator=g)[:, :, :kv]
+    qpos = torch.tensor(lengths)[:, None] + torch.arange(q_len)  # [B, q]
+    allowed = (torch.arange(kv)[None, None, :] <= qpos[:, :, None]).unsqueeze(1)  # [B, 1, q, kv]
+    return query, key, value, allowed, [n + q_len for n in lengths]
+
+
+@pytest.mark.parametrize("split", [7, 12, 30])
+def test_rows_of_different_lengths_split_at_a_column_match_float64(split):
+    """``_ragged_attention``: every row over its first C columns, the longer rows over their own
+    columns past C, merged by log-sum-exp, against the float64 oracle over the whole mask."""
+    g = torch.Generator().manual_seed(split)
+    lengths = [31, 4, 9, 40, 2]
+    query, key, value, allowed, extents = _rows_of_lengths(lengths, 3, g)
+    assert not any(split < e < split + 3 for e in extents)  # a split the chooser may take
+    with torch.inference_mode(), row_extents(extents):
+        out = _ragged_attention(query, key, value, allowed, 8 ** -0.5, 3, split)
+    assert out.shape == (5, 3, 9, 8)
+    torch.testing.assert_close(out.double(), _reference(query, key, value, allowed, 8 ** -0.5), atol=1e-5, rtol=1e-5)
+
+
+def test_the_split_is_taken_where_one_row_is_far_longer_and_never_inside_a_rows_new_columns(monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    g = torch.Generator().manual_seed(5)
+    module = _Module(3)
+    query, key, value, allowed, extents = _rows_of_lengths([1200, 100, 120, 90, 80, 110, 95, 130], 5, g)
+    with torch.inference_mode(), row_extents(extents):
+        assert _ragged_split(module, query, key) == 135  # one extra row past the 8 rows' first 135 columns
+        out, _ = sdpa_gqa_attention(module, query, key, value, allowed, scaling=8 ** -0.5)
+    torch.testing.assert_close(out.double(), _reference(query, key, value, allowed, 8 ** -0.5), atol=1e-5, rtol=1e-5)
+    # rows of similar lengths: one pass; outside row_extents, or on a sliding-window layer: never
+    _, key2, _, _, similar = _rows_of_lengths([100, 120, 90, 80, 110, 95, 130, 105], 5, g)
+    with row_extents(similar):
+        assert _ragged_split(module, query, key2) is None
+    assert _ragged_split(module, query, key) is None
+    module.sliding_window = 64
+    with row_extents(extents):
+        assert _ragged_split(module, query, key) is None
+    # a split must not fall inside a row's new columns (that row's first queries would see nothing past it)
+    _, key3, _, _, near = _rows_of_lengths([1200, 133, 120, 90, 80, 110, 95, 130], 5, g)
+    with row_extents(near):
+        split = _ragged_split(_Module(3), query, key3)
+    assert split is not None and not any(split < e < split + 5 for e in near)
+
+
+def test_one_query_per_row_splits_too_and_otherwise_runs_transformers_own_attention(monkeypatch):
+    """A target-only step of R rows (one new token each) over rows far apart: the split, against the
+    float64 oracle; rows of similar lengths, or outside ``row_extents``: transformers' sdpa."""
+    import dspark.kernels.attention as attention
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    g = torch.Generator().manual_seed(6)
+    module = _Module(3)
+    calls = []
+    real = attention.sdpa_attention_forward
+    monkeypatch.setattr(attention, "sdpa_attention_forward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    query, key, value, allowed, extents = _rows_of_lengths([1200, 100, 120, 90, 80, 110, 95, 130], 1, g)
+    with torch.inference_mode(), row_extents(extents):
+        assert _ragged_split(module, query, key) == 131
+        out, _ = sdpa_gqa_attention(module, query, key, value, allowed, scaling=8 ** -0.5)
+    assert not calls
+    torch.testing.assert_close(out.double(), _reference(query, key, value, allowed, 8 ** -0.5), atol=1e-5, rtol=1e-5)
+    query2, key2, value2, allowed2, similar = _rows_of_lengths([100, 120, 90, 80, 110, 95, 130, 105], 1, g)
+    for extents_or_none in (similar, None):
+        with torch.inference_mode(), row_extents(extents_or_none) if extents_or_none else contextlib.nullcontext():
+            out, _ = sdpa_gqa_attention(module, query2, key2, value2, allowed2, scaling=8 ** -0.5)
+        torch.testing.assert_close(out.double(), _reference(query2, key2, value2, allowed2, 8 ** -0.5),
+                                   atol=1e-5, rtol=1e-5)
+    assert len(calls) == 2
+    # a kernel call costs more columns at one query per row than at five: fewer rows of their own
+    _, key4, _, _, mixed = _rows_of_lengths([57, 75, 100, 127, 164, 232, 361, 662], 1, g)
+    with row_extents(mixed):
+        assert _ragged_split(module, query, key4) == 362
+    query5, key5, _, _, mixed5 = _rows_of_lengths([57, 75, 100, 127, 164, 232, 361, 662], 5, g)
+    with row_extents(mixed5):
+        assert _ragged_split(module, query5, key5) == 237
 
 
 def test_unmasked_square_is_causal():

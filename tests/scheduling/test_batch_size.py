@@ -126,3 +126,61 @@ def test_evaluate_auto_measures_once_and_a_resumed_folder_keeps_its_rows(tmp_pat
     assert len(seen) == 1 and again["config"]["batch_size"] == 2 and again["all"]["tau"] == report["all"]["tau"]
     with pytest.raises(ValueError, match="'auto'"):
         ev.evaluate(target, drafter, data, **{**kwargs, "batch_size": "eight", "out_dir": None})
+
+
+def test_row_lengths_time_rows_of_their_own_lengths_and_each_row_continues_its_own_prefix(monkeypatch):
+    """``row_lengths``: row r's cache holds the first row_lengths[r] tokens of the context, so a timed
+    forward's attention reads each row's own n_r + q columns, and row r's logits are those of a
+    fresh prefill of its first n_r tokens followed by the new ones."""
+    import dspark.kernels.attention as attention
+    from dspark.scheduling.sps_profile import _engine_rows
+
+    target = make_tiny_target("llama", vocab_size=128)
+    seen = []
+    real = attention.row_extents
+
+    def spy(extents, dtype=torch.float32):
+        seen.append(list(extents))
+        return real(extents, dtype)
+
+    monkeypatch.setattr(attention, "row_extents", spy)
+    profile = profile_sps_runs(target, [4, 8], context_len=9, warmup=0, repeats=1, rows=4, row_lengths=[3, 5, 9, 6])
+    assert profile.row_lengths == [3, 5, 9, 6] and profile.context_len == 9
+    assert sorted(seen) == [[4, 6, 10, 7], [5, 7, 11, 8]]  # B = 4: 1 token a row; B = 8: 2
+    # the cropped rows hold each row's own prefix: the next token's logits match a fresh prefill
+    ids = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(3))
+    new = torch.tensor([[7], [8], [9], [10]])
+    with torch.inference_mode():
+        single = target.new_cache()
+        target(ids, past_key_values=single, use_cache=True, logits_to_keep=1)
+        kv = _engine_rows(target, single, 4, 1, [3, 5, 9, 6])
+        got = kv.forward(new, torch.ones(4, dtype=torch.long)).logits[:, 0]
+        for r, n in enumerate([3, 5, 9, 6]):
+            fresh = target(torch.cat([ids[:, :n], new[r : r + 1]], dim=1)).logits[0, -1]
+            torch.testing.assert_close(got[r], fresh, rtol=1e-4, atol=1e-4)
+
+
+def test_row_lengths_are_checked_before_anything_is_timed():
+    target = make_tiny_target("llama", vocab_size=128)
+    with pytest.raises(ValueError, match="one per row"):
+        profile_sps_runs(target, [4], context_len=9, repeats=1, rows=4, row_lengths=[3, 5, 9])
+    with pytest.raises(ValueError, match="context_len = 9"):
+        profile_sps_runs(target, [4], context_len=9, repeats=1, rows=4, row_lengths=[3, 5, 10, 6])
+    with pytest.raises(ValueError, match="compute_logits"):
+        profile_sps_runs(object(), [4], context_len=9, repeats=1, rows=4, row_lengths=[3, 5, 9, 6])
+
+
+def test_expected_order_statistics_match_every_draw_enumerated():
+    """E[i-th smallest of R drawn without replacement], against the mean over all C(N, R) draws."""
+    import itertools
+
+    from dspark.scheduling.sps_profile import expected_order_statistics
+
+    assert expected_order_statistics([3, 1, 2], 2) == pytest.approx([4 / 3, 8 / 3])  # {1,2} {1,3} {2,3}
+    lengths = [40, 7, 7, 19, 3, 88, 25]
+    for rows in (1, 3, 5, 7):
+        draws = [sorted(c) for c in itertools.combinations(lengths, rows)]
+        want = [sum(d[i] for d in draws) / len(draws) for i in range(rows)]
+        assert expected_order_statistics(lengths, rows) == pytest.approx(want)
+        assert expected_longest(lengths, rows) == pytest.approx(want[-1])
+    assert expected_order_statistics(lengths, 9) == sorted(lengths)  # fewer lengths than rows: all of them

@@ -243,6 +243,27 @@ def test_the_per_request_engine_is_refused_and_the_table_prints_both_clocks():
     assert "wall clock: vs target-only" in text and "0.10 [-0.05, 0.20]" in text and "agree" in text
 
 
+def test_the_serving_loops_profile_holds_rows_of_the_expected_ordered_lengths(monkeypatch):
+    """R rows of 1..γ+1 tokens, row i after E[i-th shortest of R prompts] + max_new / 2 cached (the loop
+    admits requests in interleaved order, so a batch's rows are R prompts taken at random)."""
+    import itertools
+
+    from dspark.evaluation.scheduling_runs import _layout_profile
+
+    calls = []
+    monkeypatch.setattr("dspark.scheduling.sps_profile.profile_sps_runs",
+                        lambda target, sizes, **kw: calls.append((list(sizes), kw)) or "profile")
+    prompts = [[0] * n for n in (30, 4, 17, 9, 60)]
+    assert _layout_profile(object(), prompts, 3, 4, 20, 0, lambda text: None) == "profile"
+    draws = [sorted(c) for c in itertools.combinations([30, 4, 17, 9, 60], 3)]
+    want = [round(sum(d[i] for d in draws) / len(draws) + 10) for i in range(3)]
+    sizes, kw = calls[0]
+    assert sizes == [3, 6, 9, 12, 15] and kw["rows"] == 3 and kw["row_lengths"] == want
+    assert kw["context_len"] == max(want)
+    _layout_profile(object(), prompts[:2], 3, 4, 20, 0, lambda text: None)  # fewer prompts than rows
+    assert calls[1][1]["row_lengths"] == [14, 40, 40]
+
+
 def test_the_layout_profile_times_r_rows_of_b_over_r_tokens_and_the_expected_longest_row():
     from dspark.evaluation.scheduling_runs import expected_longest
     from dspark.scheduling.sps_profile import profile_sps_runs
