@@ -200,9 +200,9 @@ class SpeculativeRequest:
     ``clock``: a ``PhaseClock`` that times the phases (prefill, draft, verify,
     accept, bookkeeping) into ``result().timings``; None times nothing. Other
     arguments as in ``speculative_generate``; construction checks them, and the
-    drafter against the target, before the prefill.
+    drafter against the target, before the prefill; ``prefills``: a PrefillStore to take the prompt's
+    prefill from and keep it in (``_prefill``).
     """
-    # ``prefills``: a PrefillStore to take the prompt's prefill from and to keep it in (``_prefill``)
 
     @torch.inference_mode()
     def __init__(

@@ -29,7 +29,6 @@ from tqdm.auto import tqdm
 
 from dspark.config import Config
 from dspark.io.atomic import atomic_write_text
-from dspark.scheduling.sps_profile import expected_longest
 
 Announce = Callable[[str], None]
 

@@ -297,7 +297,7 @@ def _checked_row_lengths(row_lengths: Sequence[int] | None, rows: int | None, co
         return None
     lengths = [int(n) for n in row_lengths]
     if rows is None or len(lengths) != rows:
-        raise ValueError(f"row_lengths holds {len(lengths)} lengths; give one per row, with rows = {len(lengths)}")
+        raise ValueError(f"row_lengths holds {len(lengths)} lengths for rows = {rows}: give one per row (and rows)")
     if not engine:
         raise ValueError("row_lengths times rows of different lengths in the batched engine's cache: the target "
                          "needs its interface (compute_logits) and context_len >= 1")
@@ -308,7 +308,8 @@ def _checked_row_lengths(row_lengths: Sequence[int] | None, rows: int | None, co
 
 def _profile_runs(target: Any, batch_tokens: Sequence[int], context_len: int, warmup: int, repeats: int,
                   tokens_per_request: int | None, seed: int, progress: Callable[[int, int], None] | None,
-                  rows: int | None, context: Any, *, engine: bool, row_lengths: list[int] | None = None) -> SPSProfile:
+                  rows: int | None, context: Any, *, engine: bool,
+                  row_lengths: list[int] | None = None) -> SPSProfile:
     """``profile_sps_runs``; ``engine``: time the batched engine's own forward (``_timed_engine_forward``)."""
     sizes = _sizes_to_measure(batch_tokens, context_len, warmup, repeats, tokens_per_request, rows)
     fixed_rows = rows
@@ -330,7 +331,8 @@ def _profile_runs(target: Any, batch_tokens: Sequence[int], context_len: int, wa
         else:
             single = target.new_cache()
             target(ids(1, context_len), past_key_values=single, use_cache=True, logits_to_keep=1)
-        caches[fixed_rows] = _engine_rows(target, single, fixed_rows, max(b // fixed_rows for b in sizes), row_lengths)
+        widest = max(b // fixed_rows for b in sizes)
+        caches[fixed_rows] = _engine_rows(target, single, fixed_rows, widest, row_lengths)
     for rows in sorted({r for r, _ in layout.values()} - set(caches)):
         if context is not None and fixed_rows is not None:
             caches[rows] = copy.deepcopy(context)

@@ -265,8 +265,7 @@ def test_the_serving_loops_profile_holds_rows_of_the_expected_ordered_lengths(mo
 
 
 def test_the_layout_profile_times_r_rows_of_b_over_r_tokens_and_the_expected_longest_row():
-    from dspark.evaluation.scheduling_runs import expected_longest
-    from dspark.scheduling.sps_profile import profile_sps_runs
+    from dspark.scheduling.sps_profile import expected_longest, profile_sps_runs
 
     calls = []
 
